@@ -1,0 +1,1 @@
+"""Benchmark commands (``statecore bench ...``). They print numbers; tests never time them."""

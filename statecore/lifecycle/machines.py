@@ -1,0 +1,232 @@
+"""The request and transfer-job lifecycles: the single source of truth.
+
+Both are python-statemachine ``StateMachine`` classes (the strict base: an event with no
+allowed transition raises). Guards and actions are plain module functions of one argument,
+``model`` (the entity's record): python-statemachine injects the record by that parameter name,
+and :mod:`statecore.lifecycle.table` compiles the same functions into the dispatch table that
+the hot path runs. Nothing else in statecore lists states or transitions.
+
+Actions do not reach into the scheduler directly; they call the hooks of the record's
+``owner`` (see :class:`LifecycleEffects`), which the scheduler implements.
+
+Transitions are named after the call or report that triggers them:
+
+* request: ``lookup`` (``get_num_new_matched_tokens``), ``alloc_load``
+  (``update_state_after_alloc`` with a load), ``store_created`` (a store job built in
+  ``build_connector_meta``), ``job_ended`` (one of its jobs reached a terminal outcome),
+  ``preempt``, ``finish`` (``request_finished``), ``signal_finished`` (``on_request_finished``
+  sent to the manager in ``build_connector_meta``), ``reset`` (``reset_cache``);
+* job: ``worker_report`` (aggregated worker counts applied), ``stall_timeout`` (no quorum
+  within the stall timeout), ``reset`` (``reset_cache``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from statemachine import State, StateMachine
+
+__all__ = ["JobLifecycle", "LifecycleEffects", "RequestLifecycle"]
+
+
+class LifecycleEffects(Protocol):
+    """What lifecycle actions call on a record's ``owner`` (the scheduler implements it)."""
+
+    def complete_job(self, job: Any, success: bool) -> None:
+        """The unified completion path: manager notification and index cleanup."""
+
+    def stall_job(self, job: Any) -> None:
+        """Complete a stalled job with ``success=False`` and keep it for late reports."""
+
+    def forget_stalled(self, job: Any) -> None:
+        """Drop a stalled job whose late reports have all arrived."""
+
+    def flush_request(self, req: Any) -> None:
+        """Put every in-flight job of the request in this step's flush set."""
+
+    def on_finish(self, req: Any) -> None:
+        """The request finished: fence the sources of its in-flight stores."""
+
+    def notify_finished(self, req: Any) -> None:
+        """Send ``on_request_finished`` to the manager (exactly once per request)."""
+
+    def release_request(self, req: Any) -> None:
+        """Forget the request's state."""
+
+    def rewind_request(self, req: Any) -> None:
+        """After a reset: forget its jobs and rewind its store cursors to chunk 0."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Request guards and actions
+
+
+def has_jobs(model: Any) -> bool:
+    """The request still has in-flight jobs."""
+    return bool(model.jobs)
+
+
+def no_jobs(model: Any) -> bool:
+    """The request has no in-flight job."""
+    return not model.jobs
+
+
+def flush_request(model: Any) -> None:
+    """Flush every in-flight job of the request (preemption)."""
+    model.owner.flush_request(model)
+
+
+def on_finish(model: Any) -> None:
+    """Fence the sources of the finished request's in-flight stores."""
+    model.owner.on_finish(model)
+
+
+def notify_finished(model: Any) -> None:
+    """Tell the manager that no more submissions come for the request."""
+    model.owner.notify_finished(model)
+
+
+def release_request(model: Any) -> None:
+    """Forget the request."""
+    model.owner.release_request(model)
+
+
+def rewind_request(model: Any) -> None:
+    """Forget the request's (reset) jobs and rewind its store cursors."""
+    model.owner.rewind_request(model)
+
+
+class RequestLifecycle(StateMachine):
+    """Scheduler-side lifecycle of one request.
+
+    INV-EXCL is structural here: ``loading`` holds exactly one load job and accepts no
+    ``store_created``; ``alloc_load`` is accepted only from ``no_transfer``.
+    """
+
+    no_transfer = State("no transfer", initial=True)
+    loading = State("loading")
+    storing = State("storing")
+    preempted_draining = State("preempted, stores draining")
+    finished_pending_final = State("finished, final stores to build")
+    finished_draining = State("finished and signalled, jobs draining")
+    released = State("released", final=True)
+
+    lookup = (
+        no_transfer.to.itself(internal=True)
+        | loading.to.itself(internal=True)
+        | storing.to.itself(internal=True)
+        | preempted_draining.to.itself(internal=True)
+    )
+    alloc_load = no_transfer.to(loading)
+    store_created = (
+        no_transfer.to(storing)
+        | storing.to.itself(internal=True)
+        | finished_pending_final.to.itself(internal=True)
+    )
+    job_ended = (
+        loading.to(no_transfer, cond=no_jobs)
+        | storing.to.itself(internal=True, cond=has_jobs)
+        | storing.to(no_transfer, cond=no_jobs)
+        | preempted_draining.to.itself(internal=True, cond=has_jobs)
+        | preempted_draining.to(no_transfer, cond=no_jobs)
+        | finished_pending_final.to.itself(internal=True)
+        | finished_draining.to.itself(internal=True, cond=has_jobs)
+        | finished_draining.to(released, cond=no_jobs, on=release_request)
+    )
+    preempt = (
+        no_transfer.to.itself(internal=True)
+        | loading.to(preempted_draining, on=flush_request)
+        | storing.to(preempted_draining, on=flush_request)
+        | preempted_draining.to.itself(internal=True)
+    )
+    finish = (
+        no_transfer.to(finished_pending_final, on=on_finish)
+        | loading.to(finished_pending_final, on=on_finish)
+        | storing.to(finished_pending_final, on=on_finish)
+        | preempted_draining.to(finished_pending_final, on=on_finish)
+    )
+    signal_finished = finished_pending_final.to(
+        released, cond=no_jobs, on=[notify_finished, release_request]
+    ) | finished_pending_final.to(finished_draining, cond=has_jobs, on=notify_finished)
+    reset = (
+        no_transfer.to(no_transfer, on=rewind_request)
+        | loading.to(no_transfer, on=rewind_request)
+        | storing.to(no_transfer, on=rewind_request)
+        | preempted_draining.to(no_transfer, on=rewind_request)
+        | finished_pending_final.to(released, on=[notify_finished, release_request])
+        | finished_draining.to(released, on=release_request)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Job guards and actions
+
+
+def outstanding(model: Any) -> bool:
+    """Some workers have not reported the job yet."""
+    return bool(model.pending > 0)
+
+
+def all_ok(model: Any) -> bool:
+    """Every worker reported, none reported a failure."""
+    return bool(model.pending == 0 and model.failed == 0)
+
+
+def any_failed(model: Any) -> bool:
+    """Every worker reported, at least one reported a failure."""
+    return bool(model.pending == 0 and model.failed > 0)
+
+
+def drained(model: Any) -> bool:
+    """No worker report is outstanding any more."""
+    return bool(model.pending == 0)
+
+
+def complete_ok(model: Any) -> None:
+    """Complete the job with ``success=True``."""
+    model.owner.complete_job(model, True)
+
+
+def complete_failed(model: Any) -> None:
+    """Complete the job with ``success=False`` (a worker failed it)."""
+    model.owner.complete_job(model, False)
+
+
+def stall_job(model: Any) -> None:
+    """Complete the timed-out job with ``success=False``; keep absorbing its reports."""
+    model.owner.stall_job(model)
+
+
+def forget_stalled(model: Any) -> None:
+    """The last late report of a stalled job arrived: forget it."""
+    model.owner.forget_stalled(model)
+
+
+class JobLifecycle(StateMachine):
+    """Scheduler-side lifecycle of one transfer job (load or store).
+
+    ``pending`` counts workers that have not reported; ``failed`` counts failure reports.
+    Terminal outcomes (INV-TERM): ``completed``, ``failed``, ``retired`` (a stalled job whose
+    late reports drained) and ``discarded`` (by reset; no completion reaches the manager).
+    """
+
+    in_flight = State("in flight", initial=True)
+    partial = State("partially reported")
+    stalled = State("stalled, absorbing late reports")
+    completed = State("completed", final=True)
+    failed = State("failed", final=True)
+    retired = State("retired", final=True)
+    discarded = State("discarded by reset", final=True)
+
+    worker_report = (
+        in_flight.to(partial, cond=outstanding)
+        | in_flight.to(completed, cond=all_ok, on=complete_ok)
+        | in_flight.to(failed, cond=any_failed, on=complete_failed)
+        | partial.to.itself(internal=True, cond=outstanding)
+        | partial.to(completed, cond=all_ok, on=complete_ok)
+        | partial.to(failed, cond=any_failed, on=complete_failed)
+        | stalled.to.itself(internal=True, cond=outstanding)
+        | stalled.to(retired, cond=drained, on=forget_stalled)
+    )
+    stall_timeout = in_flight.to(stalled, on=stall_job) | partial.to(stalled, on=stall_job)
+    reset = in_flight.to(discarded) | partial.to(discarded) | stalled.to(discarded)
