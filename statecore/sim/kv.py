@@ -1,0 +1,149 @@
+"""The simulated GPU KV cache (CPU tensors) and its shadow: the data oracle.
+
+Every rank owns ``num_tensors`` canonical KV tensors of shape ``(num_blocks, page_bytes)``
+(int8, block first, as upstream registers them). Whenever the engine computes tokens into a
+block it writes the block's deterministic content (a function of the token prefix) into the
+tensor and into a shadow copy, and marks the block *valid*. Blocks being loaded into, or handed
+to a new owner, are marked *don't care* until their content is known again.
+
+Two checks:
+
+* :meth:`KVCache.verify_loaded`: right after a load is released, every loaded block must hold
+  exactly the bytes of its key (INV-DATA); a mismatch names the block, rank and tensor.
+* :meth:`KVCache.verify_all`: after every step, every valid block still holds its shadow
+  bytes, so a transfer that lands late, or into a block that changed owner, is caught too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from statecore.sim.hashing import block_content, partial_content
+
+__all__ = ["DataError", "KVCache"]
+
+
+@dataclass(frozen=True, slots=True)
+class DataError:
+    """One block whose bytes are not what the oracle expects."""
+
+    step: int
+    block: int
+    rank: int
+    tensor: int
+    what: str
+
+    def __str__(self) -> str:
+        return (
+            f"step {self.step}: GPU block {self.block} (rank {self.rank}, tensor {self.tensor}): "
+            f"{self.what}"
+        )
+
+
+class KVCache:
+    """Per-rank GPU KV tensors with a shadow of what every valid block must hold."""
+
+    def __init__(self, num_ranks: int, num_blocks: int, num_tensors: int, page_bytes: int) -> None:
+        self.num_ranks = num_ranks
+        self.num_blocks = num_blocks
+        self.num_tensors = num_tensors
+        self.page_bytes = page_bytes
+        self.tensors: list[list[torch.Tensor]] = [
+            [torch.zeros((num_blocks, page_bytes), dtype=torch.int8) for _ in range(num_tensors)]
+            for _ in range(num_ranks)
+        ]
+        self._np = [[t.numpy() for t in rank] for rank in self.tensors]
+        self._shadow = [
+            [np.zeros((num_blocks, page_bytes), dtype=np.int8) for _ in range(num_tensors)]
+            for _ in range(num_ranks)
+        ]
+        self.valid = np.zeros(num_blocks, dtype=bool)
+        self.expected_hash: list[bytes | None] = [None] * num_blocks
+        self.blocks_written = 0
+
+    def _write(self, block: int, contents: Sequence[Sequence[bytes]]) -> None:
+        for r in range(self.num_ranks):
+            for t in range(self.num_tensors):
+                row = np.frombuffer(contents[r][t], dtype=np.int8)
+                self._np[r][t][block] = row
+                self._shadow[r][t][block] = row
+        self.valid[block] = True
+        self.blocks_written += 1
+
+    def _contents_full(self, block_hash: bytes) -> list[list[bytes]]:
+        pb = self.page_bytes
+        return [
+            [block_content(block_hash, r, t, pb) for t in range(self.num_tensors)]
+            for r in range(self.num_ranks)
+        ]
+
+    def write_full(self, block: int, block_hash: bytes) -> None:
+        """Compute: ``block`` now holds the full block ``block_hash`` on every rank."""
+        self._write(block, self._contents_full(block_hash))
+        self.expected_hash[block] = block_hash
+
+    def write_partial(self, block: int, parent: bytes, tokens: Sequence[int]) -> None:
+        """Compute: ``block`` holds only ``tokens`` (a partial block) on every rank."""
+        pb = self.page_bytes
+        contents = [
+            [partial_content(parent, tokens, r, t, pb) for t in range(self.num_tensors)]
+            for r in range(self.num_ranks)
+        ]
+        self._write(block, contents)
+        self.expected_hash[block] = None
+
+    def dont_care(self, block: int) -> None:
+        """``block``'s content is about to be replaced (load target, new owner)."""
+        self.valid[block] = False
+        self.expected_hash[block] = None
+
+    def verify_loaded(self, step: int, block: int, block_hash: bytes) -> list[DataError]:
+        """INV-DATA: a load delivered ``block``; it must hold the content of ``block_hash``.
+
+        On success the block becomes valid with that content.
+        """
+        contents = self._contents_full(block_hash)
+        errors: list[DataError] = []
+        for r in range(self.num_ranks):
+            for t in range(self.num_tensors):
+                want = np.frombuffer(contents[r][t], dtype=np.int8)
+                got = self._np[r][t][block]
+                if not np.array_equal(got, want):
+                    errors.append(
+                        DataError(step, block, r, t, self._describe(got, block_hash, r, t))
+                    )
+                self._shadow[r][t][block] = want
+        # After a wrong load the engine would compute on garbage; the oracle reports it and
+        # repairs the block so that one corruption is reported once.
+        if errors:
+            for r in range(self.num_ranks):
+                for t in range(self.num_tensors):
+                    self._np[r][t][block] = self._shadow[r][t][block]
+        self.valid[block] = True
+        self.expected_hash[block] = block_hash
+        return errors
+
+    def _describe(self, got: np.ndarray, want_hash: bytes, rank: int, tensor: int) -> str:
+        if not got.any():
+            return f"loaded zeros, expected key {want_hash.hex()[:12]}"
+        return f"loaded wrong bytes for key {want_hash.hex()[:12]}"
+
+    def verify_all(self, step: int) -> list[DataError]:
+        """Every valid block still holds its shadow bytes (on every rank and tensor)."""
+        errors: list[DataError] = []
+        valid = self.valid
+        for r in range(self.num_ranks):
+            for t in range(self.num_tensors):
+                bad = np.flatnonzero(
+                    (self._np[r][t] != self._shadow[r][t]).any(axis=1) & valid
+                )
+                for b in bad.tolist():
+                    errors.append(
+                        DataError(step, b, r, t, "bytes changed under a valid block")
+                    )
+                    self._np[r][t][b] = self._shadow[r][t][b]
+        return errors
