@@ -1,0 +1,444 @@
+"""The CPU tier: a directory of chunk slots in the shared CPU pool.
+
+Each present key has a slot id and a reference count:
+
+* ``-1``: write-pending (allocated by ``prepare_store``, its write is in flight); lookup
+  answers ``HIT_PENDING``; never evicted.
+* ``0``: ready and idle; lookup answers ``HIT``; the only evictable state.
+* ``n > 0``: ready and pinned by ``n`` readers (loads to the GPU, cascades to a secondary
+  tier); never evicted.
+
+Slots are handed out fresh in ascending order first, then recycled last-freed first.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from statecore.errors import (
+    ConfigError,
+    InvariantViolation,
+    KeyNotReadyError,
+    PinUnderflowError,
+    UnknownKeyError,
+)
+from statecore.keys import OffloadKey
+from statecore.manager import (
+    CPULoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+)
+from statecore.managers.policies import (
+    BUILTIN_POLICIES,
+    CachePolicy,
+    allocation_plan,
+    pin_counts,
+    unpin_counts,
+    usage_gauges,
+)
+
+__all__ = ["CPUManagerCounters", "CPUOffloadingManager", "WritePendingPinError"]
+
+
+class WritePendingPinError(PinUnderflowError):
+    """``complete_load`` for a key whose write is still pending (it cannot be pinned)."""
+
+    def __init__(self, key: bytes, call: str) -> None:
+        super().__init__(key, call)
+        self.args = (f"{call}: key {key.hex()} is write-pending, not pinned (ref count -1)",)
+
+
+@dataclass(frozen=True, slots=True)
+class CPUManagerCounters:
+    """A snapshot of the CPU tier's bookkeeping (for tests, specs and dashboards).
+
+    Attributes:
+        capacity: number of slots.
+        keys: present keys (any state).
+        evictable: keys with reference count 0.
+        write_pending: keys with reference count -1.
+        pinned: keys with reference count > 0.
+        free: slots not holding a key.
+        high_water: fresh slot ids handed out so far.
+    """
+
+    capacity: int
+    keys: int
+    evictable: int
+    write_pending: int
+    pinned: int
+    free: int
+    high_water: int
+
+
+class _Entry:
+    __slots__ = ("ref", "slot")
+
+    def __init__(self, ref: int, slot: int) -> None:
+        self.ref = ref
+        self.slot = slot
+
+
+def _resolve_policy(policy: str | CachePolicy, capacity: int) -> CachePolicy:
+    if not isinstance(policy, str):
+        return policy
+    builtin = BUILTIN_POLICIES.get(policy)
+    if builtin is not None:
+        return builtin(capacity)
+    if ":" not in policy:
+        raise ConfigError(
+            f"unknown cache policy {policy!r}: use 'lru', 'arc' or 'package.module:Class'"
+        )
+    module_name, _, attr = policy.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cache policy {policy!r} cannot be imported: {exc}") from exc
+    instance = cls(capacity)
+    if not isinstance(instance, CachePolicy):
+        raise ConfigError(f"cache policy {policy!r} does not implement CachePolicy")
+    return instance
+
+
+class CPUOffloadingManager(OffloadingManager):
+    """Single-tier manager over ``num_slots`` slots of the shared CPU pool.
+
+    Args:
+        num_slots: capacity in chunks (one slot per chunk and group).
+        policy: ``"lru"``, ``"arc"``, an import path ``"package.module:Class"`` (constructed
+            with the capacity) or a :class:`~statecore.managers.policies.CachePolicy`.
+        enable_events: record stored/removed :class:`OffloadingEvent` s (medium CPU).
+        store_threshold: with 2 or more, only keys looked up at least that many times are
+            stored (reuse filter); 0 and 1 disable it.
+        max_tracker_size: how many keys the reuse filter remembers (oldest dropped first).
+    """
+
+    medium = Medium.CPU
+
+    def __init__(
+        self,
+        num_slots: int,
+        policy: str | CachePolicy = "lru",
+        enable_events: bool = True,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+    ) -> None:
+        if num_slots < 0:
+            raise ConfigError(f"CPUOffloadingManager: num_slots must be >= 0, got {num_slots}")
+        if store_threshold < 0 or max_tracker_size < 1:
+            raise ConfigError(
+                "CPUOffloadingManager: store_threshold must be >= 0 and max_tracker_size >= 1, "
+                f"got {store_threshold} and {max_tracker_size}"
+            )
+        self.capacity = num_slots
+        self.policy: CachePolicy = _resolve_policy(policy, num_slots)
+        self.enable_events = enable_events
+        self.store_threshold = store_threshold
+        self.max_tracker_size = max_tracker_size
+        self._entries: dict[OffloadKey, _Entry] = {}
+        self._high_water = 0
+        self._free: list[int] = []
+        self._evictable = 0
+        self._write_pending = 0
+        self._events: list[OffloadingEvent] = []
+        self._alloc_sizes: list[float] = []
+        self._stores_skipped = 0
+        self._tracker: OrderedDict[OffloadKey, int] | None = (
+            OrderedDict() if store_threshold >= 2 else None
+        )
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """MISS, HIT_PENDING (write in flight) or HIT; counts the lookup for the reuse filter."""
+        tracker = self._tracker
+        if tracker is not None:
+            count = tracker.pop(key, 0)
+            if count == 0 and len(tracker) >= self.max_tracker_size:
+                tracker.popitem(last=False)
+            tracker[key] = count + 1
+        entry = self._entries.get(key)
+        if entry is None:
+            return LookupResult.MISS
+        return LookupResult.HIT if entry.ref >= 0 else LookupResult.HIT_PENDING
+
+    def slot_of(self, key: OffloadKey) -> int | None:
+        """The slot holding ``key``, or ``None`` when absent."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.slot
+
+    def ref_count(self, key: OffloadKey) -> int | None:
+        """``key``'s reference count (-1 write-pending, 0 idle, n pinned), ``None`` if absent."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.ref
+
+    def is_ready(self, key: OffloadKey) -> bool:
+        """Whether ``key`` is present and readable."""
+        entry = self._entries.get(key)
+        return entry is not None and entry.ref >= 0
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[OffloadKey]:
+        """Every present key (any state)."""
+        return list(self._entries)
+
+    @property
+    def num_free(self) -> int:
+        """Slots not holding a key."""
+        return len(self._free) + self.capacity - self._high_water
+
+    def counters(self) -> CPUManagerCounters:
+        """The incrementally maintained counters (O(1))."""
+        keys = len(self._entries)
+        return CPUManagerCounters(
+            capacity=self.capacity,
+            keys=keys,
+            evictable=self._evictable,
+            write_pending=self._write_pending,
+            pinned=keys - self._evictable - self._write_pending,
+            free=self.num_free,
+            high_water=self._high_water,
+        )
+
+    def check_invariants(self) -> None:
+        """Recount everything from scratch and raise :class:`InvariantViolation` on a mismatch.
+
+        O(capacity): for tests and checked mode, not for the hot path.
+        """
+        refs = [e.ref for e in self._entries.values()]
+        if any(r < -1 for r in refs):
+            raise InvariantViolation("INV-PIN", "a reference count is below -1")
+        idle = sum(1 for r in refs if r == 0)
+        pending = sum(1 for r in refs if r == -1)
+        if idle != self._evictable:
+            raise InvariantViolation(
+                "INV-EVICT", f"evictable counter {self._evictable} but {idle} idle keys"
+            )
+        if pending != self._write_pending:
+            raise InvariantViolation(
+                "INV-PIN", f"write-pending counter {self._write_pending} but {pending} keys"
+            )
+        used = [e.slot for e in self._entries.values()]
+        everything = used + self._free
+        if len(set(everything)) != len(everything):
+            raise InvariantViolation("INV-EVICT", "a slot is both used and free, or used twice")
+        if set(everything) != set(range(self._high_water)) or self._high_water > self.capacity:
+            raise InvariantViolation("INV-EVICT", "allocated and free slots do not tile capacity")
+        evictable_keys = getattr(self.policy, "evictable_keys", None)
+        if callable(evictable_keys):
+            listed = set(evictable_keys())
+            want = {k for k, e in self._entries.items() if e.ref == 0}
+            if listed != want:
+                raise InvariantViolation(
+                    "INV-EVICT", "the policy's evictable keys differ from the idle keys"
+                )
+
+    # -- loads ----------------------------------------------------------------------------------
+
+    def _validate_pinnable(self, keys: Sequence[OffloadKey], call: str) -> list[_Entry]:
+        entries: list[_Entry] = []
+        get = self._entries.get
+        for key in keys:
+            entry = get(key)
+            if entry is None:
+                raise UnknownKeyError(key, call)
+            if entry.ref < 0:
+                raise KeyNotReadyError(key, call)
+            entries.append(entry)
+        return entries
+
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
+        """Pin ``keys``; their slot ids, co-indexed with ``keys``. Nothing pinned on error."""
+        return self.prepare_read(keys, ctx)
+
+    def prepare_read(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
+        """Pin ``keys`` for any reader (GPU load or cascade to a secondary tier)."""
+        entries = self._validate_pinnable(keys, "prepare_load")
+        policy = self.policy
+        evictable = self._evictable
+        for key, entry in zip(keys, entries, strict=True):
+            if entry.ref == 0:
+                policy.mark_non_evictable(key)
+            entry.ref, evictable = pin_counts(entry.ref, evictable)
+        self._evictable = evictable
+        return CPULoadStoreSpec(tuple(e.slot for e in entries))
+
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Release one pin of each key. Nothing released on error."""
+        self.complete_read(keys, ctx)
+
+    def complete_read(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Release the pins of one :meth:`prepare_read`."""
+        call = "complete_load"
+        get = self._entries.get
+        entries: list[_Entry] = []
+        for key in keys:
+            entry = get(key)
+            if entry is None:
+                raise UnknownKeyError(key, call)
+            if entry.ref == -1:
+                raise WritePendingPinError(key, call)
+            if entry.ref == 0:
+                raise PinUnderflowError(key, call)
+            entries.append(entry)
+        if len(set(keys)) != len(keys):
+            for key, n in Counter(keys).items():
+                if self._entries[key].ref < n:
+                    raise PinUnderflowError(key, call)
+        policy = self.policy
+        evictable = self._evictable
+        for key, entry in zip(keys, entries, strict=True):
+            entry.ref, evictable = unpin_counts(entry.ref, evictable)
+            if entry.ref == 0:
+                policy.mark_evictable(key)
+        self._evictable = evictable
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Tell the policy ``keys`` were used (the first key ends up most recent)."""
+        self.policy.touch(keys)
+
+    # -- stores ---------------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
+        """Allocate write-pending slots for the new keys, evicting idle keys if needed."""
+        return self.prepare_write(keys, ctx)
+
+    def prepare_write(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, bypass_reuse_filter: bool = False
+    ) -> PrepareStoreOutput | None:
+        """:meth:`prepare_store`; ``bypass_reuse_filter`` admits every key (promotions)."""
+        entries = self._entries
+        tracker = self._tracker
+        skipped = 0
+        if tracker is not None and not bypass_reuse_filter:
+            threshold = self.store_threshold
+            admitted: list[OffloadKey] = []
+            for key in keys:
+                if tracker.get(key, 0) >= threshold:
+                    admitted.append(key)
+                else:
+                    skipped += 1
+            candidates: Iterable[OffloadKey] = admitted
+        else:
+            candidates = keys
+        to_store = [k for k in dict.fromkeys(candidates) if k not in entries]
+        n = len(to_store)
+        if n == 0:
+            self._stores_skipped += skipped
+            return PrepareStoreOutput((), CPULoadStoreSpec(()), ())
+        need = n - self.num_free
+        victims: list[OffloadKey] = []
+        if need > 0:
+            if need > self._evictable:
+                return None
+            chosen = self.policy.evict(need, frozenset(keys))
+            if chosen is None:
+                return None
+            victims = chosen
+            free = self._free
+            for key in victims:
+                free.append(entries.pop(key).slot)
+            self._evictable -= len(victims)
+            if self.enable_events:
+                self._events.append(OffloadingEvent(tuple(victims), Medium.CPU, removed=True))
+        fresh, recycled = allocation_plan(self.capacity, self._high_water, len(self._free), n)
+        slots = list(range(self._high_water, self._high_water + fresh))
+        self._high_water += fresh
+        free = self._free
+        for _ in range(recycled):
+            slots.append(free.pop())
+        policy = self.policy
+        for key, slot in zip(to_store, slots, strict=True):
+            entries[key] = _Entry(-1, slot)
+            policy.insert(key)
+        self._write_pending += n
+        self._alloc_sizes.append(float(n))
+        self._stores_skipped += skipped
+        return PrepareStoreOutput(tuple(to_store), CPULoadStoreSpec(tuple(slots)), tuple(victims))
+
+    def complete_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> None:
+        """Make write-pending ``keys`` ready (success) or drop them and free their slots."""
+        self.complete_write(keys, ctx, success)
+
+    def complete_write(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> list[OffloadKey]:
+        """:meth:`complete_store`; returns the keys it changed (made ready, or dropped)."""
+        entries = self._entries
+        policy = self.policy
+        changed: list[OffloadKey] = []
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None or entry.ref != -1:
+                continue
+            changed.append(key)
+            if success:
+                entry.ref = 0
+                policy.mark_evictable(key)
+            else:
+                del entries[key]
+                policy.remove(key)
+                self._free.append(entry.slot)
+        self._write_pending -= len(changed)
+        if success:
+            self._evictable += len(changed)
+            if changed and self.enable_events:
+                self._events.append(OffloadingEvent(tuple(changed), Medium.CPU, removed=False))
+        return changed
+
+    # -- housekeeping ---------------------------------------------------------------------------
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """The events since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> None:
+        """Drop every key (any state); announce the ready ones as removed.
+
+        The reuse filter's lookup counts survive (they describe traffic, not cache content).
+        """
+        if self.enable_events:
+            ready = tuple(k for k, e in self._entries.items() if e.ref >= 0)
+            if ready:
+                self._events.append(OffloadingEvent(ready, Medium.CPU, removed=True))
+        self._entries.clear()
+        self.policy.clear()
+        self._free.clear()
+        self._high_water = 0
+        self._evictable = 0
+        self._write_pending = 0
+
+    def get_stats(self) -> dict[str, float | int | list[float]]:
+        """Gauges ``cpu_cache_usage_perc`` (pinned + write-pending, as a fraction),
+        ``write_usage``, ``read_usage``; ``allocation_sizes`` since the last call; and
+        ``stores_skipped`` since the last call when the reuse filter is on."""
+        busy = len(self._entries) - self._evictable
+        usage, write, read = usage_gauges(self.capacity, busy, self._write_pending)
+        stats: dict[str, float | int | list[float]] = {
+            "cpu_cache_usage_perc": usage,
+            "write_usage": write,
+            "read_usage": read,
+            "allocation_sizes": self._alloc_sizes,
+        }
+        self._alloc_sizes = []
+        if self._tracker is not None:
+            stats["stores_skipped"] = self._stores_skipped
+            self._stores_skipped = 0
+        return stats

@@ -1,0 +1,425 @@
+"""A file-system secondary tier: one checksummed file per chunk under a directory.
+
+File layout (big-endian): a header ``magic "SCKV" | version (1 byte) | pad | key length
+(2 bytes) | payload length (8 bytes) | CRC-32 of the payload (4 bytes)``, the key, then the
+payload: the slot's row of every pool region, concatenated. The file name is the key in hex
+with the suffix ``.chunk``.
+
+* **Atomic writes.** A chunk is written to a temporary file in the same directory (optionally
+  fsynced) and renamed over its final name, so a reader sees the old file, the new one, or
+  none, never half of one. A crash can leave only temporary files, removed at the next start.
+* **No extra copies.** Stores write the pool rows (``memoryview``) straight to the file; loads
+  ``readinto`` the primary slot's rows, then verify length and checksum. A slot that fails
+  verification is reported as a failed job; the tiering manager then drops the slot (it was
+  write-pending), so wrong bytes never become loadable.
+* **Asynchronous.** Every job runs on an executor (a bounded thread pool by default, or an
+  injected one; :class:`InlineExecutor` runs jobs at submission, for deterministic tests).
+  Only the worker functions touch files and pool rows; the index is changed by the thread that
+  calls :meth:`FileTier.get_finished`.
+* **Restart.** The index is rebuilt from the directory at construction (oldest file first),
+  so a new process finds the chunks of the previous one. Files are verified when loaded.
+* **Size limit.** With ``max_bytes`` the least recently used files (stores, promotions and
+  touches count as uses) are deleted once the total exceeds it; files being loaded are kept.
+
+A single process owns a directory at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import uuid
+import zlib
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+from statecore.errors import ConfigError
+from statecore.keys import OffloadKey
+from statecore.manager import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadPolicy,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from statecore.managers.tiers import JobResult
+from statecore.pool import CPUPool
+
+__all__ = ["FileTier", "InlineExecutor"]
+
+_MAGIC = b"SCKV"
+_VERSION = 1
+_HEADER = struct.Struct(">4sBxHQI")
+_SUFFIX = ".chunk"
+_TMP_SUFFIX = ".tmp"
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+# Outcome codes of one key in a worker function.
+_OK = "ok"
+_MISSING = "missing"
+_CORRUPT = "corrupt"
+_IO_ERROR = "io-error"
+
+
+class InlineExecutor(Executor):
+    """Runs each submitted call at once in the calling thread (deterministic tests)."""
+
+    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
+        """Run ``fn`` now; the returned future is already done."""
+        future: Future[_T] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # the future carries it, as a thread pool would
+            future.set_exception(exc)
+        return future
+
+
+@dataclass(slots=True)
+class _FileJob:
+    is_store: bool
+    keys: tuple[OffloadKey, ...]
+    written: tuple[OffloadKey, ...]  # stores: keys actually written (others were present)
+    future: Future[list[tuple[str, int]]]
+
+
+class FileTier:
+    """A secondary tier keeping chunks as files under ``directory`` (module docstring).
+
+    Args:
+        directory: where the chunk files live (created if missing).
+        pool: the shared CPU pool whose slots the jobs copy.
+        max_bytes: size limit of all chunk files; ``None`` for no limit.
+        workers: threads of the default executor.
+        executor: an executor to use instead (not shut down by :meth:`shutdown`).
+        fsync: fsync each file before renaming it (durability across power loss; a torn
+            file is caught by its checksum either way).
+        name: prefix of the tier's statistics.
+        policy: what :meth:`on_new_request` answers.
+    """
+
+    medium = Medium.STORAGE
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        pool: CPUPool,
+        max_bytes: int | None = None,
+        workers: int = 4,
+        executor: Executor | None = None,
+        fsync: bool = False,
+        name: str = "file",
+        policy: OffloadPolicy = OffloadPolicy.CHUNK_LEVEL,
+    ) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ConfigError(f"FileTier: max_bytes must be >= 0, got {max_bytes}")
+        if executor is None and workers < 1:
+            raise ConfigError(f"FileTier: workers must be >= 1, got {workers}")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.pool = pool
+        self.max_bytes = max_bytes
+        self.fsync = fsync
+        self.name = name
+        self.policy = policy
+        self._own_executor = executor is None
+        self._executor: Executor = (
+            executor
+            if executor is not None
+            else ThreadPoolExecutor(max_workers=workers, thread_name_prefix="statecore-file")
+        )
+        self._index: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._bytes = 0
+        self._storing: set[OffloadKey] = set()
+        self._loading: Counter[OffloadKey] = Counter()
+        self._jobs: dict[int, _FileJob] = {}
+        self._events: list[OffloadingEvent] = []
+        self._stats: dict[str, int] = dict.fromkeys(
+            (
+                "bytes_written",
+                "bytes_read",
+                "evictions",
+                "corrupt_reads",
+                "missing_reads",
+                "write_errors",
+                "failed_jobs",
+            ),
+            0,
+        )
+        self._rebuild_index()
+
+    # -- index ------------------------------------------------------------------------------------
+
+    def path_of(self, key: OffloadKey) -> Path:
+        """The file that holds (or would hold) ``key``."""
+        return self.directory / (key.hex() + _SUFFIX)
+
+    def _rebuild_index(self) -> None:
+        found: list[tuple[int, str, OffloadKey, int]] = []
+        with os.scandir(self.directory) as it:
+            for entry in it:
+                name = entry.name
+                if name.endswith(_TMP_SUFFIX):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+                    continue
+                if not name.endswith(_SUFFIX) or not entry.is_file():
+                    continue
+                try:
+                    key = OffloadKey(bytes.fromhex(name[: -len(_SUFFIX)]))
+                    st = entry.stat()
+                except (ValueError, OSError):
+                    continue
+                found.append((st.st_mtime_ns, name, key, st.st_size))
+        found.sort()
+        for _, _, key, size in found:
+            self._index[key] = size
+            self._bytes += size
+        self._enforce_limit()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def keys(self) -> list[OffloadKey]:
+        """Indexed keys, least recently used first."""
+        return list(self._index)
+
+    @property
+    def bytes_used(self) -> int:
+        """Total size of the indexed files."""
+        return self._bytes
+
+    def _drop(self, key: OffloadKey, unlink: bool) -> None:
+        size = self._index.pop(key, None)
+        if size is None:
+            return
+        self._bytes -= size
+        if unlink:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path_of(key))
+        self._events.append(OffloadingEvent((key,), self.medium, removed=True))
+
+    def _enforce_limit(self) -> None:
+        limit = self.max_bytes
+        if limit is None or self._bytes <= limit:
+            return
+        victims: list[OffloadKey] = []
+        excess = self._bytes - limit
+        for key, size in self._index.items():
+            if excess <= 0:
+                break
+            if self._loading[key] > 0:
+                continue
+            victims.append(key)
+            excess -= size
+        for key in victims:
+            self._drop(key, unlink=True)
+        self._stats["evictions"] += len(victims)
+
+    # -- worker functions (run on the executor) ---------------------------------------------------
+
+    def _write_chunks(
+        self, keys: tuple[OffloadKey, ...], slots: tuple[int, ...]
+    ) -> list[tuple[str, int]]:
+        out: list[tuple[str, int]] = []
+        for key, slot in zip(keys, slots, strict=True):
+            out.append(self._write_one(key, slot))
+        return out
+
+    def _write_one(self, key: OffloadKey, slot: int) -> tuple[str, int]:
+        pool = self.pool
+        rows = [pool.row(i, slot) for i in range(pool.num_regions)]
+        crc = 0
+        for row in rows:
+            crc = zlib.crc32(row, crc)
+        header = _HEADER.pack(_MAGIC, _VERSION, len(key), pool.slot_bytes, crc)
+        final = self.path_of(key)
+        tmp = self.directory / f".{key.hex()}.{uuid.uuid4().hex}{_TMP_SUFFIX}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(key)
+                for row in rows:
+                    f.write(row)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return _IO_ERROR, 0
+        return _OK, _HEADER.size + len(key) + pool.slot_bytes
+
+    def _read_chunks(
+        self, keys: tuple[OffloadKey, ...], slots: tuple[int, ...]
+    ) -> list[tuple[str, int]]:
+        return [self._read_one(key, slot) for key, slot in zip(keys, slots, strict=True)]
+
+    def _read_one(self, key: OffloadKey, slot: int) -> tuple[str, int]:
+        pool = self.pool
+        try:
+            with open(self.path_of(key), "rb") as f:
+                head = f.read(_HEADER.size)
+                if len(head) != _HEADER.size:
+                    return _CORRUPT, 0
+                magic, version, key_len, length, crc = _HEADER.unpack(head)
+                if (
+                    magic != _MAGIC
+                    or version != _VERSION
+                    or length != pool.slot_bytes
+                    or f.read(key_len) != key
+                ):
+                    return _CORRUPT, 0
+                actual = 0
+                for i in range(pool.num_regions):
+                    row = pool.row(i, slot)
+                    if f.readinto(row) != len(row):
+                        return _CORRUPT, 0
+                    actual = zlib.crc32(row, actual)
+                if f.read(1) or actual != crc:
+                    return _CORRUPT, 0
+        except FileNotFoundError:
+            return _MISSING, 0
+        except OSError:
+            return _IO_ERROR, 0
+        return _OK, length
+
+    # -- protocol ---------------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """HIT when ``key`` has a file (verified only when loaded)."""
+        return LookupResult.HIT if key in self._index else LookupResult.MISS
+
+    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+        """Answer the configured policy."""
+        return RequestOffloadingContext(self.policy)
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Make the indexed ``keys`` most recently used."""
+        index = self._index
+        for key in reversed(keys):
+            if key in index:
+                index.move_to_end(key)
+
+    def submit_store(self, job_id: int, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
+        """Write the chunks of primary ``slots`` that the tier does not hold yet."""
+        todo_keys: list[OffloadKey] = []
+        todo_slots: list[int] = []
+        for key, slot in zip(keys, slots, strict=True):
+            if key in self._index:
+                self._index.move_to_end(key)
+            elif key not in self._storing and key not in todo_keys:
+                todo_keys.append(key)
+                todo_slots.append(slot)
+        self._storing.update(todo_keys)
+        written = tuple(todo_keys)
+        future = self._executor.submit(self._write_chunks, written, tuple(todo_slots))
+        self._jobs[job_id] = _FileJob(True, tuple(keys), written, future)
+
+    def submit_load(self, job_id: int, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
+        """Read ``keys`` into primary ``slots``, verifying each before reporting success."""
+        key_tuple = tuple(keys)
+        for key in key_tuple:
+            self._loading[key] += 1
+            if key in self._index:
+                self._index.move_to_end(key)
+        future = self._executor.submit(self._read_chunks, key_tuple, tuple(slots))
+        self._jobs[job_id] = _FileJob(False, key_tuple, (), future)
+
+    def get_finished(self) -> list[JobResult]:
+        """Results of finished jobs, in submission order; applies them to the index."""
+        done = [job_id for job_id, job in self._jobs.items() if job.future.done()]
+        results = [self._finish(job_id, self._jobs.pop(job_id)) for job_id in done]
+        if done:
+            self._enforce_limit()
+        return results
+
+    def _finish(self, job_id: int, job: _FileJob) -> JobResult:
+        outcomes: list[tuple[str, int]]
+        exc = job.future.exception()
+        if exc is not None:
+            count = len(job.written) if job.is_store else len(job.keys)
+            outcomes = [(_IO_ERROR, 0)] * count
+        else:
+            outcomes = job.future.result()
+        ok: set[OffloadKey] = set()
+        if job.is_store:
+            stored: list[OffloadKey] = []
+            for key, (status, size) in zip(job.written, outcomes, strict=True):
+                self._storing.discard(key)
+                if status != _OK:
+                    self._stats["write_errors"] += 1
+                    continue
+                old = self._index.pop(key, None)
+                if old is not None:
+                    self._bytes -= old
+                self._index[key] = size
+                self._bytes += size
+                self._stats["bytes_written"] += size
+                stored.append(key)
+            if stored:
+                self._events.append(OffloadingEvent(tuple(stored), self.medium, removed=False))
+            ok = {k for k in job.keys if k in self._index}
+        else:
+            for key, (status, size) in zip(job.keys, outcomes, strict=True):
+                self._loading[key] -= 1
+                if self._loading[key] <= 0:
+                    del self._loading[key]
+                if status == _OK:
+                    self._stats["bytes_read"] += size
+                    ok.add(key)
+                    continue
+                if status == _CORRUPT:
+                    self._stats["corrupt_reads"] += 1
+                    self._drop(key, unlink=True)
+                elif status == _MISSING:
+                    self._stats["missing_reads"] += 1
+                    self._drop(key, unlink=False)
+        if all(k in ok for k in job.keys):
+            return JobResult(job_id, True)
+        self._stats["failed_jobs"] += 1
+        return JobResult(job_id, False, tuple(k for k in job.keys if k in ok) or None)
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        """Nothing is kept per request."""
+
+    def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
+        """Nothing to do per step."""
+
+    def has_pending_work(self) -> bool:
+        """Whether jobs are running or their results are not collected yet."""
+        return bool(self._jobs)
+
+    def drain(self) -> None:
+        """Wait for every submitted job (results stay collectable by :meth:`get_finished`)."""
+        if self._jobs:
+            wait_futures([job.future for job in self._jobs.values()])
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Stored and removed events (medium STORAGE)."""
+        events, self._events = self._events, []
+        return events
+
+    def get_stats(self) -> dict[str, float | int | list[float]]:
+        """Counters since the last call plus gauges ``files`` and ``bytes_used``."""
+        stats: dict[str, Any] = dict(self._stats)
+        self._stats = dict.fromkeys(self._stats, 0)
+        stats["files"] = len(self._index)
+        stats["bytes_used"] = self._bytes
+        return stats
+
+    def shutdown(self) -> None:
+        """Wait for running jobs; stop the default executor."""
+        self.drain()
+        if self._own_executor:
+            self._executor.shutdown(wait=True)

@@ -1,0 +1,437 @@
+"""Eviction policies of the CPU tier, and the pure decision kernels they are built from.
+
+A :class:`CachePolicy` only orders keys; the manager owns their state (reference count and
+slot). The manager tells the policy about every state change through four hooks:
+
+* ``insert(key)``: a new key, write-pending (not evictable);
+* ``mark_evictable(key)``: the key became ready and idle (reference count 0);
+* ``mark_non_evictable(key)``: an idle key got pinned (reference count 0 -> 1);
+* ``remove(key)``: the key left the cache without being evicted (failed store).
+
+``evict(n, protected)`` is atomic: it returns exactly ``n`` victims (all idle, none in
+``protected``) and forgets them, or returns ``None`` and changes nothing (INV-EVICT).
+
+The decisions themselves live in small pure functions over ints, lists and sets, each with a
+PEP 316 contract (``pre:``/``post:`` lines) that CrossHair checks::
+
+    crosshair check --analysis_kind=PEP316 --per_condition_timeout=4 statecore.managers.policies
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Protocol, TypeVar, runtime_checkable
+
+from statecore.keys import OffloadKey
+
+__all__ = [
+    "ARCCachePolicy",
+    "CachePolicy",
+    "LRUCachePolicy",
+    "allocation_plan",
+    "arc_select_victims",
+    "arc_target_after_b1_hit",
+    "arc_target_after_b2_hit",
+    "lru_select_victims",
+    "pin_counts",
+    "trim_excess",
+    "unpin_counts",
+    "usage_gauges",
+]
+
+K = TypeVar("K", bound=Hashable)
+
+# --------------------------------------------------------------------------------------------
+# Pure kernels (CrossHair-checked contracts)
+# --------------------------------------------------------------------------------------------
+
+
+def lru_select_victims(
+    candidates: Iterable[K], protected: AbstractSet[K], n: int
+) -> list[K] | None:
+    """Take the first ``n`` candidates not in ``protected``, in candidate order.
+
+    ``candidates`` are idle keys, oldest first; the scan stops as soon as ``n`` are found.
+    Returns ``None`` when fewer than ``n`` exist.
+
+    pre: n >= 0
+    post: __return__ is None or len(__return__) == n
+    post: __return__ is None or all(k not in protected for k in __return__)
+    post: __return__ is None or len(set(__return__)) == len(__return__)
+    """
+    if n == 0:
+        return []
+    out: list[K] = []
+    seen: set[K] = set()
+    for key in candidates:
+        if key in protected or key in seen:
+            continue
+        seen.add(key)
+        out.append(key)
+        if len(out) == n:
+            return out
+    return None
+
+
+def arc_select_victims(
+    t1: Iterable[K],
+    t2: Iterable[K],
+    t1_size: int,
+    target: float,
+    n: int,
+    idle: AbstractSet[K],
+    protected: AbstractSet[K],
+) -> list[tuple[K, int]] | None:
+    """Choose ``n`` ARC victims as ``(key, list)`` pairs, ``list`` being 1 (T1) or 2 (T2).
+
+    Each victim comes from T1 while the (virtually shrinking) T1 is at least ``int(target)``
+    long, from T2 otherwise; when the preferred list has no eligible key the other one is
+    used, so eviction succeeds exactly when ``n`` eligible keys exist (INV-EVICT). Eligible:
+    in ``idle`` and not in ``protected``. Both lists are scanned oldest first by one forward
+    pass each (monotonic, never restarted). Returns ``None`` when fewer than ``n`` exist.
+
+    pre: n >= 0
+    pre: t1_size >= 0
+    pre: target >= 0
+    post: __return__ is None or len(__return__) == n
+    post: __return__ is None or all(k in idle and k not in protected for k, _ in __return__)
+    post: __return__ is None or all(src in (1, 2) for _, src in __return__)
+    post: __return__ is None or len({k for k, _ in __return__}) == len(__return__)
+    """
+    out: list[tuple[K, int]] = []
+    if n == 0:
+        return out
+    taken: set[K] = set()
+    it1 = iter(t1)
+    it2 = iter(t2)
+    c1: K | None = None
+    c2: K | None = None
+    done1 = False
+    done2 = False
+    virtual_t1 = t1_size
+    limit = int(target)
+    while len(out) < n:
+        if c1 is None and not done1:
+            for key in it1:
+                if key in idle and key not in protected and key not in taken:
+                    c1 = key
+                    break
+            else:
+                done1 = True
+        if c2 is None and not done2:
+            for key in it2:
+                if key in idle and key not in protected and key not in taken:
+                    c2 = key
+                    break
+            else:
+                done2 = True
+        prefer_t1 = virtual_t1 >= limit
+        if c1 is not None and (prefer_t1 or c2 is None):
+            out.append((c1, 1))
+            taken.add(c1)
+            c1 = None
+            virtual_t1 -= 1
+        elif c2 is not None:
+            out.append((c2, 2))
+            taken.add(c2)
+            c2 = None
+        else:
+            return None
+    return out
+
+
+def arc_target_after_b1_hit(target: float, b1_len: int, b2_len: int, capacity: int) -> float:
+    """ARC target for T1 after a hit in ghost list B1: grow by ``max(1, |B2|/|B1|)``, capped.
+
+    pre: 0 <= capacity <= 2**31
+    pre: 0 <= target <= capacity
+    pre: 1 <= b1_len <= 2**31
+    pre: 0 <= b2_len <= 2**31
+    post: target <= __return__ <= capacity
+    post: __return__ > target or __return__ == capacity
+    """
+    return min(float(capacity), target + max(1.0, b2_len / b1_len))
+
+
+def arc_target_after_b2_hit(target: float, b1_len: int, b2_len: int) -> float:
+    """ARC target for T1 after a hit in ghost list B2: shrink by ``max(1, |B1|/|B2|)``, floored.
+
+    pre: 0 <= target <= 2**31
+    pre: 1 <= b2_len <= 2**31
+    pre: 0 <= b1_len <= 2**31
+    post: 0 <= __return__ <= target
+    post: __return__ < target or __return__ == 0
+    """
+    return max(0.0, target - max(1.0, b1_len / b2_len))
+
+
+def trim_excess(length: int, capacity: int) -> int:
+    """How many oldest entries a ghost list of ``length`` must drop to fit ``capacity``.
+
+    pre: length >= 0
+    pre: capacity >= 0
+    post: 0 <= __return__ <= length
+    post: length - __return__ <= capacity
+    post: __return__ == 0 or length - __return__ == capacity
+    """
+    return max(0, length - capacity)
+
+
+def allocation_plan(capacity: int, high_water: int, free_len: int, n: int) -> tuple[int, int]:
+    """Split an allocation of ``n`` slots into (fresh ids, recycled ids).
+
+    Fresh ids (``high_water``, ``high_water + 1``, ...) are taken first while capacity allows,
+    then recycled ids from the end of the free list.
+
+    pre: 0 <= high_water <= capacity
+    pre: free_len >= 0
+    pre: 0 <= n <= free_len + capacity - high_water
+    post: __return__[0] + __return__[1] == n
+    post: __return__[0] == min(n, capacity - high_water)
+    post: 0 <= __return__[1] <= free_len
+    """
+    fresh = min(n, capacity - high_water)
+    return fresh, n - fresh
+
+
+def pin_counts(ref: int, evictable: int) -> tuple[int, int]:
+    """Reference count and evictable count after one more reader pins a ready key.
+
+    pre: ref >= 0
+    pre: evictable >= (1 if ref == 0 else 0)
+    post: __return__[0] == ref + 1
+    post: __return__[1] == (evictable - 1 if ref == 0 else evictable)
+    post: __return__[1] >= 0
+    """
+    return ref + 1, evictable - 1 if ref == 0 else evictable
+
+
+def unpin_counts(ref: int, evictable: int) -> tuple[int, int]:
+    """Reference count and evictable count after one reader releases its pin.
+
+    pre: ref >= 1
+    pre: evictable >= 0
+    post: __return__[0] == ref - 1 >= 0
+    post: __return__[1] == (evictable + 1 if ref == 1 else evictable)
+    """
+    return ref - 1, evictable + 1 if ref == 1 else evictable
+
+
+def usage_gauges(capacity: int, busy: int, write_pending: int) -> tuple[float, float, float]:
+    """(cache usage, write usage, read usage) as fractions of ``capacity``.
+
+    ``busy`` counts the slots that are pinned or write-pending (not free, not evictable).
+
+    pre: capacity >= 0
+    pre: 0 <= write_pending <= busy <= capacity
+    post: all(0.0 <= g <= 1.0 for g in __return__)
+    post: __return__[2] == max(__return__[0] - __return__[1], 0.0)
+    """
+    if capacity == 0:
+        return 0.0, 0.0, 0.0
+    usage = busy / capacity
+    write = write_pending / capacity
+    return usage, write, max(usage - write, 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Policies
+# --------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class CachePolicy(Protocol):
+    """What the CPU manager needs from an eviction policy (see the module docstring).
+
+    A policy class is constructed with the tier's capacity: ``Policy(capacity)``.
+    """
+
+    def insert(self, key: OffloadKey) -> None:
+        """A new, write-pending key."""
+
+    def remove(self, key: OffloadKey) -> None:
+        """``key`` left the cache without eviction (its store failed)."""
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        """``key`` became ready and idle (reference count 0)."""
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        """The idle ``key`` was pinned by a reader."""
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """``keys`` were used; the first key ends up the most recent."""
+
+    def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> list[OffloadKey] | None:
+        """Exactly ``n`` idle victims not in ``protected`` (forgotten), or ``None`` (no change)."""
+
+    def clear(self) -> None:
+        """Forget every key."""
+
+
+class LRUCachePolicy:
+    """Least recently used, over an ordered list of the idle keys only.
+
+    Only evictable (reference count 0) keys are in :attr:`evictable_blocks`, oldest first. A
+    key enters it at the most recent end each time it becomes idle: when its store completes
+    and when its last reader releases it. ``touch`` moves idle keys to the recent end.
+    """
+
+    __slots__ = ("capacity", "evictable_blocks")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.evictable_blocks: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def insert(self, key: OffloadKey) -> None:
+        """A new key is write-pending: not evictable, nothing to record."""
+
+    def remove(self, key: OffloadKey) -> None:
+        """Forget ``key``."""
+        self.evictable_blocks.pop(key, None)
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        """Append ``key`` at the most recent end."""
+        self.evictable_blocks[key] = None
+        self.evictable_blocks.move_to_end(key)
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        """Take ``key`` out of the evictable list."""
+        self.evictable_blocks.pop(key, None)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Move idle ``keys`` to the recent end, the first key last (most recent)."""
+        ev = self.evictable_blocks
+        for key in reversed(keys):
+            if key in ev:
+                ev.move_to_end(key)
+
+    def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> list[OffloadKey] | None:
+        """The ``n`` least recent idle keys not in ``protected``, or ``None``."""
+        victims = lru_select_victims(self.evictable_blocks, protected, n)
+        if victims is None:
+            return None
+        for key in victims:
+            del self.evictable_blocks[key]
+        return victims
+
+    def clear(self) -> None:
+        """Forget every key."""
+        self.evictable_blocks.clear()
+
+    def evictable_keys(self) -> list[OffloadKey]:
+        """The idle keys, oldest first (introspection for checks)."""
+        return list(self.evictable_blocks)
+
+
+class ARCCachePolicy:
+    """Adaptive replacement cache: T1 (seen once), T2 (seen again), ghosts B1 and B2.
+
+    ``target_t1_size`` (starts at 0) adapts on ghost hits during ``touch``: a hit in B1 raises
+    it by ``max(1, |B2|/|B1|)`` (capped at capacity), a hit in B2 lowers it by
+    ``max(1, |B1|/|B2|)`` (floored at 0). A touch of a ready key in T1 promotes it to T2; a
+    touch of a write-pending key in T1 only refreshes it (its store is not a second use).
+    Evicted T1 keys become B1 ghosts, T2 keys B2 ghosts; ghost lists are trimmed, oldest
+    first, to the capacity.
+    """
+
+    __slots__ = ("_idle", "_pending", "b1", "b2", "capacity", "t1", "t2", "target_t1_size")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.t1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.t2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.target_t1_size = 0.0
+        self._idle: set[OffloadKey] = set()
+        self._pending: set[OffloadKey] = set()
+
+    def insert(self, key: OffloadKey) -> None:
+        """Add ``key`` to T1 (write-pending) and drop it from the ghost lists."""
+        self.t1[key] = None
+        self._pending.add(key)
+        self.b1.pop(key, None)
+        self.b2.pop(key, None)
+
+    def remove(self, key: OffloadKey) -> None:
+        """Forget ``key`` (no ghost is kept)."""
+        if key in self.t1:
+            del self.t1[key]
+        else:
+            self.t2.pop(key, None)
+        self._idle.discard(key)
+        self._pending.discard(key)
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        """``key`` is ready and idle."""
+        self._idle.add(key)
+        self._pending.discard(key)
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        """``key`` is pinned."""
+        self._idle.discard(key)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Record a use of ``keys`` (processed last to first) and adapt the target."""
+        for key in reversed(keys):
+            if key in self.t1:
+                if key in self._pending:
+                    self.t1.move_to_end(key)
+                else:
+                    del self.t1[key]
+                    self.t2[key] = None
+            elif key in self.t2:
+                self.t2.move_to_end(key)
+            elif key in self.b1:
+                self.target_t1_size = arc_target_after_b1_hit(
+                    self.target_t1_size, len(self.b1), len(self.b2), self.capacity
+                )
+                self.b1.move_to_end(key)
+            elif key in self.b2:
+                self.target_t1_size = arc_target_after_b2_hit(
+                    self.target_t1_size, len(self.b1), len(self.b2)
+                )
+                self.b2.move_to_end(key)
+
+    def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> list[OffloadKey] | None:
+        """``n`` idle victims chosen by :func:`arc_select_victims`, or ``None`` (no change)."""
+        chosen = arc_select_victims(
+            self.t1, self.t2, len(self.t1), self.target_t1_size, n, self._idle, protected
+        )
+        if chosen is None:
+            return None
+        victims: list[OffloadKey] = []
+        for key, src in chosen:
+            if src == 1:
+                del self.t1[key]
+                self.b1[key] = None
+            else:
+                del self.t2[key]
+                self.b2[key] = None
+            self._idle.discard(key)
+            victims.append(key)
+        for ghosts in (self.b1, self.b2):
+            for _ in range(trim_excess(len(ghosts), self.capacity)):
+                ghosts.popitem(last=False)
+        return victims
+
+    def clear(self) -> None:
+        """Forget every key and ghost; the target returns to 0."""
+        for d in (self.t1, self.t2, self.b1, self.b2):
+            d.clear()
+        self._idle.clear()
+        self._pending.clear()
+        self.target_t1_size = 0.0
+
+    def evictable_keys(self) -> list[OffloadKey]:
+        """The idle keys, T1 then T2, oldest first (introspection for checks)."""
+        return [k for k in (*self.t1, *self.t2) if k in self._idle]
+
+
+BUILTIN_POLICIES: dict[str, type[LRUCachePolicy] | type[ARCCachePolicy]] = {
+    "lru": LRUCachePolicy,
+    "arc": ARCCachePolicy,
+}
+"""Policies known by name."""

@@ -1,0 +1,259 @@
+"""Secondary tiers: the protocol the tiering manager drives, and an in-memory double.
+
+A secondary tier keeps chunks below the CPU tier (a disk, an object store, a peer). It never
+talks to the GPU: it copies between its storage and slots of the shared CPU pool, which the
+tiering manager keeps pinned (cascade stores) or write-pending (promotions) while a job runs.
+Every job ends with exactly one :class:`JobResult` from :meth:`SecondaryTier.get_finished`;
+I/O failures are results (``success=False``), never exceptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from statecore.keys import OffloadKey
+from statecore.manager import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadPolicy,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from statecore.pool import CPUPool
+
+__all__ = ["JobResult", "MemoryTier", "SecondaryTier"]
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """The outcome of one secondary-tier job.
+
+    Attributes:
+        job_id: the id the tiering manager passed to ``submit_store``/``submit_load``.
+        success: whether every key of the job was copied.
+        successful_keys: with ``success=False``, the keys that were copied nevertheless
+            (partial success); ``None`` means none.
+    """
+
+    job_id: int
+    success: bool
+    successful_keys: tuple[OffloadKey, ...] | None = None
+
+
+@runtime_checkable
+class SecondaryTier(Protocol):
+    """What :class:`~statecore.managers.tiering.TieringOffloadingManager` needs from a tier.
+
+    Attributes:
+        medium: where the tier keeps its bytes (matched against ``ReqContext.load_tier_filter``).
+        name: a short name, used to prefix the tier's statistics.
+    """
+
+    medium: Medium
+    name: str
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """HIT (loadable now), MISS, or RETRY (asynchronous lookup running)."""
+
+    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+        """First sighting of a request; a tier may ask for ``REQUEST_LEVEL`` offloading."""
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """``keys`` were used (recency bookkeeping)."""
+
+    def submit_store(self, job_id: int, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
+        """Copy the chunks in primary ``slots`` (pinned until the result) into the tier."""
+
+    def submit_load(self, job_id: int, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
+        """Copy ``keys`` from the tier into primary ``slots`` (write-pending until the result)."""
+
+    def get_finished(self) -> Iterable[JobResult]:
+        """Results of the jobs finished since the last call (never blocks)."""
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        """The request is finished and no cascade for it can follow (INV-ORDER)."""
+
+    def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
+        """End of an engine step."""
+
+    def has_pending_work(self) -> bool:
+        """Whether jobs are still running or results are waiting to be collected."""
+
+    def drain(self) -> None:
+        """Block until every submitted job has finished (results stay collectable)."""
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Events for the tier's own storage since the last call."""
+
+    def get_stats(self) -> dict[str, float | int | list[float]]:
+        """Metrics since the last call."""
+
+    def shutdown(self) -> None:
+        """Stop workers and release resources."""
+
+
+@dataclass(slots=True)
+class _MemJob:
+    job_id: int
+    is_store: bool
+    keys: tuple[OffloadKey, ...]
+    slots: tuple[int, ...]
+
+
+class MemoryTier:
+    """An in-memory secondary tier with controllable completion and failure injection.
+
+    Jobs run when they complete: a store copies the pool rows then (the primary slots are
+    still pinned), a load writes them into the pool. By default a job completes on the next
+    :meth:`get_finished`; with ``hold=True`` it waits until :meth:`release`. A job touching
+    a key in :attr:`fail_keys` fails (a failed load writes nothing).
+
+    Args:
+        pool: the shared CPU pool, or ``None`` to track keys without bytes.
+        medium: the tier's medium (default STORAGE).
+        name: prefix of its statistics.
+        policy: what :meth:`on_new_request` answers (``REQUEST_LEVEL`` to see every chunk).
+        hold: keep submitted jobs until :meth:`release`.
+    """
+
+    def __init__(
+        self,
+        pool: CPUPool | None = None,
+        medium: Medium = Medium.STORAGE,
+        name: str = "mem",
+        policy: OffloadPolicy = OffloadPolicy.CHUNK_LEVEL,
+        hold: bool = False,
+    ) -> None:
+        self.pool = pool
+        self.medium = medium
+        self.name = name
+        self.policy = policy
+        self.hold = hold
+        self.data: dict[OffloadKey, bytes] = {}
+        self.fail_keys: set[OffloadKey] = set()
+        self.submitted: list[_MemJob] = []
+        self.held: list[_MemJob] = []
+        self.finished_requests: list[str] = []
+        self.touched: list[OffloadKey] = []
+        self.drains = 0
+        self._done: list[JobResult] = []
+        self._events: list[OffloadingEvent] = []
+        self._stats = {"stores": 0, "loads": 0, "failed_jobs": 0}
+
+    # -- protocol -----------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """HIT when the key's store has completed."""
+        return LookupResult.HIT if key in self.data else LookupResult.MISS
+
+    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+        """Answer the configured policy."""
+        return RequestOffloadingContext(self.policy)
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Record the touch (for tests)."""
+        self.touched.extend(keys)
+
+    def submit_store(self, job_id: int, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
+        """Queue a store of ``keys`` from primary ``slots``."""
+        self._submit(_MemJob(job_id, True, tuple(keys), tuple(slots)))
+
+    def submit_load(self, job_id: int, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
+        """Queue a load of ``keys`` into primary ``slots``."""
+        self._submit(_MemJob(job_id, False, tuple(keys), tuple(slots)))
+
+    def get_finished(self) -> list[JobResult]:
+        """Run the queued jobs (not held ones) and return every result not yet collected."""
+        self._run_queued()
+        done, self._done = self._done, []
+        return done
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        """Record the finalisation (for tests)."""
+        self.finished_requests.append(ctx.req_id)
+
+    def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
+        """Nothing to do."""
+
+    def has_pending_work(self) -> bool:
+        """Whether jobs are queued, held or uncollected."""
+        return bool(self.submitted or self.held or self._done)
+
+    def drain(self) -> None:
+        """Run every queued and held job."""
+        self.drains += 1
+        self.release()
+        self._run_queued()
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Stored events (medium of the tier)."""
+        events, self._events = self._events, []
+        return events
+
+    def get_stats(self) -> dict[str, float | int | list[float]]:
+        """Job counters since the last call."""
+        stats: dict[str, float | int | list[float]] = dict(self._stats)
+        self._stats = dict.fromkeys(self._stats, 0)
+        return stats
+
+    def shutdown(self) -> None:
+        """Drop queued work."""
+        self.submitted.clear()
+        self.held.clear()
+
+    # -- test controls ------------------------------------------------------------------------
+
+    def release(self, job_id: int | None = None) -> None:
+        """Let a held job (or every held job) complete on the next poll."""
+        keep: list[_MemJob] = []
+        for job in self.held:
+            if job_id is None or job.job_id == job_id:
+                self.submitted.append(job)
+            else:
+                keep.append(job)
+        self.held = keep
+
+    def put(self, key: OffloadKey, data: bytes = b"") -> None:
+        """Place ``key`` directly in the tier (test setup)."""
+        self.data[key] = data
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _submit(self, job: _MemJob) -> None:
+        (self.held if self.hold else self.submitted).append(job)
+
+    def _run_queued(self) -> None:
+        queued, self.submitted = self.submitted, []
+        for job in queued:
+            self._done.append(self._run(job))
+
+    def _run(self, job: _MemJob) -> JobResult:
+        pool = self.pool
+        if any(k in self.fail_keys for k in job.keys) or (
+            not job.is_store
+            and any(
+                k not in self.data or (pool is not None and len(self.data[k]) != pool.slot_bytes)
+                for k in job.keys
+            )
+        ):
+            self._stats["failed_jobs"] += 1
+            return JobResult(job.job_id, False)
+        if job.is_store:
+            stored: list[OffloadKey] = []
+            for key, slot in zip(job.keys, job.slots, strict=True):
+                if key not in self.data:
+                    stored.append(key)
+                self.data[key] = pool.read_slot(slot) if pool is not None else b""
+            self._stats["stores"] += len(job.keys)
+            if stored:
+                self._events.append(OffloadingEvent(tuple(stored), self.medium, removed=False))
+        else:
+            for key, slot in zip(job.keys, job.slots, strict=True):
+                if pool is not None:
+                    pool.write_slot(slot, self.data[key])
+            self._stats["loads"] += len(job.keys)
+        return JobResult(job.job_id, True)
