@@ -41,6 +41,7 @@ from statecore.manager import (
     TierMatcher,
 )
 from statecore.pool import CPUPool
+from statecore.scheduler import ConnectorOutputResult, OffloadingScheduler, SchedulerCounters
 from statecore.views import Request, RequestLike, ScheduledRequest, SchedulerOutput
 from statecore.wire import (
     ConnectorMetadata,
@@ -58,6 +59,7 @@ __all__ = [
     "CPUPool",
     "ConfigError",
     "ConnectorMetadata",
+    "ConnectorOutputResult",
     "DirectionStats",
     "GPULoadStoreSpec",
     "GroupConfig",
@@ -73,6 +75,7 @@ __all__ = [
     "OffloadPolicy",
     "OffloadingEvent",
     "OffloadingManager",
+    "OffloadingScheduler",
     "PinUnderflowError",
     "PrepareStoreOutput",
     "ReqContext",
@@ -82,6 +85,7 @@ __all__ = [
     "ScheduleEndContext",
     "ScheduledRequest",
     "SchedulerConfig",
+    "SchedulerCounters",
     "SchedulerOutput",
     "SpecError",
     "StatecoreError",

@@ -1,0 +1,393 @@
+"""The invariant catalogue: every ``INV-*`` as a named, executable predicate.
+
+Each :class:`Invariant` carries its statement, the failure it prevents, where it is checked,
+and, for those that concern scheduler state, a ``check`` function yielding violation messages.
+Checked mode (``OffloadingScheduler(checked=True)`` or ``STATECORE_CHECKED=1``) evaluates
+:func:`check_scheduler` after every public call; the fuzzers and the simulator call it after
+every step; the docs render :data:`INVARIANTS`. Manager-side invariants are checked by the
+manager conformance machine (:mod:`statecore.specs.conformance`), end-to-end ones by the
+simulator's byte oracle.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from statecore import kernels
+from statecore.errors import InvariantViolation
+from statecore.lifecycle import (
+    J_IN_FLIGHT,
+    J_PARTIAL,
+    J_STALLED,
+    JOB,
+    R_FINISHED_DRAINING,
+    R_FINISHED_PENDING,
+    R_LOADING,
+    R_NO_TRANSFER,
+    R_PREEMPTED,
+    R_STORING,
+    REQUEST,
+)
+
+if TYPE_CHECKING:
+    from statecore.scheduler import OffloadingScheduler
+
+__all__ = ["INVARIANTS", "Invariant", "check_scheduler", "scheduler_violations"]
+
+Check = Callable[["OffloadingScheduler"], Iterator[str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Invariant:
+    """One named invariant.
+
+    Attributes:
+        code: ``INV-*``.
+        statement: what must hold.
+        prevents: the failure it rules out (each has shipped in a real system).
+        checked_by: where it is checked (``checked mode``, ``fuzzing``, ``simulator``,
+            ``CrossHair``, ``conformance``, ``unit tests``).
+        check: for scheduler-state invariants, a function yielding violation messages.
+    """
+
+    code: str
+    statement: str
+    prevents: str
+    checked_by: tuple[str, ...]
+    check: Check | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduler predicates
+
+
+def _ref(s: OffloadingScheduler) -> Iterator[str]:
+    jobs, reqs = s.jobs, s.requests
+    for rid, rec in reqs.items():
+        for jid in rec.jobs:
+            job = jobs.get(jid)
+            if job is None:
+                yield f"request {rid!r} lists job {jid}, which is not live"
+            elif job.req is not rec:
+                yield f"request {rid!r} lists job {jid}, which belongs to {job.req.req_id!r}"
+    for jid, job in jobs.items():
+        if reqs.get(job.req.req_id) is not job.req:
+            yield f"live job {jid} belongs to request {job.req.req_id!r}, which is not tracked"
+        elif jid not in job.req.jobs:
+            yield f"live job {jid} is missing from request {job.req.req_id!r}'s in-flight set"
+    for block, jids in s.fence_index.items():
+        if not jids:
+            yield f"fence entry for block {block} is empty"
+        for jid in jids:
+            job = jobs.get(jid)
+            if job is None or not job.is_store:
+                yield f"fence entry for block {block} names job {jid}, not a live store job"
+            elif block not in job.fenced and not (
+                job.deferred_registered and block in job.deferred_fence
+            ):
+                yield f"fence entry for block {block} names job {jid}, which does not read it"
+    for jid, job in jobs.items():
+        registered = job.fenced + (job.deferred_fence if job.deferred_registered else ())
+        for block in registered:
+            if jid not in s.fence_index.get(block, ()):
+                yield f"store job {jid} reads block {block} but is not in its fence entry"
+    loading = s.loading_keys
+    if loading is not None:
+        expected: Counter[bytes] = Counter()
+        for job in jobs.values():
+            if not job.is_store:
+                expected.update(job.keys)
+        if dict(expected) != dict(loading):
+            yield "chunks-being-loaded index differs from the keys of live load jobs"
+
+
+def _epoch(s: OffloadingScheduler) -> Iterator[str]:
+    lo, hi = s.stale_threshold, s.next_job_id
+    for jid in list(s.jobs) + list(s.stalled_jobs):
+        if not lo <= jid < hi:
+            yield f"job {jid} outside the current epoch [{lo}, {hi})"
+
+
+def _quorum(s: OffloadingScheduler) -> Iterator[str]:
+    n = s.config.num_workers
+    for jid, job in s.jobs.items():
+        if not 0 < job.pending <= n:
+            yield f"live job {jid} has {job.pending} outstanding reports of {n} workers"
+        if job.pending + job.failed > n:
+            yield f"live job {jid}: {job.pending} outstanding + {job.failed} failed > {n}"
+    for jid, job in s.stalled_jobs.items():
+        if not 0 < job.pending <= n:
+            yield f"stalled job {jid} has remaining count {job.pending}"
+
+
+def _term(s: OffloadingScheduler) -> Iterator[str]:
+    c = s.counters
+    ended = c.jobs_completed + c.jobs_failed + c.jobs_stalled + c.jobs_discarded
+    if c.jobs_created != len(s.jobs) + ended:
+        yield (
+            f"{c.jobs_created} jobs created but {len(s.jobs)} live + {ended} ended "
+            f"(completed {c.jobs_completed}, failed {c.jobs_failed}, stalled "
+            f"{c.jobs_stalled}, discarded {c.jobs_discarded})"
+        )
+
+
+def _excl(s: OffloadingScheduler) -> Iterator[str]:
+    jobs = s.jobs
+    for rid, rec in s.requests.items():
+        loads = [j for j in rec.jobs if j in jobs and not jobs[j].is_store]
+        if loads and len(rec.jobs) != 1:
+            yield f"request {rid!r} has a load and other jobs in flight: {sorted(rec.jobs)}"
+
+
+def _cursor(s: OffloadingScheduler) -> Iterator[str]:
+    bpc = s.config.blocks_per_chunk
+    for rid, rec in s.requests.items():
+        for g, gs in enumerate(rec.groups):
+            if gs.cursor > len(gs.keys) or gs.cursor * bpc > len(gs.block_ids):
+                yield (
+                    f"request {rid!r} group {g}: store cursor {gs.cursor} beyond "
+                    f"{len(gs.keys)} keys or {len(gs.block_ids) // bpc} whole chunks of blocks"
+                )
+
+
+def _src_valid(s: OffloadingScheduler) -> Iterator[str]:
+    load_dst: set[int] = set()
+    for job in s.jobs.values():
+        if not job.is_store:
+            load_dst.update(job.blocks)
+    for jid, job in s.jobs.items():
+        if job.is_store:
+            if 0 in job.blocks:
+                yield f"store job {jid} reads the null or a stale (zeroed) block"
+            clash = load_dst.intersection(job.blocks)
+            if clash:
+                yield f"store job {jid} reads blocks {sorted(clash)} an unfinished load writes"
+
+
+def _fence(s: OffloadingScheduler) -> Iterator[str]:
+    for jid, job in s.jobs.items():
+        if not job.is_store:
+            continue
+        finished = job.req.state in (R_FINISHED_PENDING, R_FINISHED_DRAINING)
+        if finished and job.deferred_fence and not job.deferred_registered:
+            yield f"store job {jid} of finished request {job.req.req_id!r} is not fenced"
+
+
+_REQ_SHAPE = {
+    R_NO_TRANSFER: "no jobs",
+    R_LOADING: "exactly one load job",
+    R_STORING: "one or more store jobs",
+    R_PREEMPTED: "one or more jobs",
+    R_FINISHED_DRAINING: "one or more jobs, signalled",
+}
+
+
+def _lifecycle(s: OffloadingScheduler) -> Iterator[str]:
+    jobs = s.jobs
+    for rid, rec in s.requests.items():
+        st = rec.state
+        kinds = [jobs[j].is_store for j in rec.jobs if j in jobs]
+        ok = True
+        if st == R_NO_TRANSFER:
+            ok = not rec.jobs
+        elif st == R_LOADING:
+            ok = kinds == [False]
+        elif st == R_STORING:
+            ok = bool(kinds) and all(kinds)
+        elif st == R_PREEMPTED:
+            ok = bool(rec.jobs)
+        elif st == R_FINISHED_DRAINING:
+            ok = bool(rec.jobs) and rec.signalled
+        elif st == R_FINISHED_PENDING:
+            ok = not rec.signalled
+        else:
+            ok = False
+        if not ok:
+            yield (
+                f"request {rid!r} is in state {REQUEST.state_name(rec)!r} but holds "
+                f"{len(rec.jobs)} jobs (stores: {kinds}), signalled={rec.signalled}; expected "
+                f"{_REQ_SHAPE.get(st, 'a live state')}"
+            )
+    n = s.config.num_workers
+    for jid, job in jobs.items():
+        if job.state == J_IN_FLIGHT:
+            ok = job.pending == n and job.failed == 0
+        elif job.state == J_PARTIAL:
+            ok = 0 < job.pending < n
+        else:
+            ok = False
+        if not ok:
+            yield (
+                f"live job {jid} is in state {JOB.state_name(job)!r} with pending "
+                f"{job.pending}, failed {job.failed}"
+            )
+    for jid, job in s.stalled_jobs.items():
+        if job.state != J_STALLED:
+            yield f"ledger job {jid} is in state {JOB.state_name(job)!r}, not stalled"
+
+
+def _live(s: OffloadingScheduler) -> Iterator[str]:
+    last = s._last_stall_check
+    timeout = s.config.stall_timeout_s
+    for jid, job in s.jobs.items():
+        if kernels.stall_due(last, job.created_at, timeout):
+            yield f"job {jid} was due for the stall timeout at the last check but is live"
+
+
+INVARIANTS: dict[str, Invariant] = {
+    inv.code: inv
+    for inv in (
+        Invariant(
+            "INV-REF",
+            "Every job id in a request's in-flight set is a live job of that request, every "
+            "live job belongs to exactly one live request, every fence entry names live store "
+            "jobs that read that block, and the chunks-being-loaded index equals the keys of "
+            "live load jobs.",
+            "Dangling job ids that defer a request forever; KeyErrors on completion.",
+            ("checked mode", "fuzzing", "simulator"),
+            _ref,
+        ),
+        Invariant(
+            "INV-EPOCH",
+            "Every live or stalled job belongs to the current reset epoch; reports for older "
+            "epochs or never-issued ids are absorbed and counted, never applied.",
+            "A late pre-reset report completing a post-reset job, or crashing the engine.",
+            ("checked mode", "fuzzing", "CrossHair", "unit tests"),
+            _epoch,
+        ),
+        Invariant(
+            "INV-QUORUM",
+            "A job completes only after all workers reported; outstanding counts stay in "
+            "(0, num_workers] while live; a stalled job's remaining count drains to 0, then "
+            "the job is forgotten.",
+            "Completing a store on the first rank's report while other ranks still copy.",
+            ("checked mode", "fuzzing", "CrossHair"),
+            _quorum,
+        ),
+        Invariant(
+            "INV-TERM",
+            "Every job reaches exactly one terminal outcome (completed, failed, stalled, "
+            "discarded) and the manager receives exactly one completion for it, except for "
+            "jobs discarded by reset.",
+            "Double complete_store (negative counters) or none (slots leaked write-pending).",
+            ("checked mode", "fuzzing", "simulator"),
+            _term,
+        ),
+        Invariant(
+            "INV-FENCE",
+            "No GPU block an unfinished store (or a stalled transfer that may still land) reads "
+            "or writes is handed to a new owner without that job being flushed first.",
+            "Silent KV corruption: a reused block overwritten before its store copied it.",
+            ("checked mode", "simulator (byte oracle)", "fuzzing"),
+            _fence,
+        ),
+        Invariant(
+            "INV-SRC-VALID",
+            "A store's source blocks hold computed KV: never the null block, never a zeroed "
+            "stale sliding-window block, never the destination of an unfinished load.",
+            "Storing garbage under a valid key.",
+            ("checked mode", "fuzzing"),
+            _src_valid,
+        ),
+        Invariant(
+            "INV-EXCL",
+            "Per request, the in-flight set is exactly one load, or zero or more stores; a "
+            "lookup that would break this is deferred, never asserted.",
+            "Engine-killing asserts when a preempted request is re-admitted mid-store.",
+            ("checked mode", "lifecycle table", "fuzzing"),
+            _excl,
+        ),
+        Invariant(
+            "INV-CURSOR",
+            "Per group, the next-chunk-to-store cursor never exceeds the number of keys or of "
+            "whole chunks of block ids; clearing block ids rewinds it.",
+            "Storing chunks whose blocks were never allocated, or skipping chunks forever.",
+            ("checked mode", "CrossHair", "fuzzing"),
+            _cursor,
+        ),
+        Invariant(
+            "INV-LIFECYCLE",
+            "The lifecycle state of every request and job agrees with the data it summarises "
+            "(in-flight set, outstanding and failed counts, signalled flag).",
+            "A table state drifting from reality, so guards decide on wrong facts.",
+            ("checked mode", "fuzzing"),
+            _lifecycle,
+        ),
+        Invariant(
+            "INV-LIVE",
+            "A deferred request or in-flight job leaves that state within bounded steps or "
+            "time: a job past the stall timeout at the last check is no longer live.",
+            "Requests hung forever behind a worker that never reports.",
+            ("checked mode", "simulator (hung requests)"),
+            _live,
+        ),
+        Invariant(
+            "INV-PIN",
+            "Manager reference counts never go below their floor; every pin has exactly one "
+            "release on every path: completion, failure, stall, reset.",
+            "Negative pin counts; keys pinned forever and never evictable.",
+            ("conformance", "simulator (leak check)"),
+        ),
+        Invariant(
+            "INV-EVICT",
+            "An eviction victim is never pinned, write-pending or among the keys being stored; "
+            "eviction succeeds exactly when enough evictable capacity exists; a failed "
+            "eviction changes nothing.",
+            "Evicting a block still in use; half-applied evictions.",
+            ("conformance", "CrossHair"),
+        ),
+        Invariant(
+            "INV-ORDER",
+            "on_request_finished reaches the manager exactly once per tracked request, after "
+            "its last prepare_store/prepare_load; secondary tiers are finalised only when the "
+            "request finished and has no pending primary stores.",
+            "Tiering KeyError on a store completing after finalisation (upstream #49635).",
+            ("lifecycle table", "unit tests", "conformance"),
+        ),
+        Invariant(
+            "INV-FAIL-STATE",
+            "A worker-reported transfer failure is data (success=False): the store is discarded, "
+            "the load's blocks are reported for recompute, nothing asserts.",
+            "Engine crash on the first failed copy.",
+            ("unit tests", "simulator", "fuzzing"),
+        ),
+        Invariant(
+            "INV-NO-PARTIAL",
+            "Data of a failed or stalled store never becomes loadable and is never cascaded to "
+            "a secondary tier.",
+            "Serving half-written KV as a cache hit.",
+            ("conformance", "unit tests", "simulator (byte oracle)"),
+        ),
+        Invariant(
+            "INV-DATA",
+            "The KV bytes a load delivers for a key are exactly the bytes stored for it.",
+            "Silent corruption anywhere on the path.",
+            ("simulator (byte oracle)", "worker tests"),
+        ),
+        Invariant(
+            "INV-TABLE",
+            "The compiled dispatch table and the python-statemachine classes agree on every "
+            "event: same accept/reject, same target state.",
+            "A hot-path table drifting from the lifecycle definition.",
+            ("checked mode", "differential Hypothesis test"),
+        ),
+    )
+}
+"""Every invariant, by code."""
+
+
+def scheduler_violations(sched: OffloadingScheduler) -> Iterator[tuple[str, str]]:
+    """Every violated scheduler invariant as ``(code, message)``."""
+    for inv in INVARIANTS.values():
+        if inv.check is not None:
+            for msg in inv.check(sched):
+                yield inv.code, msg
+
+
+def check_scheduler(sched: OffloadingScheduler) -> None:
+    """Raise :class:`~statecore.errors.InvariantViolation` for the first violation."""
+    for code, msg in scheduler_violations(sched):
+        raise InvariantViolation(code, msg)

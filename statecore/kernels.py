@@ -1,0 +1,216 @@
+"""Pure kernels of the scheduler, with contracts.
+
+Every decision the scheduler makes on counts, ids and cursors is one of these small functions,
+so that CrossHair can check its PEP 316 contracts (``pre:``/``post:`` lines in the docstring)
+symbolically: ``crosshair check --analysis_kind=PEP316 statecore.kernels``. The scheduler calls
+exactly these functions on its hot path; nothing is re-implemented beside them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+
+__all__ = [
+    "ReportKind",
+    "apply_report",
+    "classify_report",
+    "fence_add",
+    "fence_remove",
+    "prefix_hits",
+    "stall_due",
+    "storable_chunks",
+    "window_hits",
+]
+
+# LookupResult values, duplicated as ints so these kernels stay free of imports CrossHair
+# would have to model; statecore.manager.LookupResult is an IntEnum with the same values.
+MISS, HIT, HIT_PENDING, RETRY = 0, 1, 2, 3
+
+
+class ReportKind(enum.IntEnum):
+    """How a worker report for one job id is treated."""
+
+    LIVE = 0
+    """The job is in flight: the report counts towards its quorum."""
+    STALLED = 1
+    """The job was declared stalled: the report is absorbed (late report)."""
+    STALE = 2
+    """The job belongs to an epoch before the last reset: the report is inert."""
+    UNKNOWN = 3
+    """The id was never issued: the report is inert and counted."""
+    DUPLICATE = 4
+    """The id was issued in this epoch but the job already ended: inert and counted."""
+
+
+def classify_report(
+    job_id: int, stale_threshold: int, next_job_id: int, live: bool, stalled: bool
+) -> ReportKind:
+    """Classify a report for ``job_id`` (INV-EPOCH).
+
+    pre: 0 <= stale_threshold <= next_job_id
+    pre: not (live and stalled)
+    pre: not (live or stalled) or stale_threshold <= job_id < next_job_id
+    post: (__return__ == ReportKind.STALE) == (0 <= job_id < stale_threshold)
+    post: (__return__ == ReportKind.LIVE) == (live and job_id >= stale_threshold)
+    post: __return__ != ReportKind.UNKNOWN or job_id >= next_job_id or job_id < 0
+    """
+    if job_id < 0:
+        return ReportKind.UNKNOWN
+    if job_id < stale_threshold:
+        return ReportKind.STALE
+    if live:
+        return ReportKind.LIVE
+    if stalled:
+        return ReportKind.STALLED
+    if job_id >= next_job_id:
+        return ReportKind.UNKNOWN
+    return ReportKind.DUPLICATE
+
+
+def apply_report(pending: int, ok: int, bad: int) -> tuple[int, int, int, int]:
+    """Apply ``ok`` successful and ``bad`` failed worker reports to ``pending`` (INV-QUORUM).
+
+    Failures are accepted first, so an over-report never hides a failure. Returns
+    ``(new_pending, accepted_ok, accepted_bad, excess)``; the excess is what exceeded the
+    outstanding count (duplicate reports) and is dropped.
+
+    pre: pending >= 0 and ok >= 0 and bad >= 0
+    post: __return__[0] >= 0
+    post: __return__[0] == pending - __return__[1] - __return__[2]
+    post: __return__[1] + __return__[2] + __return__[3] == ok + bad
+    post: __return__[3] == max(0, ok + bad - pending)
+    post: __return__[2] == min(bad, pending)
+    """
+    accepted_bad = min(bad, pending)
+    accepted_ok = min(ok, pending - accepted_bad)
+    excess = ok + bad - accepted_ok - accepted_bad
+    return pending - accepted_ok - accepted_bad, accepted_ok, accepted_bad, excess
+
+
+def stall_due(now: float, created_at: float, timeout: float) -> bool:
+    """Whether a job created at ``created_at`` is stalled at ``now``.
+
+    pre: timeout > 0
+    post: __return__ == (now - created_at >= timeout)
+    """
+    return now - created_at >= timeout
+
+
+def storable_chunks(
+    n_offloadable_tokens: int,
+    tokens_per_chunk: int,
+    n_block_ids: int,
+    blocks_per_chunk: int,
+    n_keys: int,
+) -> int:
+    """How many leading chunks of a group may be stored now (INV-CURSOR's bound).
+
+    pre: n_offloadable_tokens >= 0 and n_block_ids >= 0 and n_keys >= 0
+    pre: tokens_per_chunk > 0 and blocks_per_chunk > 0
+    post: 0 <= __return__ <= n_keys
+    post: __return__ * blocks_per_chunk <= n_block_ids
+    post: __return__ * tokens_per_chunk <= n_offloadable_tokens
+    """
+    return min(n_offloadable_tokens // tokens_per_chunk, n_block_ids // blocks_per_chunk, n_keys)
+
+
+def prefix_hits(results: Sequence[int], budget_chunks: int) -> int | None:
+    """Maximal-prefix lookup decision over per-chunk lookup results, in order.
+
+    ``results`` holds the manager's answers from the first chunk on, ending at (and
+    including) the first MISS if there is one. Returns the number of leading chunks to load, or
+    None to defer: a RETRY anywhere defers; a run of pending chunks longer than
+    ``budget_chunks`` defers, a shorter one is cut off (recomputed instead of waited for).
+
+    pre: budget_chunks >= 0
+    pre: all(0 <= r <= 3 for r in results)
+    post: __return__ is None or 0 <= __return__ <= len(results)
+    post: __return__ is None or all(r == HIT for r in results[:__return__])
+    """
+    count = 0
+    first_pending = -1
+    retry = False
+    for r in results:
+        if r == MISS:
+            break
+        if r == RETRY:
+            retry = True
+        elif r == HIT_PENDING and first_pending < 0:
+            first_pending = count
+        count += 1
+    if retry:
+        return None
+    if first_pending < 0:
+        return count
+    if count - first_pending > budget_chunks:
+        return None
+    return first_pending
+
+
+def window_hits(results: Sequence[int], window: int) -> int | None:
+    """Sliding-window lookup decision: scan from the right for ``window`` readable chunks.
+
+    Returns the end index (exclusive, counted from the start of ``results``) of the
+    rightmost run of ``window`` consecutive HIT chunks, the length of a leading run of HITs
+    shorter than ``window`` if no full window exists, 0 for no hit, or None to defer (a RETRY
+    or pending chunk inside the run that would be chosen).
+
+    pre: window > 0
+    pre: all(0 <= r <= 3 for r in results)
+    post: __return__ is None or 0 <= __return__ <= len(results)
+    """
+    streak = 0
+    blocked = False
+    for idx in range(len(results) - 1, -1, -1):
+        r = results[idx]
+        if r in (HIT, HIT_PENDING):
+            streak += 1
+            blocked = blocked or r == HIT_PENDING
+            if streak == window:
+                return None if blocked else idx + window
+        else:
+            if r == RETRY:
+                return None
+            streak = 0
+            blocked = False
+    if blocked:
+        return None
+    return streak
+
+
+def fence_add(index: dict[int, set[int]], job_id: int, blocks: Iterable[int]) -> None:
+    """Register ``job_id`` on every block of ``blocks`` in the fence index.
+
+    pre: all(index[b] for b in index)
+    post: all(index[b] for b in index)
+    post: all(job_id in index[b] for b in blocks)
+    """
+    for b in blocks:
+        jobs = index.get(b)
+        if jobs is None:
+            index[b] = {job_id}
+        else:
+            jobs.add(job_id)
+
+
+def fence_remove(index: dict[int, set[int]], job_id: int, blocks: Iterable[int]) -> int:
+    """Remove ``job_id`` from every block of ``blocks``; drop blocks left without jobs.
+
+    Returns how many (block, job) pairs were missing (a tolerated, counted anomaly: the same
+    block id listed twice in a job).
+
+    pre: all(index[b] for b in index)
+    post: all(b not in index or job_id not in index[b] for b in blocks)
+    post: all(index[b] for b in index)
+    """
+    missing = 0
+    for b in blocks:
+        jobs = index.get(b)
+        if jobs is None or job_id not in jobs:
+            missing += 1
+            continue
+        jobs.discard(job_id)
+        if not jobs:
+            del index[b]
+    return missing

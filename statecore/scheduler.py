@@ -1,0 +1,1111 @@
+"""The scheduler side of an offloading connector.
+
+:class:`OffloadingScheduler` decides what to look up, load and store, tracks every transfer
+job across the workers and protects GPU blocks that get reused while a copy is in flight. It
+follows the hooks of vLLM's offloading connector (``get_num_new_matched_tokens``,
+``update_state_after_alloc``, ``build_connector_meta``, ``update_connector_output``,
+``request_finished``, ...) and adds what upstream lacks:
+
+* every request and job moves through the compiled lifecycles of
+  :mod:`statecore.lifecycle`, whose actions call back into this class (the
+  :class:`~statecore.lifecycle.LifecycleEffects` hooks at the end of the class);
+* a job with no full quorum after ``stall_timeout_s`` is completed with ``success=False``
+  through the one completion path, flushed to the workers, and kept in a ledger that absorbs
+  its late reports (seed 000);
+* worker-reported failures complete jobs with ``success=False``; failed or stalled loads are
+  reported as invalid GPU blocks so the engine recomputes them;
+* ``reset_cache`` flushes every job, clears every request's in-flight set and makes every
+  earlier report inert (the seed-004 fix);
+* bad input never asserts: it raises a typed :mod:`statecore.errors` error with the state
+  unchanged, or is absorbed and counted (see :class:`SchedulerCounters`).
+
+The class is sans-IO: no threads, no files, time only through the injected ``clock``.
+
+Stalled transfers and INV-FENCE: a stalled job may still be running on a worker. At the stall
+the job is put in the next step's ``jobs_to_flush``, so every worker waits for it (or finds it
+unknown) before that step writes any GPU block, and before any store that reuses its freed CPU
+slots is submitted. Its fences can therefore be dropped at the stall. Its ledger entry absorbs
+late reports until its remaining worker count reaches 0, and expires after another
+``stall_timeout_s`` (counted as ``stalled_expired``): reports arriving later are absorbed as
+duplicates.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from statecore import kernels
+from statecore.config import SchedulerConfig
+from statecore.errors import ManagerError, MetadataError, UnknownRequestError
+from statecore.keys import OffloadKey, make_offload_key
+from statecore.lifecycle import (
+    JE_RESET,
+    JE_STALL_TIMEOUT,
+    JE_WORKER_REPORT,
+    JOB,
+    RE_ALLOC_LOAD,
+    RE_FINISH,
+    RE_JOB_ENDED,
+    RE_LOOKUP,
+    RE_PREEMPT,
+    RE_RESET,
+    RE_SIGNAL_FINISHED,
+    RE_STORE_CREATED,
+    REQUEST,
+)
+from statecore.manager import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadPolicy,
+    ReqContext,
+    ScheduleEndContext,
+)
+from statecore.views import RequestLike, SchedulerOutput
+from statecore.wire import ConnectorMetadata, GPULoadStoreSpec, TransferJob, WorkerMetadata
+
+__all__ = [
+    "ConnectorOutputResult",
+    "GroupState",
+    "JobRecord",
+    "OffloadingScheduler",
+    "RequestRecord",
+    "SchedulerCounters",
+]
+
+Clock = Callable[[], float]
+
+_MISS = int(LookupResult.MISS)
+
+
+class GroupState:
+    """Per request and KV-cache group: offload keys, GPU block ids and the store cursor.
+
+    Attributes:
+        keys: offload key of each whole chunk the request's hashes cover so far.
+        block_ids: the request's GPU block ids in this group (0 = null, skipped or stale).
+        cursor: first chunk not yet considered for storing (INV-CURSOR).
+        skip: chunks loaded at admission, never offered again under the chunk-level policy.
+    """
+
+    __slots__ = ("block_ids", "cursor", "keys", "skip")
+
+    def __init__(self) -> None:
+        self.keys: list[OffloadKey] = []
+        self.block_ids: list[int] = []
+        self.cursor = 0
+        self.skip = 0
+
+
+class RequestRecord:
+    """Scheduler state of one tracked request. ``state`` indexes ``REQUEST.states``."""
+
+    __slots__ = (
+        "_shadow",
+        "_sm",
+        "ctx",
+        "deferred_since",
+        "groups",
+        "jobs",
+        "max_load_tokens",
+        "max_offload_tokens",
+        "num_local_computed",
+        "num_scheduled",
+        "owner",
+        "policy",
+        "req_id",
+        "request",
+        "signalled",
+        "state",
+    )
+
+    def __init__(
+        self,
+        owner: OffloadingScheduler,
+        request: RequestLike,
+        ctx: ReqContext,
+        policy: OffloadPolicy,
+        n_groups: int,
+    ) -> None:
+        self.owner = owner
+        self.req_id = request.request_id
+        self.request = request
+        self.ctx = ctx
+        self.policy = policy
+        self.groups = [GroupState() for _ in range(n_groups)]
+        self.jobs: set[int] = set()
+        self.max_load_tokens: int | None = None
+        self.max_offload_tokens: int | None = None
+        self.num_local_computed = 0
+        self.num_scheduled = 0
+        self.deferred_since: float | None = None
+        self.signalled = False
+        self.state = 0
+        REQUEST.attach(self)
+
+
+class JobRecord:
+    """Scheduler state of one transfer job. ``state`` indexes ``JOB.states``.
+
+    Attributes:
+        keys: the job's offload keys (the manager's completion gets exactly these).
+        blocks: GPU blocks it reads (store) or writes (load).
+        pending: workers that have not reported yet.
+        failed: workers that reported a failure.
+        fenced: store sources fenced from creation (sliding-window groups).
+        deferred_fence: store sources fenced once the request finishes (full attention).
+        deferred_registered: whether ``deferred_fence`` is in the fence index.
+    """
+
+    __slots__ = (
+        "_shadow",
+        "_sm",
+        "blocks",
+        "created_at",
+        "deferred_fence",
+        "deferred_registered",
+        "failed",
+        "fenced",
+        "is_store",
+        "job_id",
+        "keys",
+        "owner",
+        "pending",
+        "req",
+        "stalled_at",
+        "state",
+    )
+
+    def __init__(
+        self,
+        owner: OffloadingScheduler,
+        job_id: int,
+        req: RequestRecord,
+        is_store: bool,
+        keys: tuple[OffloadKey, ...],
+        blocks: tuple[int, ...],
+        pending: int,
+        now: float,
+        fenced: tuple[int, ...] = (),
+        deferred_fence: tuple[int, ...] = (),
+    ) -> None:
+        self.owner = owner
+        self.job_id = job_id
+        self.req = req
+        self.is_store = is_store
+        self.keys = keys
+        self.blocks = blocks
+        self.pending = pending
+        self.failed = 0
+        self.created_at = now
+        self.stalled_at = 0.0
+        self.fenced = fenced
+        self.deferred_fence = deferred_fence
+        self.deferred_registered = False
+        self.state = 0
+        JOB.attach(self)
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    """Cumulative counters. Every tolerated anomaly has its own counter.
+
+    Job outcomes: ``jobs_created = live + completed + failed + stalled + discarded``.
+    """
+
+    jobs_created: int = 0
+    load_jobs_created: int = 0
+    store_jobs_created: int = 0
+    jobs_completed: int = 0
+    jobs_failed: int = 0
+    jobs_stalled: int = 0
+    jobs_discarded: int = 0
+    stalled_retired: int = 0
+    stalled_expired: int = 0
+    late_reports: int = 0
+    stale_reports: int = 0
+    duplicate_reports: int = 0
+    unknown_reports: int = 0
+    over_reports: int = 0
+    invalid_report_counts: int = 0
+    lookups: int = 0
+    lookups_deferred: int = 0
+    lookup_hit_tokens: int = 0
+    allocation_failures: int = 0
+    flushes_requested: int = 0
+    resets: int = 0
+    implicit_new_requests: int = 0
+    untracked_finishes: int = 0
+    unknown_scheduled_requests: int = 0
+    invalid_transfer_params: int = 0
+    manager_errors: int = 0
+    fence_pairs_missing: int = 0
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    store_bytes: int = 0
+    store_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, int | float]:
+        """The counters as a plain dict."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorOutputResult:
+    """What the engine learns from :meth:`OffloadingScheduler.update_connector_output`.
+
+    Attributes:
+        finished_loads: requests whose load job ended (completed, failed, stalled or
+            discarded by a reset); they may resume.
+        invalid_block_ids: GPU blocks of loads that did not complete successfully: their
+            content is not trustworthy and must be recomputed.
+    """
+
+    finished_loads: frozenset[str] = frozenset()
+    invalid_block_ids: frozenset[int] = frozenset()
+
+
+@dataclass(slots=True)
+class _StepBatch:
+    loads: dict[int, TransferJob] = field(default_factory=dict)
+    flush: set[int] = field(default_factory=set)
+    allocated: set[int] = field(default_factory=set)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _param(params: Mapping[str, Any] | None, name: str) -> tuple[int | None, bool]:
+    """Read a non-negative int transfer parameter; (value, was_invalid)."""
+    if not params or name not in params:
+        return None, False
+    value = params[name]
+    if type(value) is int and value >= 0:
+        return value, False
+    return None, True
+
+
+class OffloadingScheduler:
+    """Scheduler side of a KV-offloading connector.
+
+    Args:
+        config: the validated configuration.
+        manager: the cache directory (:class:`~statecore.OffloadingManager`).
+        clock: monotonic seconds; injected so that runs replay from a seed.
+        checked: evaluate every invariant of :mod:`statecore.specs.invariants` after every
+            public call and raise :class:`~statecore.errors.InvariantViolation` on the first
+            violation. Defaults to the ``STATECORE_CHECKED`` environment variable.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        manager: OffloadingManager,
+        clock: Clock = time.monotonic,
+        checked: bool | None = None,
+    ) -> None:
+        self.config = config
+        self.manager = manager
+        self.clock = clock
+        self.counters = SchedulerCounters()
+        self._reqs: dict[str, RequestRecord] = {}
+        self._jobs: dict[int, JobRecord] = {}
+        self._stalled: dict[int, JobRecord] = {}
+        self._next_job_id = 0
+        self._stale_threshold = 0
+        self._fence: dict[int, set[int]] = {}
+        self._loading_keys: dict[OffloadKey, int] | None = (
+            {} if config.enable_prefix_caching else None
+        )
+        self._batch = _StepBatch()
+        self._awaiting_signal: dict[str, RequestRecord] = {}
+        self._finished_loads: set[str] = set()
+        self._invalid_blocks: set[int] = set()
+        self._last_stall_check = clock()
+        self._stats_mark = SchedulerCounters()
+        n = len(config.groups)
+        self._n_groups = n
+        self._bpc = config.blocks_per_chunk
+        self._tpc = [config.tokens_per_chunk(g) for g in range(n)]
+        self._tpb = [config.groups[g].tokens_per_block for g in range(n)]
+        self._hpc = [config.hashes_per_chunk(g) for g in range(n)]
+        self._window = [config.window_chunks(g) for g in range(n)]
+        self._sliding = [w is not None for w in self._window]
+        # lookup order: full attention first, then sliding window by window size, descending
+        self._lookup_order = [g for g in range(n) if not self._sliding[g]] + sorted(
+            (g for g in range(n) if self._sliding[g]),
+            key=lambda g: -(self._window[g] or 0),
+        )
+        if checked is None:
+            checked = os.environ.get("STATECORE_CHECKED", "") not in ("", "0")
+        self.checked = checked
+        if checked:
+            self._install_checks()
+
+    # ----------------------------------------------------------------------------------------
+    # introspection (read-only views for tests, specs and the simulator)
+
+    @property
+    def requests(self) -> Mapping[str, RequestRecord]:
+        """Tracked requests by id (read-only use)."""
+        return self._reqs
+
+    @property
+    def jobs(self) -> Mapping[int, JobRecord]:
+        """Live (in-flight) jobs by id (read-only use)."""
+        return self._jobs
+
+    @property
+    def stalled_jobs(self) -> Mapping[int, JobRecord]:
+        """The stalled-job ledger: id -> record whose ``pending`` is the remaining count."""
+        return self._stalled
+
+    @property
+    def fence_index(self) -> Mapping[int, set[int]]:
+        """GPU block id -> ids of store jobs that read it (read-only use)."""
+        return self._fence
+
+    @property
+    def loading_keys(self) -> Mapping[OffloadKey, int] | None:
+        """Keys of live load jobs with their multiplicity (None without prefix caching)."""
+        return self._loading_keys
+
+    @property
+    def stale_threshold(self) -> int:
+        """Reports for job ids below this belong to an epoch before the last reset."""
+        return self._stale_threshold
+
+    @property
+    def next_job_id(self) -> int:
+        """The id the next job will get."""
+        return self._next_job_id
+
+    def request_state(self, req_id: str) -> str:
+        """The lifecycle state name of a tracked request."""
+        rec = self._reqs.get(req_id)
+        if rec is None:
+            raise UnknownRequestError(req_id, "request_state")
+        return REQUEST.state_name(rec)
+
+    def check_invariants(self) -> None:
+        """Evaluate every scheduler invariant; raise the first violation."""
+        # specs/ is mapped into the package at build time; import it by name
+        importlib.import_module("statecore.specs.invariants").check_scheduler(self)
+
+    # ----------------------------------------------------------------------------------------
+    # engine hooks
+
+    def on_new_request(self, request: RequestLike) -> None:
+        """First sighting of ``request``: ask the manager for its policy and track it."""
+        if request.request_id in self._reqs:
+            return
+        self._track(request)
+
+    def _track(self, request: RequestLike) -> RequestRecord:
+        params = request.kv_transfer_params
+        ctx = ReqContext(req_id=request.request_id, kv_transfer_params=params)
+        policy = self.manager.on_new_request(ctx).policy
+        rec = RequestRecord(self, request, ctx, policy, self._n_groups)
+        rec.max_load_tokens, bad_load = _param(params, "max_load_tokens")
+        rec.max_offload_tokens, bad_off = _param(params, "max_offload_tokens")
+        self.counters.invalid_transfer_params += int(bad_load) + int(bad_off)
+        self._reqs[rec.req_id] = rec
+        return rec
+
+    def get_num_new_matched_tokens(
+        self,
+        request: RequestLike,
+        num_computed_tokens: int,
+        max_num_new_tokens: int | None = None,
+    ) -> tuple[int | None, bool]:
+        """How many tokens beyond ``num_computed_tokens`` can be loaded.
+
+        Returns ``(None, False)`` to defer (ask again in a later step): the request still has
+        jobs in flight, a chunk is pending or being located, or another request is loading
+        its hit chunks. ``(n, True)`` means ``n`` tokens will be loaded asynchronously after
+        :meth:`update_state_after_alloc`; ``(0, False)`` means nothing to load.
+
+        Raises :class:`~statecore.errors.LifecycleError` for a finished request.
+        """
+        rec = self._reqs.get(request.request_id)
+        if rec is None:
+            self.counters.implicit_new_requests += 1
+            rec = self._track(request)
+        REQUEST.require(rec, RE_LOOKUP)
+        rec.request = request
+        self.counters.lookups += 1
+        for gs in rec.groups:  # re-admission starts from a fresh allocation
+            gs.block_ids.clear()
+            gs.cursor = 0
+        if rec.jobs:
+            REQUEST.fire(rec, RE_LOOKUP)
+            return self._deferred(rec)
+        self._update_keys(rec)
+        rec.num_local_computed = num_computed_tokens
+        hits: int | None = 0
+        if not request.skip_reading_prefix_cache:
+            hits = self._lookup(rec, num_computed_tokens, max_num_new_tokens)
+        REQUEST.fire(rec, RE_LOOKUP)
+        if hits is None:
+            return self._deferred(rec)
+        rec.deferred_since = None
+        self.counters.lookup_hit_tokens += hits
+        return hits, hits > 0
+
+    def _deferred(self, rec: RequestRecord) -> tuple[None, bool]:
+        self.counters.lookups_deferred += 1
+        if rec.deferred_since is None:
+            rec.deferred_since = self.clock()
+        return None, False
+
+    def _update_keys(self, rec: RequestRecord) -> None:
+        hashes = rec.request.block_hashes
+        n_hashes = len(hashes)
+        for g, gs in enumerate(rec.groups):
+            hpc = self._hpc[g]
+            keys = gs.keys
+            for idx in range(len(keys), n_hashes // hpc):
+                keys.append(make_offload_key(hashes[idx * hpc + hpc - 1], g))
+
+    def _lookup(
+        self, rec: RequestRecord, num_computed: int, max_num_new_tokens: int | None
+    ) -> int | None:
+        request = rec.request
+        # the engine must compute at least the last token itself, to produce logits
+        max_hit = request.num_tokens - 1
+        if max_num_new_tokens is not None:
+            max_hit = min(max_hit, num_computed + max_num_new_tokens)
+        if rec.max_load_tokens is not None:
+            max_hit = min(max_hit, num_computed + rec.max_load_tokens)
+        budget_tokens = self.config.max_recompute_pending_tokens
+        lookup = self.manager.lookup
+        ctx = rec.ctx
+        defer = False
+        changed = True
+        while changed:
+            changed = False
+            for g in self._lookup_order:
+                tpc = self._tpc[g]
+                keys = rec.groups[g].keys
+                cap = min(max_hit, len(keys) * tpc)
+                start = num_computed // tpc
+                end = cap // tpc
+                if end <= start or end * tpc <= num_computed:
+                    return 0
+                results: list[int] = []
+                window = self._window[g]
+                if window is None:
+                    for idx in range(start, end):
+                        r = int(lookup(keys[idx], ctx))
+                        results.append(r)
+                        if r == _MISS:
+                            break
+                    hits = kernels.prefix_hits(results, budget_tokens // tpc)
+                else:
+                    results = [int(lookup(keys[idx], ctx)) for idx in range(start, end)]
+                    hits = kernels.window_hits(results, window)
+                if hits is None:
+                    defer = True
+                    continue
+                if hits == 0:
+                    return 0
+                new_max = tpc * (start + hits)
+                if new_max <= num_computed:
+                    return 0
+                if new_max < max_hit:
+                    max_hit = new_max
+                    changed = True
+        if defer:
+            return None
+        if max_hit <= num_computed:
+            return 0
+        loading = self._loading_keys
+        if loading:
+            for g in self._lookup_order:
+                tpc = self._tpc[g]
+                keys = rec.groups[g].keys
+                for idx in range(num_computed // tpc, max_hit // tpc):
+                    if keys[idx] in loading:
+                        return None
+        return max_hit - num_computed
+
+    def update_state_after_alloc(
+        self,
+        request: RequestLike,
+        block_ids: Sequence[Sequence[int]],
+        num_external_tokens: int,
+    ) -> None:
+        """The engine allocated ``block_ids`` (per group, the request's complete list) for
+        ``num_computed + num_external_tokens`` tokens. With external tokens, create the load
+        job that fills the blocks beyond the locally computed prefix.
+
+        Raises :class:`~statecore.errors.UnknownRequestError` for an untracked request,
+        :class:`~statecore.errors.LifecycleError` when the request cannot load now (it has
+        jobs in flight or finished), and :class:`~statecore.errors.MetadataError` for block
+        lists that do not fit; nothing changes then.
+        """
+        rec = self._reqs.get(request.request_id)
+        if rec is None:
+            raise UnknownRequestError(request.request_id, "update_state_after_alloc")
+        if len(block_ids) != self._n_groups:
+            raise MetadataError(
+                f"update_state_after_alloc: request {rec.req_id!r}: {len(block_ids)} block "
+                f"lists for {self._n_groups} KV-cache groups"
+            )
+        allocated = self._batch.allocated
+        for ids in block_ids:
+            allocated.update(b for b in ids if b)
+        if num_external_tokens <= 0:
+            return
+        REQUEST.require(rec, RE_ALLOC_LOAD)
+        num_cached = rec.num_local_computed + num_external_tokens
+        keys: list[OffloadKey] = []
+        dst: list[int] = []
+        sizes: list[int] = []
+        starts: list[int] = []
+        bpc = self._bpc
+        for g, gs in enumerate(rec.groups):
+            blocks = block_ids[g]
+            n_gpu = _ceil_div(num_cached, self._tpb[g])
+            end_chunk = _ceil_div(num_cached, self._tpc[g])
+            if len(blocks) < n_gpu or len(gs.keys) < end_chunk:
+                raise MetadataError(
+                    f"update_state_after_alloc: request {rec.req_id!r} group {g}: "
+                    f"{len(blocks)} blocks and {len(gs.keys)} keys cannot hold "
+                    f"{num_cached} cached tokens"
+                )
+            start = _ceil_div(rec.num_local_computed, self._tpb[g])
+            while start < n_gpu and not blocks[start]:
+                start += 1
+            dst.extend(blocks[start:n_gpu])
+            sizes.append(n_gpu - start)
+            starts.append(start)
+            if n_gpu > start:
+                keys.extend(gs.keys[start // bpc : end_chunk])
+        src = self.manager.prepare_load(keys, rec.ctx)  # typed error, nothing changed yet
+        if rec.policy is OffloadPolicy.CHUNK_LEVEL:
+            for g, gs in enumerate(rec.groups):
+                gs.skip = max(gs.skip, _ceil_div(num_cached, self._tpc[g]))
+        job = self._new_job(rec, False, tuple(keys), tuple(dst))
+        REQUEST.fire(rec, RE_ALLOC_LOAD)
+        loading = self._loading_keys
+        if loading is not None:
+            for k in job.keys:
+                loading[k] = loading.get(k, 0) + 1
+        self._batch.loads[job.job_id] = TransferJob(
+            rec.req_id, src, GPULoadStoreSpec(tuple(dst), tuple(sizes), tuple(starts))
+        )
+
+    def _new_job(
+        self,
+        rec: RequestRecord,
+        is_store: bool,
+        keys: tuple[OffloadKey, ...],
+        blocks: tuple[int, ...],
+        fenced: tuple[int, ...] = (),
+        deferred_fence: tuple[int, ...] = (),
+    ) -> JobRecord:
+        job_id = self._next_job_id
+        self._next_job_id = job_id + 1
+        job = JobRecord(
+            self,
+            job_id,
+            rec,
+            is_store,
+            keys,
+            blocks,
+            self.config.num_workers,
+            self.clock(),
+            fenced,
+            deferred_fence,
+        )
+        self._jobs[job_id] = job
+        rec.jobs.add(job_id)
+        c = self.counters
+        c.jobs_created += 1
+        if is_store:
+            c.store_jobs_created += 1
+        else:
+            c.load_jobs_created += 1
+        return job
+
+    def build_connector_meta(self, output: SchedulerOutput) -> ConnectorMetadata:
+        """Build this step's metadata: load jobs, store jobs and jobs to flush.
+
+        Order: update request states from ``output`` (keys, block ids, stale sliding-window
+        ids), ``manager.on_schedule_end``, flush preempted requests, flush jobs fenced on any
+        block handed out this step, build store jobs (running requests, then finished ones),
+        then signal finished requests to the manager.
+        """
+        if not isinstance(output, SchedulerOutput):
+            raise MetadataError(
+                f"build_connector_meta: expected SchedulerOutput, got {type(output).__name__}"
+            )
+        batch = self._batch
+        scheduled = self._update_req_states(output)
+        self.manager.on_schedule_end(
+            ScheduleEndContext(output.new_req_ids, output.preempted_req_ids)
+        )
+        for req_id in output.preempted_req_ids:
+            rec = self._reqs.get(req_id)
+            if rec is not None and REQUEST.accepts(rec, RE_PREEMPT):
+                REQUEST.fire(rec, RE_PREEMPT)
+        fence = self._fence
+        if fence and batch.allocated:
+            small, large = (
+                (batch.allocated, fence)
+                if len(batch.allocated) <= len(fence)
+                else (fence, batch.allocated)
+            )
+            for b in small:
+                if b in large:
+                    batch.flush.update(fence[b])
+        store_jobs: dict[int, TransferJob] = {}
+        for rec in scheduled:
+            self._build_store_jobs(rec, store_jobs, finished=False)
+        for rec in list(self._awaiting_signal.values()):
+            self._build_store_jobs(rec, store_jobs, finished=True)
+            REQUEST.fire(rec, RE_SIGNAL_FINISHED)
+        self._awaiting_signal.clear()
+        self.counters.flushes_requested += len(batch.flush)
+        meta = ConnectorMetadata(
+            load_jobs=batch.loads, store_jobs=store_jobs, jobs_to_flush=frozenset(batch.flush)
+        )
+        self._batch = _StepBatch()
+        return meta
+
+    def _update_req_states(self, output: SchedulerOutput) -> list[RequestRecord]:
+        allocated = self._batch.allocated
+        scheduled: list[RequestRecord] = []
+        bpc = self._bpc
+        for s in output.scheduled:
+            rec = self._reqs.get(s.req_id)
+            if rec is None:
+                self.counters.unknown_scheduled_requests += 1
+                continue
+            if len(s.new_block_ids) != self._n_groups:
+                raise MetadataError(
+                    f"build_connector_meta: request {s.req_id!r}: {len(s.new_block_ids)} "
+                    f"block lists for {self._n_groups} KV-cache groups"
+                )
+            self._update_keys(rec)
+            rec.num_scheduled = s.num_scheduled_tokens
+            for g, gs in enumerate(rec.groups):
+                if s.resumed_from_preemption:
+                    gs.block_ids.clear()
+                    gs.cursor = 0
+                ids = s.new_block_ids[g]
+                pre_len = len(gs.block_ids)
+                gs.block_ids.extend(ids)
+                allocated.update(b for b in ids if b)
+                if self._sliding[g] and pre_len:
+                    # sliding-window blocks freed and handed out again before they were
+                    # stored are stale: zero them so they are never stored (INV-SRC-VALID)
+                    block_ids = gs.block_ids
+                    for pos in range(gs.cursor * bpc, pre_len):
+                        if block_ids[pos] in allocated:
+                            block_ids[pos] = 0
+            scheduled.append(rec)
+        allocated.update(output.extra_allocated_block_ids)
+        return scheduled
+
+    def _build_store_jobs(
+        self, rec: RequestRecord, store_jobs: dict[int, TransferJob], finished: bool
+    ) -> None:
+        if not REQUEST.accepts(rec, RE_STORE_CREATED):
+            return  # loading or draining: INV-EXCL, retried in a later step
+        request = rec.request
+        if request.is_aborted:
+            target = request.num_computed_tokens
+        elif finished:
+            target = max(request.num_prompt_tokens, request.num_tokens - 1)
+        else:
+            target = request.num_computed_tokens + rec.num_scheduled
+        n_off = min(target, request.num_tokens)
+        if rec.max_offload_tokens is not None:
+            n_off = min(n_off, rec.max_offload_tokens)
+        if self.config.offload_prompt_only:
+            n_off = min(n_off, request.num_prompt_tokens)
+        bpc = self._bpc
+        offered: list[tuple[int, int, OffloadKey]] = []
+        storable: list[int] = []
+        chunk_level = rec.policy is OffloadPolicy.CHUNK_LEVEL
+        for g, gs in enumerate(rec.groups):
+            n = kernels.storable_chunks(
+                max(n_off, 0), self._tpc[g], len(gs.block_ids), bpc, len(gs.keys)
+            )
+            storable.append(n)
+            first = max(gs.cursor, gs.skip) if chunk_level else gs.cursor
+            block_ids = gs.block_ids
+            for c in range(first, n):
+                chunk = block_ids[c * bpc : (c + 1) * bpc]
+                if 0 in chunk:  # null or stale blocks: never stored (INV-SRC-VALID)
+                    continue
+                offered.append((g, c, gs.keys[c]))
+        if not offered:
+            self._advance(rec, storable)
+            return
+        out = self.manager.prepare_store([k for _, _, k in offered], rec.ctx)
+        if out is None:
+            self.counters.allocation_failures += 1
+            return  # retried next step, cursors untouched
+        if not out.keys_to_store:
+            self._advance(rec, storable)
+            return
+        accepted = set(out.keys_to_store)
+        src: list[int] = []
+        sizes = [0] * self._n_groups
+        starts = [0] * self._n_groups
+        fenced: list[int] = []
+        deferred: list[int] = []
+        keys: list[OffloadKey] = []
+        for g, c, key in offered:
+            if key not in accepted:
+                continue
+            chunk = rec.groups[g].block_ids[c * bpc : (c + 1) * bpc]
+            if not sizes[g]:
+                starts[g] = c * bpc
+            sizes[g] += len(chunk)
+            src.extend(chunk)
+            (fenced if self._sliding[g] else deferred).extend(chunk)
+            keys.append(key)
+        job = self._new_job(rec, True, tuple(keys), tuple(src), tuple(fenced), tuple(deferred))
+        if job.fenced:
+            kernels.fence_add(self._fence, job.job_id, job.fenced)
+        REQUEST.fire(rec, RE_STORE_CREATED)
+        if finished:
+            self._register_deferred_fence(job)
+            allocated = self._batch.allocated
+            if any(b in allocated for b in job.deferred_fence):
+                self._batch.flush.add(job.job_id)
+        self._advance(rec, storable)
+        store_jobs[job.job_id] = TransferJob(
+            rec.req_id,
+            GPULoadStoreSpec(tuple(src), tuple(sizes), tuple(starts)),
+            out.store_spec,
+        )
+
+    @staticmethod
+    def _advance(rec: RequestRecord, storable: list[int]) -> None:
+        for gs, n in zip(rec.groups, storable, strict=True):
+            if n > gs.cursor:
+                gs.cursor = n
+
+    def _register_deferred_fence(self, job: JobRecord) -> None:
+        if not job.deferred_registered and job.deferred_fence:
+            kernels.fence_add(self._fence, job.job_id, job.deferred_fence)
+        job.deferred_registered = True
+
+    def update_connector_output(self, meta: WorkerMetadata | None) -> ConnectorOutputResult:
+        """Apply the workers' aggregated report of one step.
+
+        Counts are applied per job (failures first); a job whose every worker reported
+        completes (or fails) through the one completion path. Reports for jobs of an earlier
+        reset epoch, never-issued ids, ended jobs and stalled jobs are absorbed and counted;
+        invalid counts (not a positive int) are ignored and counted. Then the stall check runs
+        (at most once per ``stall_check_interval_s``).
+
+        Raises :class:`~statecore.errors.MetadataError` (nothing changes) when ``meta`` is not
+        a :class:`~statecore.WorkerMetadata`.
+        """
+        if meta is not None and not isinstance(meta, WorkerMetadata):
+            raise MetadataError(
+                f"update_connector_output: expected WorkerMetadata or None, "
+                f"got {type(meta).__name__}"
+            )
+        c = self.counters
+        if meta is not None:
+            load, store = meta.stats.load, meta.stats.store
+            c.load_bytes += load.bytes
+            c.load_seconds += load.seconds
+            c.store_bytes += store.bytes
+            c.store_seconds += store.seconds
+            reports: dict[int, list[int]] = {}
+            for col, counts in ((0, meta.completed), (1, meta.failed)):
+                for job_id, n in counts.items():
+                    if type(n) is not int or n <= 0 or type(job_id) is not int:
+                        c.invalid_report_counts += 1
+                        continue
+                    entry = reports.get(job_id)
+                    if entry is None:
+                        entry = reports[job_id] = [0, 0]
+                    entry[col] += n
+            for job_id, (ok, bad) in reports.items():
+                self._apply_report(job_id, ok, bad)
+        self._check_stalls()
+        result = ConnectorOutputResult(
+            frozenset(self._finished_loads), frozenset(self._invalid_blocks)
+        )
+        self._finished_loads.clear()
+        self._invalid_blocks.clear()
+        return result
+
+    def _apply_report(self, job_id: int, ok: int, bad: int) -> None:
+        c = self.counters
+        job = self._jobs.get(job_id)
+        stalled = self._stalled.get(job_id) if job is None else None
+        kind = kernels.classify_report(
+            job_id,
+            self._stale_threshold,
+            self._next_job_id,
+            job is not None,
+            stalled is not None,
+        )
+        if kind is kernels.ReportKind.STALE:
+            c.stale_reports += 1
+            return
+        if kind is kernels.ReportKind.UNKNOWN:
+            c.unknown_reports += 1
+            return
+        if kind is kernels.ReportKind.DUPLICATE:
+            c.duplicate_reports += 1
+            return
+        target = job if job is not None else stalled
+        if target is None:  # not reachable: LIVE and STALLED imply a record
+            c.unknown_reports += 1
+            return
+        if stalled is not None:
+            c.late_reports += 1
+        pending, _, acc_bad, excess = kernels.apply_report(target.pending, ok, bad)
+        if excess:
+            c.over_reports += 1
+        target.pending = pending
+        target.failed += acc_bad
+        JOB.fire(target, JE_WORKER_REPORT)
+
+    def _check_stalls(self) -> None:
+        now = self.clock()
+        cfg = self.config
+        if now - self._last_stall_check < cfg.stall_check_interval_s:
+            return
+        self._last_stall_check = now
+        timeout = cfg.stall_timeout_s
+        due: list[JobRecord] = []
+        for job in self._jobs.values():  # creation order: stop at the first young job
+            if not kernels.stall_due(now, job.created_at, timeout):
+                break
+            due.append(job)
+        for job in due:
+            JOB.fire(job, JE_STALL_TIMEOUT)
+        expired = [
+            j for j in self._stalled.values() if kernels.stall_due(now, j.stalled_at, timeout)
+        ]
+        for job in expired:
+            del self._stalled[job.job_id]
+            self.counters.stalled_expired += 1
+
+    def request_finished(self, request: RequestLike) -> tuple[bool, None]:
+        """The request finished (or was aborted); its blocks may be freed at once.
+
+        In-flight stores keep their full-attention source blocks fenced from now on, so a
+        reuse of any of them flushes the store first. Final stores are built in the next
+        :meth:`build_connector_meta`, after which the manager hears ``on_request_finished``
+        exactly once. For a request that was never tracked, the manager sees
+        ``on_new_request`` and ``on_request_finished`` at once. Always returns
+        ``(False, None)``.
+
+        Raises :class:`~statecore.errors.LifecycleError` when the request already finished.
+        """
+        rec = self._reqs.get(request.request_id)
+        if rec is None:
+            self.counters.untracked_finishes += 1
+            ctx = ReqContext(
+                req_id=request.request_id, kv_transfer_params=request.kv_transfer_params
+            )
+            self.manager.on_new_request(ctx)
+            self.manager.on_request_finished(ctx)
+            return False, None
+        REQUEST.require(rec, RE_FINISH)
+        rec.request = request
+        self._update_keys(rec)
+        REQUEST.fire(rec, RE_FINISH)
+        self._awaiting_signal[rec.req_id] = rec
+        return False, None
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """The manager's stored/removed events since the last call."""
+        return list(self.manager.take_events())
+
+    def get_stats(self) -> dict[str, Any]:
+        """Counters since the last call (counters add up) merged with the manager's stats.
+
+        Transfer metrics use upstream's names (``kv_offload_load_bytes``, ...); statecore's
+        own counters keep their :class:`SchedulerCounters` names.
+        """
+        now = self.counters.as_dict()
+        before = self._stats_mark.as_dict()
+        delta: dict[str, Any] = {k: now[k] - before[k] for k in now}
+        self._stats_mark = SchedulerCounters(**now)  # type: ignore[arg-type]
+        delta["kv_offload_load_bytes"] = delta.pop("load_bytes")
+        delta["kv_offload_load_time"] = delta.pop("load_seconds")
+        delta["kv_offload_store_bytes"] = delta.pop("store_bytes")
+        delta["kv_offload_store_time"] = delta.pop("store_seconds")
+        delta["kv_offload_allocation_failure"] = delta["allocation_failures"]
+        delta["live_jobs"] = len(self._jobs)
+        delta["stalled_ledger"] = len(self._stalled)
+        delta["tracked_requests"] = len(self._reqs)
+        delta.update(self.manager.get_stats())
+        return delta
+
+    def has_pending_push_work(self) -> bool:
+        """Whether the engine must keep stepping: jobs in flight, finishes to signal, or
+        manager work pending."""
+        return bool(self._jobs or self._awaiting_signal or self.manager.has_pending_work())
+
+    def reset_cache(self) -> None:
+        """Drop everything offloaded (sleep, weight update).
+
+        Every in-flight and stalled job is put in the next ``jobs_to_flush`` (loads too: an
+        old load must not read a CPU slot that a post-reset store reuses); loads in flight
+        are reported to the engine as finished with their blocks invalid (recompute); every
+        job is discarded (its reports become inert: the stale threshold moves to the next job
+        id); finished requests are finalised; the manager is reset; surviving requests lose
+        their in-flight sets and rewind their store cursors to chunk 0 (seed 004).
+        """
+        batch = self._batch
+        batch.flush.update(self._jobs)
+        batch.flush.update(self._stalled)
+        batch.loads.clear()
+        for job in list(self._jobs.values()):
+            if not job.is_store:
+                self._finished_loads.add(job.req.req_id)
+                self._invalid_blocks.update(job.blocks)
+            JOB.fire(job, JE_RESET)
+        for job in list(self._stalled.values()):
+            JOB.fire(job, JE_RESET)
+        self.counters.jobs_discarded += len(self._jobs)  # stalled ones already ended
+        self._jobs.clear()
+        self._stalled.clear()
+        self._fence.clear()
+        if self._loading_keys is not None:
+            self._loading_keys.clear()
+        for rec in list(self._reqs.values()):
+            REQUEST.fire(rec, RE_RESET)
+        self._awaiting_signal.clear()
+        self.manager.reset_cache()
+        self._stale_threshold = self._next_job_id
+        self.counters.resets += 1
+
+    def shutdown(self) -> None:
+        """Shut the manager down."""
+        self.manager.shutdown()
+
+    # ----------------------------------------------------------------------------------------
+    # lifecycle effects (called by lifecycle actions only)
+
+    def complete_job(self, job: JobRecord, success: bool) -> None:
+        """The one completion path (seed 000 ``_complete_job``).
+
+        Notifies the manager (``complete_store(success=...)`` or ``complete_load``), updates
+        the chunks-being-loaded index, removes the job's fences, forgets the job and ends it
+        in its request. Never calls ``on_request_finished``.
+        """
+        c = self.counters
+        rec = job.req
+        try:
+            if job.is_store:
+                self.manager.complete_store(job.keys, rec.ctx, success)
+            else:
+                self.manager.complete_load(job.keys, rec.ctx)
+        except ManagerError:
+            c.manager_errors += 1
+            if self.checked:
+                raise
+        if not job.is_store:
+            loading = self._loading_keys
+            if loading is not None:
+                for k in job.keys:
+                    n = loading.get(k, 0) - 1
+                    if n > 0:
+                        loading[k] = n
+                    else:
+                        loading.pop(k, None)
+            self._finished_loads.add(rec.req_id)
+            if not success:
+                self._invalid_blocks.update(job.blocks)
+        if job.fenced:
+            c.fence_pairs_missing += kernels.fence_remove(self._fence, job.job_id, job.fenced)
+        if job.deferred_registered and job.deferred_fence:
+            c.fence_pairs_missing += kernels.fence_remove(
+                self._fence, job.job_id, job.deferred_fence
+            )
+        del self._jobs[job.job_id]
+        if success:
+            c.jobs_completed += 1
+        elif job.pending == 0:
+            c.jobs_failed += 1
+        rec.jobs.discard(job.job_id)
+        REQUEST.fire(rec, RE_JOB_ENDED)
+
+    def stall_job(self, job: JobRecord) -> None:
+        """Complete a timed-out job with ``success=False``, flush it, keep it in the ledger."""
+        self.complete_job(job, False)
+        job.stalled_at = self.clock()
+        self._stalled[job.job_id] = job
+        self._batch.flush.add(job.job_id)
+        self.counters.jobs_stalled += 1
+
+    def forget_stalled(self, job: JobRecord) -> None:
+        """A stalled job's late reports all arrived: drop it from the ledger."""
+        del self._stalled[job.job_id]
+        self.counters.stalled_retired += 1
+
+    def flush_request(self, req: RequestRecord) -> None:
+        """Flush every in-flight job of a preempted request."""
+        self._batch.flush.update(req.jobs)
+
+    def on_finish(self, req: RequestRecord) -> None:
+        """Fence the full-attention sources of the finished request's in-flight stores."""
+        for job_id in req.jobs:
+            job = self._jobs[job_id]
+            if job.is_store:
+                self._register_deferred_fence(job)
+
+    def notify_finished(self, req: RequestRecord) -> None:
+        """Send ``on_request_finished`` to the manager, exactly once (INV-ORDER)."""
+        req.signalled = True
+        self.manager.on_request_finished(req.ctx)
+
+    def release_request(self, req: RequestRecord) -> None:
+        """Forget the request."""
+        self._reqs.pop(req.req_id, None)
+        self._awaiting_signal.pop(req.req_id, None)
+
+    def rewind_request(self, req: RequestRecord) -> None:
+        """After a reset: forget the request's jobs and rewind its store cursors."""
+        req.jobs.clear()
+        for gs in req.groups:
+            gs.cursor = 0
+            gs.skip = 0
+
+    # ----------------------------------------------------------------------------------------
+    # checked mode
+
+    def _install_checks(self) -> None:
+        for name in (
+            "on_new_request",
+            "get_num_new_matched_tokens",
+            "update_state_after_alloc",
+            "build_connector_meta",
+            "update_connector_output",
+            "request_finished",
+            "reset_cache",
+        ):
+            setattr(self, name, self._checked_call(getattr(self, name)))
+
+    def _checked_call(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.check_invariants()
+
+        call.__name__ = method.__name__
+        call.__doc__ = method.__doc__
+        return call
