@@ -34,11 +34,13 @@ class WorkloadConfig:
         max_open: at most this many conversations in flight at once.
         abort_prob: per-request probability of being aborted at a random later step.
         skip_prefix_prob: probability that a request sets ``skip_reading_prefix_cache``.
+        abort_during_load_prob: probability that a request whose load starts is aborted at
+            the next step (while its load is usually still in flight).
         max_seq_tokens: a conversation ends when its next turn would not fit in this many
             tokens.
     """
 
-    num_requests: int = 200
+    num_requests: int = 800
     num_system_prompts: int = 4
     system_prompt_tokens: tuple[int, int] = (48, 160)
     user_tokens: tuple[int, int] = (8, 96)
@@ -49,6 +51,7 @@ class WorkloadConfig:
     max_open: int = 24
     abort_prob: float = 0.08
     skip_prefix_prob: float = 0.02
+    abort_during_load_prob: float = 0.05
     max_seq_tokens: int = 768
 
 

@@ -1,0 +1,336 @@
+"""Build the whole stack for a simulation run and turn the run into a :class:`SimReport`.
+
+The stack is the real one: :class:`~statecore.OffloadingScheduler` over a
+:class:`~statecore.managers.cpu.CPUOffloadingManager` (optionally a
+:class:`~statecore.managers.tiering.TieringOffloadingManager` with a file tier in a temporary
+directory), one :class:`~statecore.worker.OffloadingWorker` per rank over the torch adapter on
+CPU tensors (wrapped so that copies can land late and transfers can fail), and the shared CPU
+pool. Only the engine around it is simulated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
+from typing import Any
+
+from statecore.config import GroupConfig, SchedulerConfig
+from statecore.lifecycle import checked_mode
+from statecore.managers.cpu import CPUOffloadingManager
+from statecore.manager import OffloadingManager
+from statecore.pool import CPUPool
+from statecore.scheduler import OffloadingScheduler
+from statecore.sim.backend import DelayedBackend
+from statecore.sim.engine import SimClock, SimConfig, SimEngine
+from statecore.sim.faults import FAULT_KINDS
+from statecore.sim.kv import KVCache
+from statecore.sim.report import FaultCount, SimReport
+from statecore.wire import ConnectorMetadata, WorkerMetadata
+from statecore.worker import FaultyBackend, OffloadingWorker, TransferBackend
+
+__all__ = ["RankStackImpl", "SimStack", "build_stack", "simulate"]
+
+
+class _InlineExecutor(Executor):
+    """Runs each task at submission: the file tier stays deterministic in the simulator."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # delivered through the future, as a thread would
+            fut.set_exception(exc)
+        return fut
+
+
+class RankStackImpl:
+    """One rank: the real worker over fault injection over delayed copies over the adapter."""
+
+    def __init__(self, worker: OffloadingWorker, delayed: DelayedBackend) -> None:
+        self.worker = worker
+        self.delayed = delayed
+
+    def start_step(self, meta: ConnectorMetadata) -> None:
+        """Flush handling and loads."""
+        self.worker.start_step(meta)
+
+    def end_step(self, meta: ConnectorMetadata) -> None:
+        """Queue the step's stores."""
+        self.worker.end_step(meta)
+
+    def report(self) -> WorkerMetadata | None:
+        """This rank's report of the step (None when empty)."""
+        m = self.worker.build_worker_metadata()
+        return None if m.is_empty() else m
+
+    def advance(self, step: int) -> None:
+        """Land the copies due at ``step``."""
+        self.delayed.advance(step)
+
+    def pending_copies(self) -> int:
+        """Copies submitted and not yet landed, plus stores deferred to the next step."""
+        return self.delayed.pending() + len(self.worker.deferred)
+
+
+def _make_backend(kv: KVCache, rank: int, pool: CPUPool, regions: range, bpc: int) -> Any:
+    """The torch adapter over this rank's KV tensors and pool regions (MemoryBackend until the
+    adapter is importable)."""
+    try:
+        from statecore.adapters import torch as torch_adapter  # noqa: F401
+    except ImportError:
+        torch_adapter = None
+    make = getattr(torch_adapter, "sim_backend", None) if torch_adapter else None
+    if make is not None:  # pragma: no cover - wired once the adapter lands
+        return make(kv.tensors[rank], pool, regions, bpc)
+    from statecore.worker import MemoryBackend
+
+    backend = MemoryBackend(
+        [kv.page_bytes] * kv.num_tensors,
+        kv.num_blocks,
+        [pool.region(i) for i in regions],
+        bpc,
+    )
+    backend.gpu = [memoryview(t.numpy()).cast("B") for t in kv.tensors[rank]]  # type: ignore[misc]
+    return backend
+
+
+class SimStack:
+    """Everything a run is made of (exposed for tests and the stateful specs)."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        root = random.Random(cfg.seed ^ 0x5EED)
+        self.clock = SimClock()
+        self.kv = KVCache(cfg.num_workers, cfg.num_gpu_blocks, cfg.num_tensors, cfg.page_bytes)
+        row = cfg.page_bytes * cfg.blocks_per_chunk
+        # one pool holds every rank's regions, so a secondary tier copies whole chunks
+        self.pool = CPUPool(cfg.cpu_slots, [row] * (cfg.num_tensors * cfg.num_workers))
+        self.tmpdir: str | None = None
+        self.manager = self._make_manager()
+        self.sched_config = SchedulerConfig(
+            groups=(GroupConfig(cfg.tokens_per_block),),
+            blocks_per_chunk=cfg.blocks_per_chunk,
+            num_workers=cfg.num_workers,
+            stall_timeout_s=cfg.stall_timeout_s,
+            stall_check_interval_s=cfg.stall_check_interval_s,
+        )
+        self.scheduler = OffloadingScheduler(
+            self.sched_config, self.manager, clock=self.clock, checked=cfg.checked
+        )
+        self.failures_injected = 0
+        self.ranks: list[RankStackImpl] = []
+        f = cfg.faults
+        for r in range(cfg.num_workers):
+            regions = range(r * cfg.num_tensors, (r + 1) * cfg.num_tensors)
+            inner = _make_backend(self.kv, r, self.pool, regions, cfg.blocks_per_chunk)
+            delayed = DelayedBackend(
+                inner, random.Random(root.getrandbits(64)), f.delay_store, f.max_store_delay
+            )
+            backend: TransferBackend = delayed
+            if f.transfer_failure:
+                backend = FaultyBackend(delayed, fail_job=self._failer(root.getrandbits(64)))
+            self.ranks.append(RankStackImpl(OffloadingWorker(backend, rank=r), delayed))
+
+    def _failer(self, seed: int) -> Callable[[int], bool]:
+        rng = random.Random(seed)
+        p = self.cfg.faults.transfer_failure
+
+        def fail(job_id: int) -> bool:
+            if rng.random() < p:
+                self.failures_injected += 1
+                return True
+            return False
+
+        return fail
+
+    def _make_manager(self) -> OffloadingManager:
+        cfg = self.cfg
+        primary = CPUOffloadingManager(cfg.cpu_slots)
+        if not cfg.tiering:
+            return primary
+        from statecore.managers.filetier import FileTier
+        from statecore.managers.tiering import TieringOffloadingManager
+
+        self.tmpdir = tempfile.mkdtemp(prefix="statecore-sim-")
+        tier = FileTier(self.tmpdir, self.pool, executor=_InlineExecutor())
+        return TieringOffloadingManager(primary, [tier])
+
+    def close(self) -> None:
+        """Release the pool and the temporary directory."""
+        with contextlib.suppress(Exception):
+            self.scheduler.shutdown()
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
+
+
+def build_stack(cfg: SimConfig) -> tuple[SimStack, SimEngine]:
+    """The stack and an engine over it."""
+    stack = SimStack(cfg)
+    sched = stack.scheduler
+    engine = SimEngine(
+        cfg, sched, stack.ranks, stack.kv, stack.clock, in_flight=lambda: len(sched.jobs)
+    )
+    engine.extra_pending = lambda: bool(sched.stalled_jobs)
+    return stack, engine
+
+
+@contextlib.contextmanager
+def _maybe_checked(on: bool) -> Iterator[None]:
+    if on:
+        with checked_mode():
+            yield
+    else:
+        yield
+
+
+def simulate(cfg: SimConfig, progress: Callable[[int, int], None] | None = None) -> SimReport:
+    """Run one simulation and report it."""
+    stack, engine = build_stack(cfg)
+    try:
+        with _maybe_checked(cfg.checked):
+            stats = engine.run(progress)
+        return _report(cfg, stack, engine)
+    finally:
+        stack.close()
+    _ = stats
+
+
+def _leaks(stack: SimStack, engine: SimEngine) -> list[str]:
+    out: list[str] = []
+    s = stack.scheduler
+    if s.requests:
+        ids = sorted(s.requests)
+        states = {rid: s.request_state(rid) for rid in ids[:5]}
+        out.append(f"scheduler still tracks {len(ids)} requests: {states}")
+    if s.jobs:
+        out.append(f"scheduler still has {len(s.jobs)} live jobs: {sorted(s.jobs)[:8]}")
+    if s.stalled_jobs:
+        out.append(f"stalled-job ledger still holds {sorted(s.stalled_jobs)[:8]}")
+    if s.fence_index:
+        out.append(f"fence index still holds blocks {sorted(s.fence_index)[:8]}")
+    if s.loading_keys:
+        out.append(f"{len(s.loading_keys)} chunks still marked as being loaded")
+    m = stack.manager
+    primary = getattr(m, "primary", m)
+    counters = getattr(primary, "counters", None)
+    if counters is not None:
+        c = counters()
+        if c.pinned:
+            out.append(f"manager: {c.pinned} keys still pinned")
+        if c.write_pending:
+            out.append(f"manager: {c.write_pending} keys still write-pending")
+    tracked = getattr(m, "tracked_requests", None)
+    if tracked is not None and tracked():
+        out.append(f"tiering manager still tracks requests {tracked()[:5]}")
+    in_flight = getattr(m, "in_flight_jobs", None)
+    if in_flight is not None and in_flight():
+        out.append(f"tiering manager: {in_flight()} secondary-tier jobs in flight")
+    for r, rank in enumerate(stack.ranks):
+        if rank.worker.in_flight or rank.worker.deferred:
+            out.append(
+                f"worker {r}: jobs in flight {sorted(rank.worker.in_flight)[:8]}, "
+                f"deferred {list(rank.worker.deferred)[:8]}"
+            )
+        if rank.delayed.pending():
+            out.append(f"worker {r}: {rank.delayed.pending()} copies never landed")
+    if engine.by_id:
+        out.append(f"engine: {len(engine.by_id)} requests never ended")
+    held = [b for b in range(1, engine.pool.num_blocks) if engine.pool.ref[b]]
+    if held:
+        out.append(f"engine: GPU blocks still referenced {held[:8]}")
+    return out
+
+
+def _report(cfg: SimConfig, stack: SimStack, engine: SimEngine) -> SimReport:
+    st = engine.stats
+    c = stack.scheduler.counters
+    rep = SimReport(
+        seed=cfg.seed,
+        steps=st.steps - st.drain_steps,
+        drain_steps=st.drain_steps,
+        workers=cfg.num_workers,
+        tiering=cfg.tiering,
+    )
+    rep.requests = {
+        "arrived": engine.arrived,
+        "finished": st.requests_finished,
+        "aborted": st.requests_aborted,
+        "aborted_during_load": st.aborted_during_load,
+        "preempted": st.preemptions,
+        "deferred_lookups": st.deferrals,
+        "loads": st.loads_started,
+    }
+    rep.tokens = {
+        "prompt": st.prompt_tokens,
+        "admitted_prompt": engine.admitted_prompt_tokens,
+        "local_hits": st.local_hit_tokens,
+        "loaded": st.tokens_loaded,
+        "recomputed": st.tokens_recomputed,
+        "computed": st.tokens_computed,
+    }
+    adm = engine.admitted_prompt_tokens
+    rep.hit_rate = (st.local_hit_tokens + st.tokens_loaded) / adm if adm else 0.0
+    rep.external_hit_rate = st.tokens_loaded / adm if adm else 0.0
+    rep.bytes_moved = {"GPU->CPU": c.store_bytes, "CPU->GPU": c.load_bytes}
+    mstats = stack.manager.get_stats() if cfg.tiering else {}
+    for k, v in mstats.items():
+        if isinstance(v, int) and "bytes" in k:
+            rep.bytes_moved[k] = v
+    rep.jobs = {
+        "created": c.jobs_created,
+        "loads": c.load_jobs_created,
+        "stores": c.store_jobs_created,
+        "completed": c.jobs_completed,
+        "failed": c.jobs_failed,
+        "stalled": c.jobs_stalled,
+        "discarded": c.jobs_discarded,
+        "stalled_retired": c.stalled_retired,
+        "stalled_expired": c.stalled_expired,
+        "flushes": c.flushes_requested,
+        "store_allocation_failures": c.allocation_failures,
+    }
+    rep.reports_absorbed = {
+        "late": c.late_reports,
+        "duplicate": c.duplicate_reports,
+        "over": c.over_reports,
+        "stale": c.stale_reports,
+        "unknown": c.unknown_reports,
+        "invalid": c.invalid_report_counts,
+    }
+    inj = engine.channel.injected
+    inj["transfer_failure"] = stack.failures_injected
+    inj["delay_store"] = sum(r.delayed.delayed_stores for r in stack.ranks)
+    observed = {
+        "stall": (c.jobs_stalled, "jobs stalled"),
+        "late": (c.late_reports, "late reports absorbed"),
+        "duplicate": (c.duplicate_reports + c.over_reports, "duplicate/over reports absorbed"),
+        "stale": (c.stale_reports, "stale reports absorbed"),
+        "unknown": (c.unknown_reports, "unknown-id reports absorbed"),
+        "transfer_failure": (c.jobs_failed, "jobs failed"),
+        "reset": (c.resets, "resets"),
+        "delay_store": (
+            sum(r.delayed.forced_by_flush for r in stack.ranks),
+            "delayed stores forced by a flush",
+        ),
+    }
+    for kind in FAULT_KINDS:
+        n, what = observed[kind]
+        rep.faults[kind] = FaultCount(inj.get(kind, 0), n, what)
+        if inj.get(kind, 0) and not n:
+            rep.unobserved_faults.append(kind)
+    rep.invariant_violations = list(st.violations)
+    rep.data_errors = list(st.data_errors)
+    rep.hung_requests = list(st.hung)
+    rep.leaked_state = _leaks(stack, engine)
+    rep.engine_errors = list(st.errors)
+    rep.harness_anomalies = list(st.harness_anomalies)
+    rep.series = {
+        "hit_rate": list(st.hit_rate_series),
+        "in_flight_jobs": [float(x) for x in st.in_flight_series],
+    }
+    return rep
