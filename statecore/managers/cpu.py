@@ -190,7 +190,7 @@ class CPUOffloadingManager(OffloadingManager):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def keys(self) -> list[OffloadKey]:
+    def present_keys(self) -> list[OffloadKey]:
         """Every present key (any state)."""
         return list(self._entries)
 

@@ -189,7 +189,7 @@ class FileTier:
     def __contains__(self, key: object) -> bool:
         return key in self._index
 
-    def keys(self) -> list[OffloadKey]:
+    def indexed_keys(self) -> list[OffloadKey]:
         """Indexed keys, least recently used first."""
         return list(self._index)
 

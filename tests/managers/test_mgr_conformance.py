@@ -1,0 +1,154 @@
+"""The conformance machine of statecore.specs.conformance run against our managers."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+from statecore.specs.conformance import make_manager_conformance
+
+from statecore.keys import OffloadKey
+from statecore.manager import CPULoadStoreSpec, ReqContext
+from statecore.managers import (
+    CPUOffloadingManager,
+    LRUCachePolicy,
+    MemoryTier,
+    TieringOffloadingManager,
+)
+
+
+def _cpu_counters(m: CPUOffloadingManager) -> Mapping[str, int]:
+    return dataclasses.asdict(m.counters())
+
+
+def _tier_counters(m: TieringOffloadingManager) -> Mapping[str, int]:
+    return dataclasses.asdict(m.primary.counters())
+
+
+TestCPULRUConformance = make_manager_conformance(
+    lambda: CPUOffloadingManager(4, "lru"),
+    capacity=4,
+    events=True,
+    counters=_cpu_counters,
+    self_check=CPUOffloadingManager.check_invariants,
+).TestCase
+
+TestCPUARCConformance = make_manager_conformance(
+    lambda: CPUOffloadingManager(4, "arc"),
+    capacity=4,
+    events=True,
+    counters=_cpu_counters,
+    self_check=CPUOffloadingManager.check_invariants,
+).TestCase
+
+TestCPUZeroCapacityConformance = make_manager_conformance(
+    lambda: CPUOffloadingManager(0, "lru"),
+    capacity=0,
+    events=True,
+    counters=_cpu_counters,
+    self_check=CPUOffloadingManager.check_invariants,
+    num_keys=4,
+    step_count=15,
+).TestCase
+
+
+def _tiering() -> TieringOffloadingManager:
+    return TieringOffloadingManager(CPUOffloadingManager(4, "lru"), [MemoryTier()])
+
+
+def _tiering_check(m: TieringOffloadingManager) -> None:
+    m.primary.check_invariants()
+
+
+TestTieringConformance = make_manager_conformance(
+    _tiering,
+    capacity=4,
+    num_keys=8,
+    exact=False,
+    counters=_tier_counters,
+    self_check=_tiering_check,
+).TestCase
+
+
+def _tiering_no_secondary_reads() -> TieringOffloadingManager:
+    """With no secondary tier the tiering manager must behave exactly like its primary."""
+    return TieringOffloadingManager(CPUOffloadingManager(3, "arc"), [])
+
+
+TestTieringExactConformance = make_manager_conformance(
+    _tiering_no_secondary_reads,
+    capacity=3,
+    events=True,
+    counters=_tier_counters,
+    self_check=_tiering_check,
+).TestCase
+
+
+# -- the machine must catch broken managers (mutants) ------------------------------------------
+
+
+class _FailedStoreBecomesReady(CPUOffloadingManager):
+    """Bug: a failed store is completed as a successful one (INV-NO-PARTIAL)."""
+
+    def complete_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> None:
+        super().complete_store(keys, ctx, True)
+
+
+class _PinIgnoringLRU(LRUCachePolicy):
+    """Bug: pinning does not take the key out of the evictable list (INV-EVICT)."""
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        pass
+
+
+class _EvictsPinned(CPUOffloadingManager):
+    def __init__(self, n: int) -> None:
+        super().__init__(n, _PinIgnoringLRU(n))
+        self._evictable = 0
+
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext):  # type: ignore[no-untyped-def]
+        self._evictable = len(self.policy.evictable_keys())  # type: ignore[attr-defined]
+        return super().prepare_store(keys, ctx)
+
+
+class _PartialPin(CPUOffloadingManager):
+    """Bug: prepare_load pins the keys before it finds the bad one (state changed on error)."""
+
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
+        for i in range(len(keys)):
+            super().prepare_load(keys[i : i + 1], ctx)
+        return CPULoadStoreSpec(tuple(self.slot_of(k) or 0 for k in keys))
+
+
+class _RefusesEarly(CPUOffloadingManager):
+    """Bug: prepare_store gives up when it would have to evict (INV-EVICT)."""
+
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext):  # type: ignore[no-untyped-def]
+        new = [k for k in dict.fromkeys(keys) if k not in self]
+        if len(new) > self.num_free:
+            return None
+        return super().prepare_store(keys, ctx)
+
+
+@pytest.mark.parametrize(
+    "mutant", [_FailedStoreBecomesReady, _EvictsPinned, _PartialPin, _RefusesEarly]
+)
+def test_conformance_catches_mutant(mutant: type[CPUOffloadingManager]) -> None:
+    machine = make_manager_conformance(lambda: mutant(4), capacity=4, events=True)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=300,
+                stateful_step_count=30,
+                deadline=None,
+                database=None,
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            ),
+        )

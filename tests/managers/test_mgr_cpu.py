@@ -1,0 +1,239 @@
+"""CPUOffloadingManager: allocation, eviction, reuse filter, events, stats, typed errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from statecore.errors import (
+    ConfigError,
+    KeyNotReadyError,
+    PinUnderflowError,
+    UnknownKeyError,
+)
+from statecore.keys import OffloadKey, make_offload_key
+from statecore.manager import CPULoadStoreSpec, LookupResult, Medium, OffloadingEvent, ReqContext
+from statecore.managers import CPUOffloadingManager, LRUCachePolicy, WritePendingPinError
+
+CTX = ReqContext("r")
+
+
+def k(i: int) -> OffloadKey:
+    return make_offload_key(i.to_bytes(8, "big"), 0)
+
+
+def stored(m: CPUOffloadingManager, *ids: int) -> tuple[int, ...]:
+    out = m.prepare_store([k(i) for i in ids], CTX)
+    assert out is not None
+    m.complete_store(out.keys_to_store, CTX)
+    assert isinstance(out.store_spec, CPULoadStoreSpec)
+    return out.store_spec.slots
+
+
+def snapshot(m: CPUOffloadingManager) -> tuple[object, ...]:
+    return (
+        m.counters(),
+        {key: (m.ref_count(key), m.slot_of(key)) for key in m.present_keys()},
+        list(m.policy.evictable_keys()),  # type: ignore[attr-defined]
+    )
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_allocation_fresh_ascending_then_recycled_lifo(policy: str) -> None:
+    m = CPUOffloadingManager(4, policy)
+    assert stored(m, 0, 1, 2, 3) == (0, 1, 2, 3)
+    m.touch([k(0)], CTX)  # k0 most recent (ARC: to T2), so 1, 2, 3 are the oldest idle keys
+    out = m.prepare_store([k(10), k(11), k(12)], CTX)
+    assert out is not None
+    assert out.evicted_keys == (k(1), k(2), k(3))
+    assert out.store_spec == CPULoadStoreSpec((3, 2, 1))
+    m.check_invariants()
+
+
+def test_prepare_store_filters_present_and_duplicates() -> None:
+    m = CPUOffloadingManager(4)
+    stored(m, 1)
+    pending = m.prepare_store([k(2)], CTX)
+    assert pending is not None
+    out = m.prepare_store([k(1), k(2), k(3), k(3)], CTX)
+    assert out is not None and out.keys_to_store == (k(3),)
+    empty = m.prepare_store([k(1), k(2)], CTX)
+    assert empty is not None and empty.keys_to_store == () and empty.evicted_keys == ()
+
+
+def test_lookup_states() -> None:
+    m = CPUOffloadingManager(2)
+    assert m.lookup(k(1), CTX) is LookupResult.MISS
+    out = m.prepare_store([k(1)], CTX)
+    assert out is not None
+    assert m.lookup(k(1), CTX) is LookupResult.HIT_PENDING
+    m.complete_store([k(1)], CTX)
+    assert m.lookup(k(1), CTX) is LookupResult.HIT
+
+
+def test_failed_prepare_store_changes_nothing_and_never_evicts_offered_keys() -> None:
+    m = CPUOffloadingManager(2)
+    stored(m, 1, 2)
+    before = snapshot(m)
+    # k1 is offered, so only k2 is evictable: two new keys cannot fit
+    assert m.prepare_store([k(1), k(3), k(4)], CTX) is None
+    assert snapshot(m) == before
+    # everything pinned: nothing evictable
+    m.prepare_load([k(1), k(2)], CTX)
+    before = snapshot(m)
+    assert m.prepare_store([k(5)], CTX) is None
+    assert snapshot(m) == before
+    assert m.take_events()[-1].removed is False  # no removal event was recorded
+
+
+def test_complete_store_failure_drops_and_frees() -> None:
+    m = CPUOffloadingManager(2)
+    out = m.prepare_store([k(1), k(2)], CTX)
+    assert out is not None
+    m.take_events()
+    m.complete_store([k(1), k(2)], CTX, success=False)
+    assert m.lookup(k(1), CTX) is LookupResult.MISS
+    assert m.counters().free == 2 and m.counters().write_pending == 0
+    assert m.take_events() == []
+    # the freed slots are recycled LIFO
+    again = m.prepare_store([k(3), k(4)], CTX)
+    assert again is not None and again.store_spec == CPULoadStoreSpec((1, 0))
+    m.check_invariants()
+
+
+def test_complete_store_ignores_absent_and_ready_keys() -> None:
+    m = CPUOffloadingManager(2)
+    stored(m, 1)
+    m.take_events()
+    m.complete_store([k(1), k(9)], CTX)
+    m.complete_store([k(1), k(9)], CTX, success=False)
+    assert m.lookup(k(1), CTX) is LookupResult.HIT
+    assert m.take_events() == []
+
+
+def test_pins_protect_from_eviction_and_release() -> None:
+    m = CPUOffloadingManager(2)
+    stored(m, 1, 2)
+    spec = m.prepare_load([k(2), k(1), k(2)], CTX)
+    assert spec == CPULoadStoreSpec((1, 0, 1))  # co-indexed with the keys
+    assert m.ref_count(k(2)) == 2 and m.counters().evictable == 0
+    assert m.prepare_store([k(3)], CTX) is None
+    m.complete_load([k(2), k(1)], CTX)
+    out = m.prepare_store([k(3)], CTX)
+    assert out is not None and out.evicted_keys == (k(1),)
+    m.check_invariants()
+
+
+def test_typed_errors_leave_state_unchanged() -> None:
+    m = CPUOffloadingManager(3)
+    stored(m, 1, 2)
+    m.prepare_store([k(3)], CTX)
+    before = snapshot(m)
+    with pytest.raises(UnknownKeyError) as e1:
+        m.prepare_load([k(1), k(9)], CTX)
+    assert e1.value.key == k(9) and e1.value.call == "prepare_load"
+    with pytest.raises(KeyNotReadyError):
+        m.prepare_load([k(1), k(3)], CTX)
+    with pytest.raises(UnknownKeyError):
+        m.complete_load([k(9)], CTX)
+    with pytest.raises(PinUnderflowError):
+        m.complete_load([k(1)], CTX)
+    with pytest.raises(WritePendingPinError):
+        m.complete_load([k(3)], CTX)
+    assert snapshot(m) == before
+    m.prepare_load([k(1)], CTX)
+    before = snapshot(m)
+    with pytest.raises(PinUnderflowError):  # one pin, two releases in one call
+        m.complete_load([k(1), k(1)], CTX)
+    with pytest.raises(PinUnderflowError):  # the first key is fine, the second is not
+        m.complete_load([k(1), k(2)], CTX)
+    assert snapshot(m) == before
+
+
+def test_reuse_filter() -> None:
+    m = CPUOffloadingManager(4, store_threshold=2, max_tracker_size=2)
+    m.lookup(k(1), CTX)
+    out = m.prepare_store([k(1)], CTX)
+    assert out is not None and out.keys_to_store == ()
+    assert m.get_stats()["stores_skipped"] == 1
+    m.lookup(k(1), CTX)
+    out = m.prepare_store([k(1)], CTX)
+    assert out is not None and out.keys_to_store == (k(1),)
+    # the tracker is bounded: k2 and k3 push k1's count out
+    m.complete_store([k(1)], CTX)
+    for i in (2, 3):
+        m.lookup(k(i), CTX)
+    m.lookup(k(4), CTX)
+    m.lookup(k(4), CTX)
+    m.lookup(k(2), CTX)  # k2 was dropped by k4: its count restarts at 1
+    out = m.prepare_store([k(2), k(4)], CTX)
+    assert out is not None and out.keys_to_store == (k(4),)
+    assert m.get_stats()["stores_skipped"] == 1
+    # promotions bypass the filter
+    out = m.prepare_write([k(7)], CTX, bypass_reuse_filter=True)
+    assert out is not None and out.keys_to_store == (k(7),)
+
+
+def test_events() -> None:
+    m = CPUOffloadingManager(1)
+    stored(m, 1)
+    out = m.prepare_store([k(2)], CTX)
+    assert out is not None
+    m.complete_store([k(2)], CTX)
+    m.reset_cache()
+    assert m.take_events() == [
+        OffloadingEvent((k(1),), Medium.CPU, removed=False),
+        OffloadingEvent((k(1),), Medium.CPU, removed=True),
+        OffloadingEvent((k(2),), Medium.CPU, removed=False),
+        OffloadingEvent((k(2),), Medium.CPU, removed=True),
+    ]
+    assert m.take_events() == []
+    quiet = CPUOffloadingManager(1, enable_events=False)
+    stored(quiet, 1)
+    assert quiet.take_events() == []
+
+
+def test_stats() -> None:
+    m = CPUOffloadingManager(4)
+    assert m.get_stats() == {
+        "cpu_cache_usage_perc": 0.0,
+        "write_usage": 0.0,
+        "read_usage": 0.0,
+        "allocation_sizes": [],
+    }
+    stored(m, 1, 2)
+    m.prepare_store([k(3)], CTX)
+    m.prepare_load([k(1)], CTX)
+    stats = m.get_stats()
+    assert stats["cpu_cache_usage_perc"] == 0.5
+    assert stats["write_usage"] == 0.25
+    assert stats["read_usage"] == 0.25
+    assert stats["allocation_sizes"] == [2.0, 1.0]
+    assert m.get_stats()["allocation_sizes"] == []
+    assert "stores_skipped" not in stats
+    assert CPUOffloadingManager(0).get_stats()["cpu_cache_usage_perc"] == 0.0
+
+
+def test_reset_cache() -> None:
+    m = CPUOffloadingManager(2)
+    stored(m, 1)
+    m.prepare_load([k(1)], CTX)
+    m.prepare_store([k(2)], CTX)
+    m.reset_cache()
+    assert len(m) == 0 and m.counters().free == 2 and m.counters().high_water == 0
+    assert stored(m, 3) == (0,)
+    m.check_invariants()
+
+
+def test_policy_resolution() -> None:
+    m = CPUOffloadingManager(2, "statecore.managers.policies:ARCCachePolicy")
+    assert type(m.policy).__name__ == "ARCCachePolicy"
+    custom = LRUCachePolicy(2)
+    assert CPUOffloadingManager(2, custom).policy is custom
+    with pytest.raises(ConfigError):
+        CPUOffloadingManager(2, "fifo")
+    with pytest.raises(ConfigError):
+        CPUOffloadingManager(2, "statecore.nowhere:Policy")
+    with pytest.raises(ConfigError):
+        CPUOffloadingManager(2, "statecore.keys:OffloadKey")
+    with pytest.raises(ConfigError):
+        CPUOffloadingManager(-1)
