@@ -683,7 +683,7 @@ class OffloadingScheduler:
     def _update_req_states(self, output: SchedulerOutput) -> list[RequestRecord]:
         allocated = self._batch.allocated
         scheduled: list[RequestRecord] = []
-        bpc = self._bpc
+        swa_pre_len: list[tuple[GroupState, int]] = []
         for s in output.scheduled:
             rec = self._reqs.get(s.req_id)
             if rec is None:
@@ -701,18 +701,20 @@ class OffloadingScheduler:
                     gs.block_ids.clear()
                     gs.cursor = 0
                 ids = s.new_block_ids[g]
-                pre_len = len(gs.block_ids)
+                if self._sliding[g] and gs.block_ids:
+                    swa_pre_len.append((gs, len(gs.block_ids)))
                 gs.block_ids.extend(ids)
                 allocated.update(b for b in ids if b)
-                if self._sliding[g] and pre_len:
-                    # sliding-window blocks freed and handed out again before they were
-                    # stored are stale: zero them so they are never stored (INV-SRC-VALID)
-                    block_ids = gs.block_ids
-                    for pos in range(gs.cursor * bpc, pre_len):
-                        if block_ids[pos] in allocated:
-                            block_ids[pos] = 0
             scheduled.append(rec)
         allocated.update(output.extra_allocated_block_ids)
+        # sliding-window blocks freed and handed out again (to anyone, this step) before they
+        # were stored are stale: zero them so they are never stored (INV-SRC-VALID)
+        bpc = self._bpc
+        for gs, pre_len in swa_pre_len:
+            block_ids = gs.block_ids
+            for pos in range(gs.cursor * bpc, pre_len):
+                if block_ids[pos] in allocated:
+                    block_ids[pos] = 0
         return scheduled
 
     def _build_store_jobs(
