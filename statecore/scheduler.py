@@ -337,6 +337,7 @@ class OffloadingScheduler:
         self._hpc = [config.hashes_per_chunk(g) for g in range(n)]
         self._window = [config.window_chunks(g) for g in range(n)]
         self._sliding = [w is not None for w in self._window]
+        self._any_sliding = int(any(self._sliding))
         # lookup order: full attention first, then sliding window by window size, descending
         self._lookup_order = [g for g in range(n) if not self._sliding[g]] + sorted(
             (g for g in range(n) if self._sliding[g]),
@@ -477,8 +478,9 @@ class OffloadingScheduler:
         self, rec: RequestRecord, num_computed: int, max_num_new_tokens: int | None
     ) -> int | None:
         request = rec.request
-        # the engine must compute at least the last token itself, to produce logits
-        max_hit = request.num_tokens - 1
+        # a full hit is allowed (the engine recomputes the last token after the load, as vLLM
+        # does); with a sliding-window group the last token must be computed to fill it
+        max_hit = request.num_tokens - self._any_sliding
         if max_num_new_tokens is not None:
             max_hit = min(max_hit, num_computed + max_num_new_tokens)
         if rec.max_load_tokens is not None:
