@@ -160,6 +160,8 @@ class JobRecord:
         fenced: store sources fenced from creation (sliding-window groups).
         deferred_fence: store sources fenced once the request finishes (full attention).
         deferred_registered: whether ``deferred_fence`` is in the fence index.
+        flushed: the job was put in a step's ``jobs_to_flush``: every worker finishes it
+            before that step writes any GPU block or submits any load.
     """
 
     __slots__ = (
@@ -171,6 +173,7 @@ class JobRecord:
         "deferred_registered",
         "failed",
         "fenced",
+        "flushed",
         "is_store",
         "job_id",
         "keys",
@@ -207,6 +210,7 @@ class JobRecord:
         self.fenced = fenced
         self.deferred_fence = deferred_fence
         self.deferred_registered = False
+        self.flushed = False
         self.state = 0
         JOB.attach(self)
 
@@ -676,6 +680,11 @@ class OffloadingScheduler:
             REQUEST.fire(rec, RE_SIGNAL_FINISHED)
         self._awaiting_signal.clear()
         self.counters.flushes_requested += len(batch.flush)
+        jobs = self._jobs
+        for job_id in batch.flush:
+            job = jobs.get(job_id)
+            if job is not None:
+                job.flushed = True
         meta = ConnectorMetadata(
             load_jobs=batch.loads, store_jobs=store_jobs, jobs_to_flush=frozenset(batch.flush)
         )

@@ -396,3 +396,26 @@ def test_checked_mode_catches_a_corrupted_state(kind: str) -> None:
     h.sched.jobs[job_id].pending = 0
     with pytest.raises(InvariantViolation, match="INV-QUORUM"):
         h.sched.check_invariants()
+
+
+def test_load_into_a_block_a_store_still_reads_flushes_the_store_first(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(16)))
+    (store_a,) = prefill(h, "a")
+    h.add("x", list(range(100, 108)))
+    (store_x,) = prefill(h, "x")
+    h.report([store_x])
+    h.finish("a")
+    h.step(finished=["a"])  # a's blocks are freed at once; its store keeps them fenced
+    b = h.add("b", list(range(100, 108)) + [1])
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (8, True)
+    reused = h.blocks["a"][0][:3]  # the allocator hands a's blocks to b's load
+    h.sched.update_state_after_alloc(b, [reused], 8)
+    meta = h.step()
+    assert store_a in meta.jobs_to_flush and len(meta.load_jobs) == 1
+    assert h.sched.jobs[store_a].flushed
+    h.sched.check_invariants()  # INV-SRC-VALID holds because the store is flushed first
+    h.sched.jobs[store_a].flushed = False
+    with pytest.raises(InvariantViolation, match="INV-SRC-VALID"):
+        h.sched.check_invariants()
+    h.sched.jobs[store_a].flushed = True
