@@ -1,0 +1,197 @@
+"""FileTier: atomic checksummed chunk files, restart, corruption, size limit."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from statecore.keys import OffloadKey, make_offload_key
+from statecore.manager import CPULoadStoreSpec, LookupResult, Medium, ReqContext, ScheduleEndContext
+from statecore.managers import (
+    CPUOffloadingManager,
+    FileTier,
+    InlineExecutor,
+    TieringOffloadingManager,
+)
+from statecore.pool import CPUPool
+
+END = ScheduleEndContext()
+CTX = ReqContext("r")
+ROWS = [16, 8]
+
+
+def k(i: int) -> OffloadKey:
+    return make_offload_key(i.to_bytes(8, "big"), 1)
+
+
+def chunk(i: int) -> bytes:
+    return bytes((i * 31 + j) % 256 for j in range(sum(ROWS)))
+
+
+def build(
+    directory: Path, slots: int = 4, **kw: object
+) -> tuple[TieringOffloadingManager, CPUPool, FileTier]:
+    pool = CPUPool(slots, ROWS)
+    tier = FileTier(directory, pool, executor=InlineExecutor(), **kw)  # type: ignore[arg-type]
+    return TieringOffloadingManager(CPUOffloadingManager(slots), [tier]), pool, tier
+
+
+def store_bytes(m: TieringOffloadingManager, pool: CPUPool, *ids: int) -> None:
+    out = m.prepare_store([k(i) for i in ids], CTX)
+    assert out is not None and isinstance(out.store_spec, CPULoadStoreSpec)
+    for key, slot in zip(out.keys_to_store, out.store_spec.slots, strict=True):
+        pool.write_slot(slot, chunk(int.from_bytes(key[:8], "big")))
+    m.complete_store(out.keys_to_store, CTX)
+    m.on_schedule_end(END)
+    m.on_schedule_end(END)  # next step polls: the cascades are reported, pins released
+
+
+def promote_and_load(m: TieringOffloadingManager, pool: CPUPool, i: int) -> bytes | None:
+    """Look ``k(i)`` up (starting a promotion), run a step, and load it if it became a HIT."""
+    first = m.lookup(k(i), CTX)
+    if first is LookupResult.MISS:
+        return None
+    assert first is LookupResult.HIT_PENDING
+    m.on_schedule_end(END)
+    if m.lookup(k(i), CTX) is not LookupResult.HIT:
+        return None
+    spec = m.prepare_load([k(i)], CTX)
+    assert isinstance(spec, CPULoadStoreSpec)
+    data = pool.read_slot(spec.slots[0])
+    m.complete_load([k(i)], CTX)
+    return data
+
+
+def test_restart_loads_the_same_bytes(tmp_path: Path) -> None:
+    m, pool, tier = build(tmp_path)
+    store_bytes(m, pool, 1, 2, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        k(i).hex() + ".chunk" for i in (1, 2, 3)
+    )
+    assert tier.get_stats()["files"] == 3
+    m.shutdown()
+    pool.close()
+    m2, pool2, tier2 = build(tmp_path)  # a new process on the same directory
+    assert set(tier2.indexed_keys()) == {k(1), k(2), k(3)}
+    for i in (3, 1, 2):
+        assert promote_and_load(m2, pool2, i) == chunk(i)
+    stats = m2.get_stats()
+    assert stats["file0.bytes_read"] == 3 * sum(ROWS)
+    assert stats["promotions_failed"] == 0
+
+
+@pytest.mark.parametrize("damage", ["flip-payload", "flip-header", "truncate", "delete", "extra"])
+def test_damaged_file_fails_promotion_without_wrong_bytes(tmp_path: Path, damage: str) -> None:
+    m, pool, _tier = build(tmp_path)
+    store_bytes(m, pool, 1, 2)
+    m.shutdown()
+    path = tmp_path / (k(1).hex() + ".chunk")
+    raw = bytearray(path.read_bytes())
+    if damage == "flip-payload":
+        raw[-3] ^= 0x40
+        path.write_bytes(raw)
+    elif damage == "flip-header":
+        raw[0] ^= 0x01
+        path.write_bytes(raw)
+    elif damage == "truncate":
+        path.write_bytes(raw[:-5])
+    elif damage == "extra":
+        path.write_bytes(raw + b"x")
+    else:
+        path.unlink()
+    m2, pool2, _tier2 = build(tmp_path)
+    if damage == "delete":
+        assert m2.lookup(k(1), CTX) is LookupResult.MISS  # not indexed at all
+    else:
+        assert promote_and_load(m2, pool2, 1) is None  # the promotion failed: no crash
+        assert m2.primary.ref_count(k(1)) is None  # the write-pending slot was dropped
+        assert m2.lookup(k(1), CTX) is LookupResult.MISS  # recompute, not retry forever
+        assert not path.exists()
+        stats = m2.get_stats()
+        assert stats["promotions_failed"] == 1 and stats["file0.corrupt_reads"] == 1
+    assert promote_and_load(m2, pool2, 2) == chunk(2)  # the other chunk is intact
+    m2.primary.check_invariants()
+
+
+def test_file_missing_after_indexing_fails_job(tmp_path: Path) -> None:
+    m, pool, tier = build(tmp_path)
+    store_bytes(m, pool, 1, 2)
+    m.reset_cache()  # the primary forgets; the file tier keeps both
+    (tmp_path / (k(1).hex() + ".chunk")).unlink()
+    assert m.lookup(k(1), CTX) is LookupResult.HIT_PENDING
+    assert m.lookup(k(2), CTX) is LookupResult.HIT_PENDING
+    m.on_schedule_end(END)  # one job with both keys: partial success
+    assert m.lookup(k(2), CTX) is LookupResult.HIT
+    assert m.primary.ref_count(k(1)) is None
+    assert m.get_stats()["file0.missing_reads"] == 1
+    assert k(1) not in tier
+
+
+def test_size_limit_evicts_least_recent_files(tmp_path: Path) -> None:
+    one = FileTier(tmp_path / "probe", CPUPool(1, ROWS), executor=InlineExecutor())
+    assert one.bytes_used == 0
+    file_size = 20 + 12 + sum(ROWS)  # header + key + payload
+    m, pool, tier = build(tmp_path / "d", max_bytes=2 * file_size)
+    store_bytes(m, pool, 1, 2)
+    tier.touch([k(1)], CTX)  # k2 is now the least recent
+    m.primary.reset_cache()
+    store_bytes(m, pool, 3)
+    assert set(tier.indexed_keys()) == {k(1), k(3)} and tier.bytes_used == 2 * file_size
+    assert not (tmp_path / "d" / (k(2).hex() + ".chunk")).exists()
+    removed = [e for e in tier.take_events() if e.removed]
+    assert [e.keys for e in removed] == [(k(2),)] and removed[0].medium is Medium.STORAGE
+    assert tier.get_stats()["evictions"] == 1
+
+
+def test_restart_cleans_temp_files_ignores_strangers_and_applies_limit(tmp_path: Path) -> None:
+    m, pool, _ = build(tmp_path)
+    store_bytes(m, pool, 1, 2)
+    (tmp_path / ".abc.123.tmp").write_bytes(b"half")
+    (tmp_path / "notes.txt").write_bytes(b"x")
+    (tmp_path / "zz.chunk").write_bytes(b"x")  # not hex: ignored
+    os.utime(tmp_path / (k(2).hex() + ".chunk"), ns=(1, 1))  # k2 is the oldest file
+    _, _, tier = build(tmp_path, max_bytes=1)
+    assert not (tmp_path / ".abc.123.tmp").exists()
+    assert (tmp_path / "notes.txt").exists()
+    assert tier.indexed_keys() == []  # the limit (1 byte) evicted both, oldest first
+    assert [e.keys for e in tier.take_events()] == [(k(2),), (k(1),)]
+
+
+def test_store_dedupes_present_keys(tmp_path: Path) -> None:
+    m, pool, tier = build(tmp_path)
+    store_bytes(m, pool, 1)
+    tier.submit_store(100, [k(1)], [0])
+    assert tier.get_finished()[0].success
+    assert tier.get_stats()["bytes_written"] == 20 + 12 + sum(ROWS)  # written once only
+
+
+def test_thread_pool_executor(tmp_path: Path) -> None:
+    pool = CPUPool(4, ROWS)
+    tier = FileTier(tmp_path, pool, workers=2)
+    for slot in range(4):
+        pool.write_slot(slot, chunk(slot))
+    tier.submit_store(1, [k(0), k(1)], [0, 1])
+    tier.submit_store(2, [k(2), k(3)], [2, 3])
+    tier.drain()
+    results = tier.get_finished()
+    assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
+    for slot in range(4):
+        pool.write_slot(slot, bytes(sum(ROWS)))
+    tier.submit_load(3, [k(3), k(0)], [0, 1])
+    assert tier.has_pending_work()
+    tier.drain()
+    assert [r.success for r in tier.get_finished()] == [True]
+    assert pool.read_slot(0) == chunk(3) and pool.read_slot(1) == chunk(0)
+    assert not tier.has_pending_work()
+    tier.shutdown()
+
+
+def test_write_error_is_a_failed_job(tmp_path: Path) -> None:
+    pool = CPUPool(1, ROWS)
+    tier = FileTier(tmp_path / "d", pool, executor=InlineExecutor())
+    (tmp_path / "d").rmdir()  # the directory vanished: the write fails
+    tier.submit_store(1, [k(1)], [0])
+    assert tier.get_finished()[0].success is False
+    assert tier.get_stats()["write_errors"] == 1 and k(1) not in tier
