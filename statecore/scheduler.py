@@ -122,6 +122,7 @@ class RequestRecord:
         "request",
         "signalled",
         "state",
+        "store_floor",
     )
 
     def __init__(
@@ -145,6 +146,8 @@ class RequestRecord:
         self.num_scheduled = 0
         self.deferred_since: float | None = None
         self.signalled = False
+        # no chunk can become storable below this many offloadable tokens (0: unknown)
+        self.store_floor = 0
         self.state = 0
         REQUEST.attach(self)
 
@@ -445,6 +448,7 @@ class OffloadingScheduler:
         REQUEST.require(rec, RE_LOOKUP)
         rec.request = request
         self.counters.lookups += 1
+        rec.store_floor = 0
         for gs in rec.groups:  # re-admission starts from a fresh allocation
             gs.block_ids.clear()
             gs.cursor = 0
@@ -475,8 +479,9 @@ class OffloadingScheduler:
         for g, gs in enumerate(rec.groups):
             hpc = self._hpc[g]
             keys = gs.keys
-            for idx in range(len(keys), n_hashes // hpc):
-                keys.append(make_offload_key(hashes[idx * hpc + hpc - 1], g))
+            if len(keys) < n_hashes // hpc:
+                for idx in range(len(keys), n_hashes // hpc):
+                    keys.append(make_offload_key(hashes[idx * hpc + hpc - 1], g))
 
     def _lookup(
         self, rec: RequestRecord, num_computed: int, max_num_new_tokens: int | None
@@ -707,6 +712,8 @@ class OffloadingScheduler:
                 )
             self._update_keys(rec)
             rec.num_scheduled = s.num_scheduled_tokens
+            if s.resumed_from_preemption:
+                rec.store_floor = 0
             for g, gs in enumerate(rec.groups):
                 if s.resumed_from_preemption:
                     gs.block_ids.clear()
@@ -715,9 +722,10 @@ class OffloadingScheduler:
                 if self._sliding[g] and gs.block_ids:
                     swa_pre_len.append((gs, len(gs.block_ids)))
                 gs.block_ids.extend(ids)
-                allocated.update(b for b in ids if b)
+                allocated.update(ids)
             scheduled.append(rec)
         allocated.update(output.extra_allocated_block_ids)
+        allocated.discard(0)  # the null block is never handed to an owner
         # sliding-window blocks freed and handed out again (to anyone, this step) before they
         # were stored are stale: zero them so they are never stored (INV-SRC-VALID)
         bpc = self._bpc
@@ -731,8 +739,6 @@ class OffloadingScheduler:
     def _build_store_jobs(
         self, rec: RequestRecord, store_jobs: dict[int, TransferJob], finished: bool
     ) -> None:
-        if not REQUEST.accepts(rec, RE_STORE_CREATED):
-            return  # loading or draining: INV-EXCL, retried in a later step
         request = rec.request
         if request.is_aborted:
             target = request.num_computed_tokens
@@ -745,6 +751,20 @@ class OffloadingScheduler:
             n_off = min(n_off, rec.max_offload_tokens)
         if self.config.offload_prompt_only:
             n_off = min(n_off, request.num_prompt_tokens)
+        if n_off < rec.store_floor:
+            return  # the common decode step: no new whole chunk yet
+        if not REQUEST.accepts(rec, RE_STORE_CREATED):
+            return  # loading or draining: INV-EXCL, retried in a later step
+        self._store_chunks(rec, n_off, store_jobs, finished)
+        chunk_level = rec.policy is OffloadPolicy.CHUNK_LEVEL
+        rec.store_floor = min(
+            ((max(gs.cursor, gs.skip) if chunk_level else gs.cursor) + 1) * self._tpc[g]
+            for g, gs in enumerate(rec.groups)
+        )
+
+    def _store_chunks(
+        self, rec: RequestRecord, n_off: int, store_jobs: dict[int, TransferJob], finished: bool
+    ) -> None:
         bpc = self._bpc
         offered: list[tuple[int, int, OffloadKey]] = []
         storable: list[int] = []
@@ -1093,6 +1113,7 @@ class OffloadingScheduler:
     def rewind_request(self, req: RequestRecord) -> None:
         """After a reset: forget the request's jobs and rewind its store cursors."""
         req.jobs.clear()
+        req.store_floor = 0
         for gs in req.groups:
             gs.cursor = 0
             gs.skip = 0
