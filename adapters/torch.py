@@ -1,0 +1,600 @@
+"""Torch transfer backend: moves KV-cache pages between GPU blocks and the shared CPU pool.
+
+GPU side: the engine's KV-cache tensors, block-first. Each *canonical tensor* is given as a
+tensor whose first dimension is the GPU block and whose per-block part is contiguous (any
+dtype, any inner shape; a block stride larger than the page, as in packed layouts, is
+allowed); it is viewed as ``(num_gpu_blocks, page_bytes)`` bytes. Each KV-cache group lists
+the canonical tensors it uses (``group_tensors``; default: one group using all of them).
+
+CPU side: the :class:`statecore.pool.CPUPool` shared with the managers, one region per
+canonical tensor, one row of ``page_bytes * blocks_per_chunk`` bytes per slot. The regions
+are viewed with :func:`torch.frombuffer` (no copy); sub-row ``slot * bpc + sub`` holds GPU
+page ``sub`` of the chunk in ``slot``.
+
+The mapping from a job's specs to page copies is :func:`statecore.worker.plan_spans`
+(reference 4.3); every mismatch raises :class:`statecore.errors.SpecError` before any byte
+moves.
+
+Execution:
+
+* **CPU** (no CUDA, CI): a job runs inside ``submit`` (``ctypes.memmove`` over merged
+  contiguous runs, split across ``torch.get_num_threads()`` threads for large jobs; the copies
+  release the GIL); ``poll`` reports it.
+* **CUDA**: one stream per direction, so completion is FIFO per direction; a store's stream
+  first waits for the compute (current) stream; completion is a CUDA event per job;
+  ``wait(job_ids)`` synchronises those events. The pool's regions are registered in place
+  with ``cudaHostRegister`` (portable + mapped), so the GPU can address them directly. Two
+  copy implementations, chosen at construction (logged):
+
+  - ``"triton"``: one Triton kernel launch per job that copies every page straight between
+    its GPU block and its final pinned host row (addresses computed on the host, vectorised,
+    and shipped as one small array). Needs Triton and a successful registration; a tiny
+    self-test runs at construction.
+  - ``"staging"`` (fallback): GPU gather (``index_select``) into a staging buffer, one bulk
+    copy to a pinned bounce buffer, and a host scatter into the pool rows when the job's
+    event has completed (loads: host gather at submit, bulk copy, ``index_copy_`` on the
+    GPU). Used when Triton is missing, and when ``cudaHostRegister`` fails: the pool then
+    stays pageable and only the bounce buffers are pinned (documented fallback: one extra
+    host copy per byte, no sharing problem since the pool stays authoritative).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from statecore.errors import ConfigError, SpecError, TransferError
+from statecore.pool import CPUPool
+from statecore.wire import TransferJob
+from statecore.worker import TransferResult, job_specs, plan_spans, validate_ids
+
+try:  # Triton is optional (present on CUDA machines, absent in CI)
+    import triton  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    import triton.language as tl  # type: ignore[import-not-found,import-untyped,unused-ignore]
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+__all__ = ["CopyImpl", "TorchTransferBackend", "memmove_runs"]
+
+log = logging.getLogger(__name__)
+_cuda: Any = torch.cuda  # partly untyped module
+
+CopyImpl = Literal["auto", "triton", "staging"]
+
+_PARALLEL_MIN_BYTES = 8 << 20  # below this a CPU job is copied on the calling thread
+_REGISTER_FLAGS = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+if triton is not None:
+
+    @triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
+    def _copy_pages_kernel(  # type: ignore[no-untyped-def,unused-ignore]
+        addrs,  # int64[3, n]: source address, destination address, words to copy
+        n,
+        WORD: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        part = tl.program_id(1)
+        src = tl.load(addrs + row).to(tl.pointer_type(WORD))
+        dst = tl.load(addrs + n + row).to(tl.pointer_type(WORD))
+        words = tl.load(addrs + 2 * n + row)
+        offs = part * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < words
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Host copies
+# --------------------------------------------------------------------------------------------
+
+
+def _merge_runs(
+    src: torch.Tensor, dst: torch.Tensor, size: torch.Tensor
+) -> tuple[list[int], list[int], list[int]]:
+    """Merge consecutive copies that continue each other on both sides (vectorised)."""
+    n = src.numel()
+    if n == 0:
+        return [], [], []
+    brk = torch.ones(n, dtype=torch.bool)
+    if n > 1:
+        nxt_src = src[:-1] + size[:-1]
+        nxt_dst = dst[:-1] + size[:-1]
+        brk[1:] = (src[1:] != nxt_src) | (dst[1:] != nxt_dst)
+    starts = brk.nonzero().flatten()
+    cs = torch.cumsum(size, 0)
+    ends = torch.cat((starts[1:], torch.tensor([n]))) - 1
+    run_bytes = cs[ends] - cs[starts] + size[starts]
+    return src[starts].tolist(), dst[starts].tolist(), run_bytes.tolist()
+
+
+def _memmove_list(src: list[int], dst: list[int], size: list[int], lo: int, hi: int) -> None:
+    mm = ctypes.memmove
+    for i in range(lo, hi):
+        mm(dst[i], src[i], size[i])
+
+
+def memmove_runs(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    size: torch.Tensor,
+    executor: ThreadPoolExecutor | None = None,
+    parts: int = 1,
+) -> None:
+    """Copy ``size[i]`` bytes from host address ``src[i]`` to ``dst[i]`` for every i.
+
+    Adjacent copies that continue each other are merged first. With an executor and
+    ``parts > 1`` the copies are split into that many parts run concurrently (``memmove``
+    through ctypes releases the GIL). Addresses must have been validated by the caller.
+    """
+    s, d, z = _merge_runs(src, dst, size)
+    n = len(s)
+    if executor is None or parts <= 1 or n < 2 * parts:
+        _memmove_list(s, d, z, 0, n)
+        return
+    bounds = [n * i // parts for i in range(parts + 1)]
+    futures = [
+        executor.submit(_memmove_list, s, d, z, bounds[i], bounds[i + 1]) for i in range(1, parts)
+    ]
+    _memmove_list(s, d, z, bounds[0], bounds[1])
+    for f in futures:
+        f.result()
+
+
+# --------------------------------------------------------------------------------------------
+# The backend
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Pending:
+    job_id: int
+    is_store: bool
+    nbytes: int
+    start: Any  # torch.cuda.Event
+    end: Any  # torch.cuda.Event
+    on_done: Callable[[], None] | None = None
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Plan:
+    """A job's page copies: per canonical tensor, GPU rows and CPU sub-rows (CPU tensors)."""
+
+    tensors: list[int]
+    gpu_rows: list[torch.Tensor]
+    cpu_rows: list[torch.Tensor]
+    nbytes: int
+
+
+def _block_view(t: torch.Tensor, idx: int) -> tuple[torch.Tensor, int, int]:
+    """``(view, page_bytes, row_stride_bytes)`` of a block-first KV tensor as uint8 rows."""
+    if t.dim() < 1 or t.shape[0] == 0:
+        raise ConfigError(f"gpu_caches[{idx}]: needs a leading block dimension, got {t.shape}")
+    es = t.element_size()
+    block = t[0]
+    if not block.is_contiguous():
+        raise ConfigError(
+            f"gpu_caches[{idx}]: each block must be contiguous (block-first layout), "
+            f"got shape {tuple(t.shape)} strides {t.stride()}"
+        )
+    page = block.numel() * es
+    stride = t.stride(0) * es if t.shape[0] > 1 else page
+    if stride < page:
+        raise ConfigError(f"gpu_caches[{idx}]: block stride {stride} B < page {page} B")
+    raw = torch.empty(0, dtype=torch.uint8, device=t.device)
+    raw.set_(t.untyped_storage(), t.storage_offset() * es, (t.shape[0], page), (stride, 1))
+    return raw, page, stride
+
+
+def _region_view(pool: CPUPool, idx: int, rows: int, page: int) -> torch.Tensor:
+    if pool.num_slots == 0:
+        return torch.empty((0, page), dtype=torch.uint8)
+    flat = torch.frombuffer(pool.region(idx), dtype=torch.uint8)
+    return flat.view(rows, page)
+
+
+class TorchTransferBackend:
+    """Executes transfer jobs between torch KV-cache tensors and a :class:`CPUPool`.
+
+    Args:
+        gpu_caches: the canonical KV tensors, block-first (see the module docstring); all on
+            one device (a CUDA device, or the CPU for CI and tests).
+        pool: the shared CPU pool; ``pool.row_bytes[i]`` must be
+            ``page_bytes(gpu_caches[i]) * blocks_per_chunk``.
+        blocks_per_chunk: GPU blocks per CPU chunk.
+        group_tensors: for each KV-cache group (in group order), the indices of the canonical
+            tensors it uses. Default: one group that uses every tensor.
+        copy_impl: CUDA copy implementation, ``"auto"`` (Triton if usable, else staging),
+            ``"triton"`` or ``"staging"``. Ignored on the CPU.
+        register_pool: pin the pool in place with ``cudaHostRegister`` (CUDA only).
+        threads: host copy threads (default ``torch.get_num_threads()``).
+    """
+
+    def __init__(
+        self,
+        gpu_caches: Sequence[torch.Tensor],
+        pool: CPUPool,
+        blocks_per_chunk: int,
+        group_tensors: Sequence[Sequence[int]] | None = None,
+        *,
+        copy_impl: CopyImpl = "auto",
+        register_pool: bool = True,
+        threads: int | None = None,
+    ) -> None:
+        if blocks_per_chunk <= 0:
+            raise ConfigError(f"blocks_per_chunk must be > 0, got {blocks_per_chunk}")
+        if not gpu_caches:
+            raise ConfigError("gpu_caches: at least one KV tensor is needed")
+        if pool.num_regions != len(gpu_caches):
+            raise ConfigError(
+                f"pool has {pool.num_regions} regions but there are {len(gpu_caches)} KV tensors"
+            )
+        devices = {t.device for t in gpu_caches}
+        if len(devices) != 1:
+            raise ConfigError(f"gpu_caches on several devices: {sorted(map(str, devices))}")
+        self.device: torch.device = next(iter(devices))
+        self.is_cuda = self.device.type == "cuda"
+        self.bpc = blocks_per_chunk
+        self.pool = pool
+        self._gpu: list[torch.Tensor] = []
+        self.page_bytes: list[int] = []
+        self._gpu_stride: list[int] = []
+        for i, t in enumerate(gpu_caches):
+            v, page, stride = _block_view(t, i)
+            if pool.row_bytes[i] != page * blocks_per_chunk:
+                raise ConfigError(
+                    f"pool region {i} rows are {pool.row_bytes[i]} B, expected page {page} B "
+                    f"x blocks_per_chunk {blocks_per_chunk}"
+                )
+            self._gpu.append(v)
+            self.page_bytes.append(page)
+            self._gpu_stride.append(stride)
+        self.num_gpu_blocks = min(int(t.shape[0]) for t in gpu_caches)
+        groups = (
+            [list(range(len(gpu_caches)))]
+            if group_tensors is None
+            else [list(g) for g in group_tensors]
+        )
+        for g, ts in enumerate(groups):
+            if any(not 0 <= t < len(gpu_caches) for t in ts) or len(set(ts)) != len(ts):
+                raise ConfigError(f"group_tensors[{g}] = {ts}: bad or repeated tensor index")
+        self.group_tensors = groups
+        self._cpu = [
+            _region_view(pool, i, pool.num_slots * blocks_per_chunk, self.page_bytes[i])
+            for i in range(len(gpu_caches))
+        ]
+        self._cpu_base = torch.tensor([c.data_ptr() for c in self._cpu], dtype=torch.int64)
+        self._gpu_base = torch.tensor([v.data_ptr() for v in self._gpu], dtype=torch.int64)
+        self._gpu_stride_t = torch.tensor(self._gpu_stride, dtype=torch.int64)
+        self._page_t = torch.tensor(self.page_bytes, dtype=torch.int64)
+        self.threads = max(1, threads if threads is not None else torch.get_num_threads())
+        self._executor: ThreadPoolExecutor | None = (
+            ThreadPoolExecutor(self.threads - 1, thread_name_prefix="statecore-copy")
+            if self.threads > 1
+            else None
+        )
+        self._done: list[TransferResult] = []
+        self._registered: list[int] = []
+        self.impl = "cpu"
+        self._queues: dict[bool, deque[_Pending]] = {True: deque(), False: deque()}
+        self._by_id: dict[int, _Pending] = {}
+        self._closed = False
+        if self.is_cuda:
+            self._setup_cuda(copy_impl, register_pool)
+        log.info("TorchTransferBackend: device %s, copy implementation %s", self.device, self.impl)
+
+    # -- CUDA setup -----------------------------------------------------------------------
+    def _setup_cuda(self, copy_impl: CopyImpl, register_pool: bool) -> None:
+        self._streams = {
+            True: _cuda.Stream(self.device),
+            False: _cuda.Stream(self.device),
+        }
+        registered = register_pool and self._register_pool()
+        self.pool_registered = registered
+        usable = registered and triton is not None and all(p % 4 == 0 for p in self.page_bytes)
+        if copy_impl == "triton" and not usable:
+            raise ConfigError(
+                "copy_impl='triton' needs Triton, page sizes that are multiples of 4 bytes and "
+                f"a registered pool (triton={'yes' if triton is not None else 'no'}, "
+                f"registered={registered})"
+            )
+        self.impl = "staging"
+        if copy_impl != "staging" and usable:
+            try:
+                self._triton_selftest()
+                self.impl = "triton"
+            except Exception as exc:
+                if copy_impl == "triton":
+                    raise ConfigError(f"Triton copy self-test failed: {exc}") from exc
+                log.warning("Triton copy kernel unusable (%s); using staging copies", exc)
+        all_sizes = [*self.page_bytes, *self._gpu_stride]
+        self._word, self._word_bytes = torch.int32, 4
+        if all(x % 8 == 0 for x in all_sizes):
+            self._word, self._word_bytes = torch.int64, 8
+
+    def _host_register(self, ptr: int, size: int) -> bool:
+        cudart: Any = _cuda.cudart()
+        try:
+            res = cudart.cudaHostRegister(ptr, size, _REGISTER_FLAGS)
+            torch.cuda.check_error(res)
+        except Exception as exc:
+            log.warning("cudaHostRegister(%#x, %d) failed: %s", ptr, size, exc)
+            return False
+        return True
+
+    def _register_pool(self) -> bool:
+        for c in self._cpu:
+            size = c.numel()
+            if size == 0:
+                continue
+            if not self._host_register(c.data_ptr(), size):
+                self._unregister()
+                log.warning("pool not pinned in place: staging copies through pinned bounces")
+                return False
+            self._registered.append(c.data_ptr())
+        return True
+
+    def _unregister(self) -> None:
+        cudart: Any = _cuda.cudart()
+        for ptr in self._registered:
+            try:
+                cudart.cudaHostUnregister(ptr)
+            except Exception as exc:  # pragma: no cover - driver dependent
+                log.warning("cudaHostUnregister(%#x) failed: %s", ptr, exc)
+        self._registered = []
+
+    def _triton_selftest(self) -> None:
+        import mmap
+
+        buf = mmap.mmap(-1, 1 << 16)
+        host = torch.frombuffer(buf, dtype=torch.uint8)
+        if not self._host_register(host.data_ptr(), host.numel()):
+            raise TransferError("cannot register a test buffer")
+        try:
+            src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, device=self.device)
+            n = 16
+            page = (1 << 16) // n
+            perm = torch.randperm(n)
+            addrs = torch.stack(
+                (
+                    src.data_ptr() + torch.arange(n) * page,
+                    host.data_ptr() + perm * page,
+                    torch.full((n,), page // 4, dtype=torch.int64),
+                )
+            ).to(self.device)
+            _copy_pages_kernel[(n, triton.cdiv(page // 4, 1024))](
+                addrs, n, WORD=tl.int32, BLOCK=1024
+            )
+            torch.cuda.synchronize(self.device)
+            want = src.view(n, page).cpu()
+            got = host.view(n, page)[perm]
+            if not torch.equal(want, got):
+                raise TransferError("Triton copy self-test: bytes differ")
+        finally:
+            cudart: Any = _cuda.cudart()
+            cudart.cudaHostUnregister(host.data_ptr())
+            del host
+            buf.close()
+
+    # -- planning -------------------------------------------------------------------------
+    def _plan(self, job_id: int, job: TransferJob, is_store: bool) -> _Plan:
+        gpu, cpu = job_specs(job, is_store)
+        if len(gpu.group_sizes) != len(self.group_tensors):
+            raise SpecError(
+                f"job {job_id}: GPU spec has {len(gpu.group_sizes)} groups, the KV cache has "
+                f"{len(self.group_tensors)}"
+            )
+        spans = plan_spans(
+            gpu.group_sizes, gpu.block_indices, len(gpu.block_ids), len(cpu.slots), self.bpc
+        )
+        validate_ids(gpu.block_ids, cpu.slots, self.num_gpu_blocks, self.pool.num_slots)
+        block_ids = torch.tensor(gpu.block_ids, dtype=torch.int64)
+        slots = torch.tensor(cpu.slots, dtype=torch.int64)
+        per_tensor: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        nbytes = 0
+        for sp in spans:
+            if sp.num_blocks == 0:
+                continue
+            gidx = block_ids[sp.first_block : sp.first_block + sp.num_blocks]
+            pos = torch.arange(sp.skip, sp.skip + sp.num_blocks, dtype=torch.int64)
+            cidx = slots[sp.first_chunk + pos // self.bpc] * self.bpc + pos % self.bpc
+            for t in self.group_tensors[sp.group]:
+                g_list, c_list = per_tensor.setdefault(t, ([], []))
+                g_list.append(gidx)
+                c_list.append(cidx)
+                nbytes += sp.num_blocks * self.page_bytes[t]
+        tensors = sorted(per_tensor)
+        return _Plan(
+            tensors,
+            [torch.cat(per_tensor[t][0]) for t in tensors],
+            [torch.cat(per_tensor[t][1]) for t in tensors],
+            nbytes,
+        )
+
+    def _addresses(self, plan: _Plan, is_store: bool) -> tuple[torch.Tensor, ...]:
+        """(src, dst, size) host int64 address arrays of every page copy of ``plan``."""
+        if not plan.tensors:
+            z = torch.empty(0, dtype=torch.int64)
+            return z, z, z
+        gpu_addr = torch.cat(
+            [
+                self._gpu_base[t] + g * self._gpu_stride_t[t]
+                for t, g in zip(plan.tensors, plan.gpu_rows, strict=True)
+            ]
+        )
+        cpu_addr = torch.cat(
+            [
+                self._cpu_base[t] + c * self._page_t[t]
+                for t, c in zip(plan.tensors, plan.cpu_rows, strict=True)
+            ]
+        )
+        size = torch.cat(
+            [
+                self._page_t[t].expand(g.numel())
+                for t, g in zip(plan.tensors, plan.gpu_rows, strict=True)
+            ]
+        )
+        return (gpu_addr, cpu_addr, size) if is_store else (cpu_addr, gpu_addr, size)
+
+    def _host_copy(self, src: torch.Tensor, dst: torch.Tensor, size: torch.Tensor) -> None:
+        total = int(size.sum()) if size.numel() else 0
+        parallel = total >= _PARALLEL_MIN_BYTES
+        memmove_runs(src, dst, size, self._executor if parallel else None, self.threads)
+
+    # -- protocol -------------------------------------------------------------------------
+    def submit(self, job_id: int, job: TransferJob, is_store: bool) -> None:
+        """Validate the job's specs, then start its copies (on the CPU: run them)."""
+        if self._closed:
+            raise TransferError(f"job {job_id}: backend is shut down")
+        plan = self._plan(job_id, job, is_store)
+        if not self.is_cuda:
+            t0 = time.perf_counter()
+            self._host_copy(*self._addresses(plan, is_store))
+            dt = time.perf_counter() - t0
+            self._done.append(TransferResult(job_id, True, plan.nbytes, dt, is_store))
+            return
+        if self.impl == "triton":
+            self._submit_triton(job_id, plan, is_store)
+        else:
+            self._submit_staging(job_id, plan, is_store)
+
+    def _launch(self, is_store: bool) -> tuple[Any, Any, Any]:
+        stream = self._streams[is_store]
+        if is_store:  # read GPU blocks only after the compute that wrote them
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        start = _cuda.Event(enable_timing=True)
+        end = _cuda.Event(enable_timing=True)
+        return stream, start, end
+
+    def _submit_triton(self, job_id: int, plan: _Plan, is_store: bool) -> None:
+        src, dst, size = self._addresses(plan, is_store)
+        n = src.numel()
+        addrs = torch.stack((src, dst, size // self._word_bytes)).pin_memory()
+        stream, start, end = self._launch(is_store)
+        keep: list[torch.Tensor] = [addrs]
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            if n:
+                dev = addrs.to(self.device, non_blocking=True)
+                keep.append(dev)
+                words = max(self.page_bytes[t] for t in plan.tensors) // self._word_bytes
+                block = 1024 if self._word_bytes == 8 else 2048
+                word_t = tl.int64 if self._word_bytes == 8 else tl.int32
+                _copy_pages_kernel[(n, triton.cdiv(words, block))](
+                    dev, n, WORD=word_t, BLOCK=block, num_warps=4
+                )
+            end.record(stream)
+        self._track(_Pending(job_id, is_store, plan.nbytes, start, end, None, keep))
+
+    def _submit_staging(self, job_id: int, plan: _Plan, is_store: bool) -> None:
+        total = plan.nbytes
+        bounce = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        bounce_addr = bounce.data_ptr()
+        stream, start, end = self._launch(is_store)
+        # Host side of the bounce: page copies between bounce offsets and pool rows.
+        host_src, host_dst, host_size = self._bounce_addresses(plan, bounce_addr, is_store)
+        if not is_store:
+            self._host_copy(host_src, host_dst, host_size)
+        keep: list[torch.Tensor] = [bounce]
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            staging = torch.empty(total, dtype=torch.uint8, device=self.device)
+            keep.append(staging)
+            off = 0
+            parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+            for t, g in zip(plan.tensors, plan.gpu_rows, strict=True):
+                nb = g.numel() * self.page_bytes[t]
+                view = staging[off : off + nb].view(g.numel(), self.page_bytes[t])
+                gdev = g.to(self.device, non_blocking=False)
+                keep.append(gdev)
+                parts.append((self._gpu[t], gdev, view))
+                off += nb
+            if is_store:
+                for gview, gdev, view in parts:
+                    torch.index_select(gview, 0, gdev, out=view)
+                bounce.copy_(staging, non_blocking=True)
+            elif total:
+                staging.copy_(bounce, non_blocking=True)
+                for gview, gdev, view in parts:
+                    gview.index_copy_(0, gdev, view)
+            end.record(stream)
+        on_done = (lambda: self._host_copy(host_src, host_dst, host_size)) if is_store else None
+        self._track(_Pending(job_id, is_store, plan.nbytes, start, end, on_done, keep))
+
+    def _bounce_addresses(
+        self, plan: _Plan, bounce_addr: int, is_store: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cpu_addr = [
+            self._cpu_base[t] + c * self._page_t[t]
+            for t, c in zip(plan.tensors, plan.cpu_rows, strict=True)
+        ]
+        sizes = [
+            self._page_t[t].expand(c.numel())
+            for t, c in zip(plan.tensors, plan.cpu_rows, strict=True)
+        ]
+        if not cpu_addr:
+            z = torch.empty(0, dtype=torch.int64)
+            return z, z, z
+        size = torch.cat(sizes)
+        pool_addr = torch.cat(cpu_addr)
+        offs = torch.cumsum(size, 0) - size + bounce_addr
+        return (offs, pool_addr, size) if is_store else (pool_addr, offs, size)
+
+    def _track(self, p: _Pending) -> None:
+        self._queues[p.is_store].append(p)
+        self._by_id[p.job_id] = p
+
+    def _finish(self, p: _Pending) -> None:
+        del self._by_id[p.job_id]
+        ok = True
+        if p.on_done is not None:
+            try:
+                p.on_done()
+            except Exception as exc:  # pragma: no cover - host copy of validated addresses
+                log.error("job %d: host copy failed: %s", p.job_id, exc)
+                ok = False
+        seconds = p.start.elapsed_time(p.end) / 1000.0
+        self._done.append(TransferResult(p.job_id, ok, p.nbytes if ok else 0, seconds, p.is_store))
+
+    def poll(self) -> list[TransferResult]:
+        """Jobs finished since the last poll (FIFO per direction)."""
+        for q in self._queues.values():
+            while q and q[0].end.query():
+                self._finish(q.popleft())
+        out, self._done = self._done, []
+        return out
+
+    def wait(self, job_ids: Collection[int]) -> None:
+        """Block until those jobs' copies are done (unknown or finished ids are ignored)."""
+        for job_id in job_ids:
+            p = self._by_id.get(job_id)
+            if p is not None:
+                p.end.synchronize()
+
+    def shutdown(self) -> None:
+        """Finish every transfer in flight and release the pool registration and threads."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.is_cuda:
+            for q in self._queues.values():
+                while q:
+                    p = q.popleft()
+                    p.end.synchronize()
+                    self._finish(p)
+            for s in self._streams.values():
+                s.synchronize()
+            self._unregister()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

@@ -1,0 +1,279 @@
+"""TorchTransferBackend: real bytes between block-first KV tensors and the CPU pool."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from worker_harness import Mapping, random_mapping, simple_mapping
+
+torch = pytest.importorskip("torch", reason="the torch adapter needs torch")
+
+from statecore.adapters.torch import TorchTransferBackend, memmove_runs  # noqa: E402
+
+from statecore.errors import ConfigError, SpecError  # noqa: E402
+from statecore.manager import CPULoadStoreSpec  # noqa: E402
+from statecore.pool import CPUPool  # noqa: E402
+from statecore.wire import ConnectorMetadata, GPULoadStoreSpec, TransferJob  # noqa: E402
+from statecore.worker import OffloadingWorker, plan_block_copies  # noqa: E402
+
+NUM_BLOCKS = 40
+NUM_SLOTS = 30
+
+
+class Setup:
+    """Three canonical tensors of different dtypes and page sizes, two groups."""
+
+    def __init__(self, bpc: int, device: str = "cpu", seed: int = 0, **kw: object) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.bpc = bpc
+        self.caches = [
+            torch.randint(-100, 100, (NUM_BLOCKS, 2, 4, 8), generator=gen, dtype=torch.int16),
+            torch.randn((NUM_BLOCKS, 16, 4), generator=gen).to(torch.bfloat16),
+            torch.randint(0, 255, (NUM_BLOCKS, 96), generator=gen, dtype=torch.uint8),
+        ]
+        self.caches = [c.to(device) for c in self.caches]
+        pages = [c[0].numel() * c.element_size() for c in self.caches]
+        self.pages = pages
+        self.pool = CPUPool(NUM_SLOTS, [p * bpc for p in pages])
+        for i in range(self.pool.num_regions):  # known, non-zero background
+            region = self.pool.region(i)
+            region[:] = random.Random(i).randbytes(len(region))
+        self.groups = [[0, 1], [2]]
+        self.be = TorchTransferBackend(
+            self.caches,
+            self.pool,
+            bpc,
+            group_tensors=self.groups,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    def gpu_page(self, t: int, block: int) -> bytes:
+        row = self.caches[t][block].contiguous().view(torch.uint8).flatten()
+        return bytes(row.cpu().numpy().tobytes())
+
+    def cpu_page(self, t: int, slot: int, sub: int) -> bytes:
+        p = self.pages[t]
+        return bytes(self.pool.row(t, slot)[sub * p : (sub + 1) * p])
+
+    def plan(self, mp: Mapping) -> list[tuple[int, int, int, int]]:
+        g = mp.gpu
+        return plan_block_copies(
+            g.block_ids, g.group_sizes, g.block_indices, mp.cpu.slots, self.bpc
+        )
+
+    def snapshot(self) -> list[bytes]:
+        return [self.pool.read_slot(s) for s in range(NUM_SLOTS)]
+
+    def drain(self, job_ids: list[int]) -> dict[int, bool]:
+        self.be.wait(job_ids)
+        return {r.job_id: r.success for r in self.be.poll()}
+
+
+def check_roundtrip(s: Setup, seed: int) -> None:
+    rng = random.Random(seed)
+    free = list(range(NUM_SLOTS))
+    maps = [random_mapping(rng, 2, NUM_BLOCKS, free, s.bpc, max_blocks=5) for _ in range(4)]
+    before = s.snapshot()
+    for j, mp in enumerate(maps):
+        s.be.submit(j, mp.store(), True)
+    assert s.drain(list(range(4))) == dict.fromkeys(range(4), True)
+    touched: set[tuple[int, int, int]] = set()
+    for mp in maps:
+        for group, block, slot, sub in s.plan(mp):
+            for t in s.groups[group]:
+                assert s.cpu_page(t, slot, sub) == s.gpu_page(t, block)
+                touched.add((t, slot, sub))
+    for slot in range(NUM_SLOTS):  # every other byte of the pool is untouched
+        for t in range(3):
+            p = s.pages[t]
+            for sub in range(s.bpc):
+                if (t, slot, sub) not in touched:
+                    old = before[slot][sum(s.pages[:t]) * s.bpc :][sub * p : (sub + 1) * p]
+                    assert s.cpu_page(t, slot, sub) == old
+    expected = {
+        (t, block): s.gpu_page(t, block)
+        for mp in maps
+        for group, block, _, _ in s.plan(mp)
+        for t in s.groups[group]
+    }
+    for c in s.caches:
+        c.zero_()
+    for j, mp in enumerate(maps):
+        s.be.submit(10 + j, mp.load(), False)
+    assert s.drain([10 + j for j in range(4)]) == dict.fromkeys(range(10, 14), True)
+    for (t, block), data in expected.items():
+        assert s.gpu_page(t, block) == data
+
+
+@pytest.mark.parametrize("bpc", [1, 3])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cpu_random_roundtrip_byte_exact(bpc: int, seed: int) -> None:
+    check_roundtrip(Setup(bpc, seed=seed), seed)
+
+
+def test_results_report_bytes_and_direction() -> None:
+    s = Setup(1)
+    mp = Mapping(
+        GPULoadStoreSpec((3, 4, 5), (2, 1), (0, 0)),
+        CPULoadStoreSpec((0, 1, 2)),
+    )
+    s.be.submit(1, mp.store(), True)
+    (res,) = s.be.poll()
+    assert (res.job_id, res.success, res.is_store) == (1, True, True)
+    assert res.nbytes == 2 * (s.pages[0] + s.pages[1]) + s.pages[2]
+    assert s.be.poll() == []
+
+
+def test_padded_block_stride_and_large_parallel_job() -> None:
+    page = 256 << 10
+    backing = torch.randint(0, 255, (48, page + 512), dtype=torch.uint8)
+    cache = backing[:, :page]  # block stride > page: packed layout
+    pool = CPUPool(48, [page])
+    be = TorchTransferBackend([cache], pool, 1, threads=2)
+    rng = random.Random(5)
+    blocks = rng.sample(range(48), 40)
+    slots = rng.sample(range(48), 40)  # 10 MiB: the threaded path
+    be.submit(1, simple_mapping(blocks, slots).store(), True)
+    for b, sl in zip(blocks, slots, strict=True):
+        assert bytes(pool.row(0, sl)) == cache[b].numpy().tobytes()
+    pad = backing[:, page:].clone()
+    cache.zero_()
+    be.submit(2, simple_mapping(blocks, slots).load(), False)
+    for b, sl in zip(blocks, slots, strict=True):
+        assert cache[b].numpy().tobytes() == bytes(pool.row(0, sl))
+    assert torch.equal(backing[:, page:], pad)  # padding never written
+    be.shutdown()
+
+
+def test_memmove_runs_merges_adjacent_copies() -> None:
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    s0, d0 = src.data_ptr(), dst.data_ptr()
+    srcs = torch.tensor([s0, s0 + 8, s0 + 32, s0 + 16], dtype=torch.int64)
+    dsts = torch.tensor([d0 + 40, d0 + 48, d0, d0 + 8], dtype=torch.int64)
+    memmove_runs(srcs, dsts, torch.full((4,), 8, dtype=torch.int64))
+    assert dst[40:56].tolist() == list(range(16))
+    assert dst[0:8].tolist() == list(range(32, 40))
+    assert dst[8:16].tolist() == list(range(16, 24))
+    assert dst[16:40].tolist() == [0] * 24
+
+
+@pytest.mark.parametrize(
+    ("job", "match"),
+    [
+        (
+            TransferJob("r", GPULoadStoreSpec((1,), (1,), (0,)), CPULoadStoreSpec((1,))),
+            "1 groups, the KV cache has 2",
+        ),
+        (
+            TransferJob("r", GPULoadStoreSpec((1, 2), (2, 0), (0, 0)), CPULoadStoreSpec((1,))),
+            "needs 2 CPU chunks",
+        ),
+        (
+            TransferJob("r", GPULoadStoreSpec((1, 2), (1, 1), (0, 0)), CPULoadStoreSpec((1, 1))),
+            "slot twice",
+        ),
+        (
+            TransferJob(
+                "r", GPULoadStoreSpec((NUM_BLOCKS,), (1, 0), (0, 0)), CPULoadStoreSpec((1,))
+            ),
+            "out of range",
+        ),
+        (
+            TransferJob(
+                "r", GPULoadStoreSpec((1,), (1, 0), (0, 0)), CPULoadStoreSpec((NUM_SLOTS,))
+            ),
+            "out of range",
+        ),
+        (TransferJob("r", CPULoadStoreSpec((1,)), CPULoadStoreSpec((1,))), "GPU side"),
+    ],
+)
+def test_spec_errors_move_no_bytes(job: TransferJob, match: str) -> None:
+    s = Setup(1)
+    before = s.snapshot()
+    with pytest.raises(SpecError, match=match):
+        s.be.submit(1, job, True)
+    assert s.snapshot() == before
+    assert s.be.poll() == []
+
+
+def test_layout_mismatch_is_a_config_error() -> None:
+    cache = torch.zeros((4, 16), dtype=torch.uint8)
+    with pytest.raises(ConfigError, match="expected page 16"):
+        TorchTransferBackend([cache], CPUPool(2, [32]), 1)
+    with pytest.raises(ConfigError, match="regions"):
+        TorchTransferBackend([cache, cache], CPUPool(2, [16]), 1)
+    with pytest.raises(ConfigError, match="group_tensors"):
+        TorchTransferBackend([cache], CPUPool(2, [16]), 1, group_tensors=[[0, 1]])
+    with pytest.raises(ConfigError, match="contiguous"):
+        TorchTransferBackend([torch.zeros((16, 4), dtype=torch.uint8).t()], CPUPool(2, [16]), 1)
+
+
+def test_worker_over_torch_backend_flush_and_ranks() -> None:
+    reports = []
+    for rank in range(2):
+        s = Setup(3, seed=rank)
+        w = OffloadingWorker(s.be, rank=rank)
+        rng = random.Random(9)
+        free = list(range(NUM_SLOTS))
+        mp = random_mapping(rng, 2, NUM_BLOCKS, free, 3, max_blocks=5)
+        m1 = ConnectorMetadata(store_jobs={1: mp.store()})
+        w.start_step(m1)
+        w.end_step(m1)
+        w.start_step(ConnectorMetadata(jobs_to_flush=frozenset({1})))
+        for group, block, slot, sub in s.plan(mp):
+            for t in s.groups[group]:
+                assert s.cpu_page(t, slot, sub) == s.gpu_page(t, block)
+        reports.append(w.build_worker_metadata())
+        w.shutdown()
+    assert reports[0].aggregate(reports[1]).completed == {1: 2}
+
+
+# -- CUDA (run on the device machine) ----------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("impl", ["auto", "staging"])
+@pytest.mark.parametrize("bpc", [1, 3])
+def test_cuda_random_roundtrip_byte_exact(impl: str, bpc: int) -> None:
+    s = Setup(bpc, device="cuda", seed=bpc, copy_impl=impl)
+    check_roundtrip(s, bpc)
+    s.be.shutdown()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("impl", ["auto", "staging"])
+def test_cuda_store_waits_for_compute_stream_and_fifo(impl: str) -> None:
+    page = 64 << 10
+    n = 512
+    cache = torch.zeros((n, page // 4), dtype=torch.float32, device="cuda")
+    pool = CPUPool(n, [page])
+    be = TorchTransferBackend([cache], pool, 1, copy_impl=impl)  # type: ignore[arg-type]
+    # Long compute on the current stream writes the blocks; the store must see its result.
+    big = torch.randn((4096, 4096), device="cuda")
+    for _ in range(8):
+        big = big @ big / 64.0
+    cache.add_(big.abs().sum() * 0 + 3.0)
+    order = list(range(n))
+    random.Random(1).shuffle(order)
+    half = n // 2
+    be.submit(1, simple_mapping(order[:half], list(range(half))).store(), True)
+    be.submit(2, simple_mapping(order[half:], list(range(half, n))).store(), True)
+    be.wait([2])
+    results = [r.job_id for r in be.poll()]
+    assert results == [1, 2]  # FIFO per direction; waiting on 2 implies 1 is done
+    host = torch.frombuffer(pool.region(0), dtype=torch.float32)
+    assert bool((host == 3.0).all())
+    be.shutdown()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_triton_selected_when_available() -> None:
+    pytest.importorskip("triton", reason="Triton is not installed")
+    s = Setup(1, device="cuda")
+    assert s.be.impl == "triton", "Triton present but the staging fallback was chosen"
+    s.be.shutdown()
