@@ -230,6 +230,8 @@ class SimEngine:
         kv: KVCache,
         clock: SimClock,
         in_flight: Callable[[], int] = lambda: 0,
+        channel: ReportChannel | None = None,
+        check_each_step: bool = True,
     ) -> None:
         self.cfg = cfg
         self.conn = connector
@@ -240,15 +242,18 @@ class SimEngine:
         root = random.Random(cfg.seed)
         self.rng = random.Random(root.getrandbits(64))
         self.workload = Workload(cfg.workload, random.Random(root.getrandbits(64)))
-        self.channel = ReportChannel(
+        channel_rng = random.Random(root.getrandbits(64))
+        self.channel = channel or ReportChannel(
             cfg.faults,
-            random.Random(root.getrandbits(64)),
+            channel_rng,
             cfg.num_workers,
             late_after_steps=math.ceil(
                 (cfg.stall_timeout_s + 2 * cfg.stall_check_interval_s) / cfg.step_seconds
             )
             + 2,
         )
+        self.check_each_step = check_each_step
+        self._preempted_next: set[str] = set()
         self.pool = BlockPool(cfg.num_gpu_blocks, on_evict=kv.dont_care)
         self.tpb = cfg.tokens_per_block
         self.waiting: list[SimRequest] = []
@@ -312,6 +317,7 @@ class SimEngine:
         cfg, f = self.cfg, self.cfg.faults
         k = self.step_no
         self.clock.now += cfg.step_seconds
+        self.kv.dirty = True
         if f.reset and self.rng.random() < f.reset:
             self.channel.injected["reset"] += 1
             self.stats.resets += 1
@@ -332,9 +338,10 @@ class SimEngine:
             ),
             new_req_ids=frozenset(new_ids),
             finished_req_ids=frozenset(self.finished_since_last),
-            preempted_req_ids=frozenset(preempted),
+            preempted_req_ids=frozenset(preempted | self._preempted_next),
         )
         self.finished_since_last = set()
+        self._preempted_next = set()
         meta = self._guard("build_connector_meta", self.conn.build_connector_meta, output)
         if meta is None:
             meta = ConnectorMetadata()
@@ -349,18 +356,45 @@ class SimEngine:
         for rank, s in enumerate(self.stacks):
             s.end_step(meta)
             self.channel.submit(rank, s.report(), k)
-        report = self.channel.deliver(k)
-        result = self._guard("update_connector_output", self.conn.update_connector_output, report)
-        if result is not None:
-            self._loads_ended(k, result.finished_loads, result.invalid_block_ids)
+        self.feed(self.channel.deliver(k))
         self._after_compute(k, scheduled)
-        self._check(k)
+        if self.check_each_step:
+            self._check(k)
         self.step_no += 1
         self.stats.steps = self.step_no
         self.stats.hit_rate_series.append(
             self._cum_hit / self._cum_prompt if self._cum_prompt else 0.0
         )
         self.stats.in_flight_series.append(self._in_flight())
+
+    def feed(self, report: WorkerMetadata | None) -> None:
+        """Hand an aggregated worker report to the connector and apply the loads that ended."""
+        result = self._guard("update_connector_output", self.conn.update_connector_output, report)
+        if result is not None:
+            self._loads_ended(self.step_no, result.finished_loads, result.invalid_block_ids)
+
+    def preempt(self, r: SimRequest) -> None:
+        """Preempt running ``r`` between steps; the next step lists it as preempted."""
+        if r.status is Status.RUNNING:
+            self._preempt(r)
+            self._preempted_next.add(r.turn.req_id)
+
+    def finish(self, r: SimRequest) -> None:
+        """Finish running ``r`` now (a stop condition), between steps."""
+        if r.status is Status.RUNNING:
+            self.stats.requests_finished += 1
+            self._guard("request_finished", self.conn.request_finished, r.req)
+            self.finished_since_last.add(r.turn.req_id)
+            self._retire(r, completed=True)
+
+    def arrive(self, turn: Turn) -> SimRequest:
+        """Submit ``turn`` now."""
+        self._arrive(turn, self.step_no)
+        return self.by_id[turn.req_id]
+
+    def check(self) -> None:
+        """Run the after-step checks now (invariants, data oracle, INV-LIVE)."""
+        self._check(self.step_no)
 
     def _guard(self, call: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -434,8 +468,8 @@ class SimEngine:
         for r in list(self.waiting):
             if stop or budget <= 0 or len(self.running) >= cfg.max_running:
                 break
-            if r.status is Status.LOADING:
-                continue
+            if r.status is Status.LOADING or r.turn.req_id in self._preempted_next:
+                continue  # waits for its load / was preempted between steps: not this step
             local: list[int] = []
             if not r.blocks:
                 req = r.req

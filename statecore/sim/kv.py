@@ -52,16 +52,26 @@ class KVCache:
         self.num_blocks = num_blocks
         self.num_tensors = num_tensors
         self.page_bytes = page_bytes
+        # one allocation for all ranks and tensors, so that a check is one vectorised compare
+        self._all = torch.zeros((num_ranks, num_tensors, num_blocks, page_bytes), dtype=torch.int8)
         self.tensors: list[list[torch.Tensor]] = [
-            [torch.zeros((num_blocks, page_bytes), dtype=torch.int8) for _ in range(num_tensors)]
-            for _ in range(num_ranks)
+            [self._all[r, t] for t in range(num_tensors)] for r in range(num_ranks)
         ]
-        self._np = [[t.numpy() for t in rank] for rank in self.tensors]
+        self._all_np = self._all.numpy()
+        self._shadow_np = np.zeros_like(self._all_np)
+        self._np = [[self._all_np[r, t] for t in range(num_tensors)] for r in range(num_ranks)]
         self._shadow = [
-            [np.zeros((num_blocks, page_bytes), dtype=np.int8) for _ in range(num_tensors)]
-            for _ in range(num_ranks)
+            [self._shadow_np[r, t] for t in range(num_tensors)] for r in range(num_ranks)
         ]
+        words = page_bytes // 8 if page_bytes % 8 == 0 else 0
+        self._cmp = (
+            (self._all_np.view(np.int64), self._shadow_np.view(np.int64))
+            if words
+            else (self._all_np, self._shadow_np)
+        )
         self.valid = np.zeros(num_blocks, dtype=bool)
+        self.dirty = True
+        """Set whenever GPU bytes may have changed (the engine sets it on every step)."""
         self.expected_hash: list[bytes | None] = [None] * num_blocks
         self.blocks_written = 0
 
@@ -134,16 +144,17 @@ class KVCache:
 
     def verify_all(self, step: int) -> list[DataError]:
         """Every valid block still holds its shadow bytes (on every rank and tensor)."""
+        if not self.dirty:
+            return []
+        self.dirty = False
+        got, want = self._cmp
+        differs = (got != want).any(axis=3)  # (rank, tensor, block)
+        differs &= self.valid
+        if not differs.any():
+            return []
         errors: list[DataError] = []
-        valid = self.valid
-        for r in range(self.num_ranks):
-            for t in range(self.num_tensors):
-                bad = np.flatnonzero(
-                    (self._np[r][t] != self._shadow[r][t]).any(axis=1) & valid
-                )
-                for b in bad.tolist():
-                    errors.append(
-                        DataError(step, b, r, t, "bytes changed under a valid block")
-                    )
-                    self._np[r][t][b] = self._shadow[r][t][b]
+        for r, t, b in zip(*np.nonzero(differs), strict=True):
+            r, t, b = int(r), int(t), int(b)
+            errors.append(DataError(step, b, r, t, "bytes changed under a valid block"))
+            self._np[r][t][b] = self._shadow[r][t][b]
         return errors

@@ -32,7 +32,7 @@ from statecore.sim.report import FaultCount, SimReport
 from statecore.wire import ConnectorMetadata, WorkerMetadata
 from statecore.worker import FaultyBackend, OffloadingWorker, TransferBackend
 
-__all__ = ["RankStackImpl", "SimStack", "build_stack", "simulate"]
+__all__ = ["RankStackImpl", "SimStack", "build_stack", "leaks", "simulate"]
 
 
 class _InlineExecutor(Executor):
@@ -200,7 +200,8 @@ def simulate(cfg: SimConfig, progress: Callable[[int, int], None] | None = None)
     _ = stats
 
 
-def _leaks(stack: SimStack, engine: SimEngine) -> list[str]:
+def leaks(stack: SimStack, engine: SimEngine) -> list[str]:
+    """Everything left behind after a drain (empty when clean)."""
     out: list[str] = []
     s = stack.scheduler
     if s.requests:
@@ -326,7 +327,7 @@ def _report(cfg: SimConfig, stack: SimStack, engine: SimEngine) -> SimReport:
     rep.invariant_violations = list(st.violations)
     rep.data_errors = list(st.data_errors)
     rep.hung_requests = list(st.hung)
-    rep.leaked_state = _leaks(stack, engine)
+    rep.leaked_state = leaks(stack, engine)
     rep.engine_errors = list(st.errors)
     rep.harness_anomalies = list(st.harness_anomalies)
     rep.series = {

@@ -1,0 +1,220 @@
+"""``statecore fuzz --seconds N``: a time-boxed whole-stack fuzzing campaign.
+
+Hypothesis generates *programs*: byte strings, two bytes per operation, decoded into the
+operations of :class:`~statecore.specs.stack.StackHarness` (engine events, worker reports and
+every fault). One draw per program keeps the generator's cost far below the stack's, so the
+campaign runs thousands of operations per second; Hypothesis still shrinks a failing program
+(deleting and simplifying operations) to a short reproduction, printed as harness calls.
+Every operation is followed by every invariant check and the data oracle; every program ends
+with a drain and a leak check.
+
+``--mode stateful`` runs :class:`~statecore.specs.stack.StackMachine` (the
+``RuleBasedStateMachine``) instead, with the same checks (slower per step: Hypothesis draws
+each rule and argument separately).
+
+Exit status: 0 when nothing was found, 1 with the shrunk reproduction printed otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import HypothesisException
+
+from statecore.specs.stack import StackHarness, StackMachine
+
+__all__ = ["OPS", "decode", "main", "run_program"]
+
+_Op = tuple[str, Callable[[StackHarness, int], Any]]
+
+_OP_TABLE: list[tuple[int, _Op]] = [
+    (8, ("step", lambda h, a: h.step())),
+    (9, ("deliver", lambda h, a: h.deliver(a))),
+    (
+        4,
+        (
+            "new_request",
+            lambda h, a: h.new_request(a % 3, (a >> 2) % 15, 1 + (a >> 6) % 6, a % 97 == 0,
+                                       bool(a & 2)),
+        ),
+    ),
+    (1, ("finish", lambda h, a: h.finish(a))),
+    (1, ("abort", lambda h, a: h.abort(a))),
+    (1, ("preempt", lambda h, a: h.preempt(a))),
+    (1, ("deliver_failed", lambda h, a: h.deliver_failed(a))),
+    (1, ("lose", lambda h, a: h.lose(a))),
+    (1, ("deliver_late", lambda h, a: h.deliver_late(a))),
+    (1, ("duplicate", lambda h, a: h.duplicate(a))),
+    (1, ("stale", lambda h, a: h.stale(a))),
+    (1, ("unknown", lambda h, a: h.unknown(a % 6, bool(a & 64)))),
+    (1, ("advance_clock", lambda h, a: h.advance_clock())),
+]
+OPS: list[_Op] = [op for weight, op in _OP_TABLE for _ in range(weight)]
+"""Operation of each opcode (weights by repetition); a rare reset is opcode-independent."""
+
+_RESET_EVERY = 251  # a 16-bit word with this residue (and a set top bit) resets the cache
+
+
+def decode(program: bytes) -> list[tuple[str, int]]:
+    """The operations a program stands for: (name, argument) pairs."""
+    out: list[tuple[str, int]] = []
+    for i in range(0, len(program) - 1, 2):
+        word = program[i] << 8 | program[i + 1]
+        if word == 0:
+            continue  # padding: the shrinker zeroes the operations a failure does not need
+        if word % _RESET_EVERY == 0:
+            out.append(("reset_cache", 0))
+            continue
+        name, _ = OPS[program[i + 1] % len(OPS)]
+        out.append((name, program[i]))
+    return out
+
+
+_BY_NAME: dict[str, Callable[[StackHarness, int], Any]] = {name: fn for name, fn in OPS}
+_BY_NAME["reset_cache"] = lambda h, a: h.reset_cache()
+
+
+def run_program(program: bytes, harness: StackHarness | None = None) -> int:
+    """Run ``program`` on a fresh stack, checking after every operation; drain at the end.
+
+    Returns the number of operations executed. Raises
+    :class:`~statecore.errors.InvariantViolation` (or whatever the stack raised) on a finding.
+    """
+    h = harness or StackHarness()
+    ops = decode(program)
+    try:
+        for name, arg in ops:
+            _BY_NAME[name](h, arg)
+            h.check()
+    except BaseException:
+        h.stack.close()
+        raise
+    h.drain_and_check()
+    return len(ops)
+
+
+def format_program(program: bytes) -> str:
+    """A failing program as the harness calls it makes (a reproduction script)."""
+    lines = ["h = StackHarness()"]
+    for name, arg in decode(program):
+        if name in ("step", "advance_clock", "reset_cache"):
+            lines.append(f"h.{name}()")
+        elif name == "new_request":
+            a = arg
+            lines.append(
+                f"h.new_request(system={a % 3}, extra={(a >> 2) % 15}, out={1 + (a >> 6) % 6}, "
+                f"skip={a % 97 == 0}, follow={bool(a & 2)})"
+            )
+        elif name == "unknown":
+            lines.append(f"h.unknown(offset={arg % 6}, negative={bool(arg & 64)})")
+        else:
+            lines.append(f"h.{name}({arg})")
+        lines.append("h.check()")
+    lines.append("h.drain_and_check()")
+    return "\n".join(lines)
+
+
+def _settings(examples: int, seed_phases: bool) -> settings:
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        print_blob=False,
+        report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate, Phase.shrink] if seed_phases else [Phase.generate],
+    )
+
+
+def campaign(
+    seconds: float,
+    max_ops: int = 400,
+    examples_per_round: int = 8,
+    harness_factory: Callable[[], StackHarness] = StackHarness,
+    out: Any = None,
+) -> tuple[int, int, float, str | None]:
+    """Fuzz for ``seconds``; returns (operations, programs, elapsed, failure report or None)."""
+    out = out or sys.stdout
+    counted = {"ops": 0, "programs": 0}
+    failing: list[bytes] = []
+    deadline = time.monotonic() + seconds
+
+    @given(st.binary(min_size=max_ops, max_size=2 * max_ops))
+    def prop(program: bytes) -> None:
+        try:
+            counted["ops"] += run_program(program, harness_factory())
+            counted["programs"] += 1
+        except BaseException:
+            failing[:] = [program]
+            raise
+
+    prop = _settings(examples_per_round, True)(prop)
+    t0 = time.monotonic()
+    while time.monotonic() < deadline:
+        try:
+            prop()
+        except (Exception, HypothesisException) as exc:
+            program = failing[0] if failing else b""
+            report = (
+                f"FAILED: {type(exc).__name__}: {exc}\n\n"
+                f"shrunk reproduction ({len(program) // 2} operations, "
+                f"program={program!r}):\n\n{format_program(program)}"
+            )
+            return counted["ops"], counted["programs"], time.monotonic() - t0, report
+    return counted["ops"], counted["programs"], time.monotonic() - t0, None
+
+
+def _stateful_campaign(seconds: float, steps: int) -> tuple[int, int, float, str | None]:
+    from hypothesis.stateful import run_state_machine_as_test
+
+    deadline = time.monotonic() + seconds
+    t0 = time.monotonic()
+    before = StackMachine.steps_run
+    rounds = 0
+    while time.monotonic() < deadline:
+        try:
+            run_state_machine_as_test(
+                StackMachine,
+                settings=settings(_settings(5, True), stateful_step_count=steps),
+            )
+        except (Exception, HypothesisException) as exc:
+            return StackMachine.steps_run - before, rounds, time.monotonic() - t0, (
+                f"FAILED: {type(exc).__name__}: {exc}\n(the shrunk rule sequence is printed "
+                "above by Hypothesis)"
+            )
+        rounds += 5
+    return StackMachine.steps_run - before, rounds, time.monotonic() - t0, None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``statecore fuzz``."""
+    p = argparse.ArgumentParser(prog="statecore fuzz", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=60.0, help="campaign length")
+    p.add_argument("--max-ops", type=int, default=400, help="operations per program at most")
+    p.add_argument(
+        "--mode", choices=("program", "stateful"), default="program", help="generator"
+    )
+    args = p.parse_args(list(argv) if argv is not None else None)
+    if args.seconds <= 0 or args.max_ops < 1:
+        print("statecore fuzz: --seconds must be > 0 and --max-ops >= 1", file=sys.stderr)
+        return 2
+    if args.mode == "program":
+        ops, programs, elapsed, failure = campaign(args.seconds, args.max_ops)
+    else:
+        ops, programs, elapsed, failure = _stateful_campaign(args.seconds, args.max_ops)
+    rate = ops / elapsed if elapsed > 0 else 0.0
+    print(
+        f"statecore fuzz ({args.mode}): {ops} whole-stack steps in {programs} runs, "
+        f"{elapsed:.1f} s, {rate:.0f} steps/s"
+    )
+    if failure is not None:
+        print(failure)
+        return 1
+    print("no invariant violation, data error, hang or leak found")
+    return 0
