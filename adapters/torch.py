@@ -40,6 +40,7 @@ Execution:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import time
@@ -71,6 +72,7 @@ _cuda: Any = torch.cuda  # partly untyped module
 CopyImpl = Literal["auto", "triton", "staging"]
 
 _PARALLEL_MIN_BYTES = 8 << 20  # below this a CPU job is copied on the calling thread
+_PARALLEL_MIN_RUN = 32 << 10  # ... and when its copies are shorter than this on average
 _REGISTER_FLAGS = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
@@ -113,8 +115,14 @@ def _merge_runs(
     starts = brk.nonzero().flatten()
     cs = torch.cumsum(size, 0)
     ends = torch.cat((starts[1:], torch.tensor([n]))) - 1
-    run_bytes = cs[ends] - cs[starts] + size[starts]
-    return src[starts].tolist(), dst[starts].tolist(), run_bytes.tolist()
+    # (index_select: advanced indexing with a tensor is far slower on some CPU builds)
+    first_size = size.index_select(0, starts)
+    run_bytes = cs.index_select(0, ends) - cs.index_select(0, starts) + first_size
+    return (
+        src.index_select(0, starts).tolist(),
+        dst.index_select(0, starts).tolist(),
+        run_bytes.tolist(),
+    )
 
 
 def _memmove_list(src: list[int], dst: list[int], size: list[int], lo: int, hi: int) -> None:
@@ -138,7 +146,8 @@ def memmove_runs(
     """
     s, d, z = _merge_runs(src, dst, size)
     n = len(s)
-    if executor is None or parts <= 1 or n < 2 * parts:
+    # Short copies from several threads mostly fight over the GIL: split only long ones.
+    if executor is None or parts <= 1 or n < 2 * parts or sum(z) < _PARALLEL_MIN_RUN * n:
         _memmove_list(s, d, z, 0, n)
         return
     bounds = [n * i // parts for i in range(parts + 1)]
@@ -148,6 +157,29 @@ def memmove_runs(
     _memmove_list(s, d, z, bounds[0], bounds[1])
     for f in futures:
         f.result()
+
+
+def _device_pointer(ptr: int) -> int:
+    """The device address of registered host memory at ``ptr``.
+
+    Asked of the CUDA runtime through cuda-python when it is installed; otherwise (and on
+    any error) the host address, which is the device address under unified addressing when
+    the device can use host pointers for registered memory (x86-64 Linux, Hopper).
+    """
+    try:
+        from cuda.bindings import runtime as rt  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return ptr
+    try:
+        err, dptr = rt.cudaHostGetDevicePointer(ptr, 0)
+        if int(getattr(err, "value", err)) != 0:
+            return ptr
+        dptr = int(dptr)
+    except Exception:
+        return ptr
+    if dptr != ptr:
+        log.info("registered host memory %#x is mapped at device address %#x", ptr, dptr)
+    return dptr
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,6 +306,7 @@ class TorchTransferBackend:
             for i in range(len(gpu_caches))
         ]
         self._cpu_base = torch.tensor([c.data_ptr() for c in self._cpu], dtype=torch.int64)
+        self._cpu_dev_base = self._cpu_base  # device-side address of each region (CUDA)
         self._gpu_base = torch.tensor([v.data_ptr() for v in self._gpu], dtype=torch.int64)
         self._gpu_stride_t = torch.tensor(self._gpu_stride, dtype=torch.int64)
         self._page_t = torch.tensor(self.page_bytes, dtype=torch.int64)
@@ -290,7 +323,11 @@ class TorchTransferBackend:
         self._by_id: dict[int, _Pending] = {}
         self._closed = False
         if self.is_cuda:
-            self._setup_cuda(copy_impl, register_pool)
+            try:
+                self._setup_cuda(copy_impl, register_pool)
+            except BaseException:
+                self._unregister()
+                raise
         log.info("TorchTransferBackend: device %s, copy implementation %s", self.device, self.impl)
 
     # -- CUDA setup -----------------------------------------------------------------------
@@ -301,7 +338,17 @@ class TorchTransferBackend:
         }
         registered = register_pool and self._register_pool()
         self.pool_registered = registered
-        usable = registered and triton is not None and all(p % 4 == 0 for p in self.page_bytes)
+        if registered:
+            self._cpu_dev_base = torch.tensor(
+                [_device_pointer(c.data_ptr()) for c in self._cpu], dtype=torch.int64
+            )
+        all_sizes = [
+            *self.page_bytes,
+            *self._gpu_stride,
+            *self._gpu_base.tolist(),
+            *self._cpu_dev_base.tolist(),
+        ]
+        usable = registered and triton is not None and all(x % 4 == 0 for x in all_sizes)
         if copy_impl == "triton" and not usable:
             raise ConfigError(
                 "copy_impl='triton' needs Triton, page sizes that are multiples of 4 bytes and "
@@ -317,7 +364,6 @@ class TorchTransferBackend:
                 if copy_impl == "triton":
                     raise ConfigError(f"Triton copy self-test failed: {exc}") from exc
                 log.warning("Triton copy kernel unusable (%s); using staging copies", exc)
-        all_sizes = [*self.page_bytes, *self._gpu_stride]
         self._word, self._word_bytes = torch.int32, 4
         if all(x % 8 == 0 for x in all_sizes):
             self._word, self._word_bytes = torch.int64, 8
@@ -368,7 +414,7 @@ class TorchTransferBackend:
             addrs = torch.stack(
                 (
                     src.data_ptr() + torch.arange(n) * page,
-                    host.data_ptr() + perm * page,
+                    _device_pointer(host.data_ptr()) + perm * page,
                     torch.full((n,), page // 4, dtype=torch.int64),
                 )
             ).to(self.device)
@@ -377,14 +423,15 @@ class TorchTransferBackend:
             )
             torch.cuda.synchronize(self.device)
             want = src.view(n, page).cpu()
-            got = host.view(n, page)[perm]
+            got = host.view(n, page).index_select(0, perm)
             if not torch.equal(want, got):
                 raise TransferError("Triton copy self-test: bytes differ")
         finally:
             cudart: Any = _cuda.cudart()
             cudart.cudaHostUnregister(host.data_ptr())
             del host
-            buf.close()
+            with contextlib.suppress(BufferError):
+                buf.close()
 
     # -- planning -------------------------------------------------------------------------
     def _plan(self, job_id: int, job: TransferJob, is_store: bool) -> _Plan:
@@ -407,7 +454,8 @@ class TorchTransferBackend:
                 continue
             gidx = block_ids[sp.first_block : sp.first_block + sp.num_blocks]
             pos = torch.arange(sp.skip, sp.skip + sp.num_blocks, dtype=torch.int64)
-            cidx = slots[sp.first_chunk + pos // self.bpc] * self.bpc + pos % self.bpc
+            cidx = slots.index_select(0, sp.first_chunk + pos // self.bpc) * self.bpc
+            cidx += pos % self.bpc
             for t in self.group_tensors[sp.group]:
                 g_list, c_list = per_tensor.setdefault(t, ([], []))
                 g_list.append(gidx)
@@ -421,8 +469,14 @@ class TorchTransferBackend:
             nbytes,
         )
 
-    def _addresses(self, plan: _Plan, is_store: bool) -> tuple[torch.Tensor, ...]:
-        """(src, dst, size) host int64 address arrays of every page copy of ``plan``."""
+    def _addresses(
+        self, plan: _Plan, is_store: bool, device_side: bool = False
+    ) -> tuple[torch.Tensor, ...]:
+        """(src, dst, size) int64 address arrays of every page copy of ``plan``.
+
+        ``device_side``: pool addresses as the GPU sees them (mapped registered memory).
+        """
+        cpu_base = self._cpu_dev_base if device_side else self._cpu_base
         if not plan.tensors:
             z = torch.empty(0, dtype=torch.int64)
             return z, z, z
@@ -434,7 +488,7 @@ class TorchTransferBackend:
         )
         cpu_addr = torch.cat(
             [
-                self._cpu_base[t] + c * self._page_t[t]
+                cpu_base[t] + c * self._page_t[t]
                 for t, c in zip(plan.tensors, plan.cpu_rows, strict=True)
             ]
         )
@@ -470,14 +524,16 @@ class TorchTransferBackend:
 
     def _launch(self, is_store: bool) -> tuple[Any, Any, Any]:
         stream = self._streams[is_store]
-        if is_store:  # read GPU blocks only after the compute that wrote them
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Stores read GPU blocks only after the compute that wrote them (upstream does this);
+        # loads also wait, so a block freed and re-allocated is not overwritten while work
+        # queued earlier on the compute stream may still read it (costs nothing when idle).
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         start = _cuda.Event(enable_timing=True)
         end = _cuda.Event(enable_timing=True)
         return stream, start, end
 
     def _submit_triton(self, job_id: int, plan: _Plan, is_store: bool) -> None:
-        src, dst, size = self._addresses(plan, is_store)
+        src, dst, size = self._addresses(plan, is_store, device_side=True)
         n = src.numel()
         addrs = torch.stack((src, dst, size // self._word_bytes)).pin_memory()
         stream, start, end = self._launch(is_store)
@@ -515,8 +571,9 @@ class TorchTransferBackend:
             for t, g in zip(plan.tensors, plan.gpu_rows, strict=True):
                 nb = g.numel() * self.page_bytes[t]
                 view = staging[off : off + nb].view(g.numel(), self.page_bytes[t])
-                gdev = g.to(self.device, non_blocking=False)
-                keep.append(gdev)
+                g_pinned = g.pin_memory()
+                gdev = g_pinned.to(self.device, non_blocking=True)
+                keep += (g_pinned, gdev)
                 parts.append((self._gpu[t], gdev, view))
                 off += nb
             if is_store:

@@ -1,0 +1,188 @@
+"""``statecore bench transfer``: throughput of the torch transfer adapter, in GB/s.
+
+For each block size, a GPU KV tensor of ``--total-mib`` MiB is mapped onto the CPU pool by a
+random permutation (scattered GPU blocks into scattered final slots, ``blocks_per_chunk`` 1),
+split into jobs of about ``--job-mib`` MiB, and copied by :class:`TorchTransferBackend`:
+stores (GPU -> CPU), loads (CPU -> GPU) and, on CUDA, both at once (stores and loads on
+disjoint halves). The baseline is one contiguous copy of the same bytes (on CUDA: between the
+GPU tensor and the pinned pool). Each figure is the median of ``--repeat`` runs after a
+warm-up; one block per job is checked byte for byte after the stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="statecore bench transfer", description=__doc__)
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
+    p.add_argument("--total-mib", type=int, default=None, help="bytes per direction and size")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--block-kib", type=str, default="4,16,64,256")
+    p.add_argument("--job-mib", type=int, default=16, help="approximate bytes per job")
+    p.add_argument(
+        "--impl",
+        choices=("auto", "triton", "staging", "all"),
+        default="all",
+        help="CUDA copy implementation(s) to measure",
+    )
+    return p.parse_args(list(argv))
+
+
+def _median_seconds(fn: Callable[[], None], sync: Callable[[], None], repeat: int) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run the benchmark and print one line per block size, direction and implementation."""
+    args = _parse(argv)
+    import importlib
+
+    import torch
+
+    backend_cls: Any = importlib.import_module("statecore.adapters.torch").TorchTransferBackend
+    from statecore.manager import CPULoadStoreSpec
+    from statecore.pool import CPUPool
+    from statecore.wire import GPULoadStoreSpec, TransferJob
+
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("statecore bench transfer: --device cuda but CUDA is not available")
+        return 2
+    dev = torch.device("cuda" if cuda else "cpu")
+    total = (args.total_mib or (1024 if cuda else 128)) << 20
+    sizes = [int(x) << 10 for x in args.block_kib.split(",") if x]
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    name = torch.cuda.get_device_name(dev) if cuda else "cpu"
+    print(f"statecore bench transfer  date={now}  torch={torch.__version__}  device={name}")
+    print(f"bytes per direction={total >> 20} MiB  repeat={args.repeat}  job~{args.job_mib} MiB")
+    if cuda:
+        impls = ["triton", "staging"] if args.impl == "all" else [args.impl]
+    else:
+        impls = ["cpu"]
+        print(f"cpu threads={torch.get_num_threads()}")
+    print(
+        f"{'block':>7} {'impl':>8} {'direction':>10} {'GB/s':>8} {'contig GB/s':>12} {'ratio':>6}"
+    )
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    failures = 0
+    for page in sizes:
+        n = max(2, total // page)
+        # random bytes per block, cheap to make: 64 random bytes repeated along the page
+        seed = torch.randint(0, 256, (2 * n, 64), dtype=torch.uint8, generator=gen)
+        gpu = seed.to(dev).repeat(1, page // 64)
+        pool = CPUPool(2 * n, [page])
+        per_job = max(1, (args.job_mib << 20) // page)
+        blocks = torch.randperm(2 * n, generator=gen).tolist()
+        slots = torch.randperm(2 * n, generator=gen).tolist()
+
+        def jobs(
+            lo: int,
+            hi: int,
+            store: bool,
+            per_job: int = per_job,
+            blocks: list[int] = blocks,
+            slots: list[int] = slots,
+        ) -> list[TransferJob]:
+            out = []
+            for a in range(lo, hi, per_job):
+                b = min(hi, a + per_job)
+                g = GPULoadStoreSpec(tuple(blocks[a:b]), (b - a,), (0,))
+                c = CPULoadStoreSpec(tuple(slots[a:b]))
+                out.append(TransferJob("bench", g, c) if store else TransferJob("bench", c, g))
+            return out
+
+        stores, loads = jobs(0, n, True), jobs(0, n, False)
+        both = jobs(0, n // 2, True) + jobs(n // 2, n, False)
+        both_store = [True] * len(jobs(0, n // 2, True)) + [False] * len(jobs(n // 2, n, False))
+        for impl in impls:
+            kw: dict[str, Any] = {"copy_impl": "auto" if impl == "cpu" else impl}
+            try:
+                be = backend_cls([gpu], pool, 1, **kw)
+            except Exception as exc:
+                print(f"{page >> 10:>5}K {impl:>8} unavailable: {exc}")
+                continue
+            label = be.impl
+
+            def run(js: list[TransferJob], flags: list[bool], be: Any = be) -> None:
+                ids = list(range(len(js)))
+                for i, (j, s) in enumerate(zip(js, flags, strict=True)):
+                    be.submit(i, j, s)
+                be.wait(ids)
+                be.poll()
+
+            host = torch.frombuffer(pool.region(0), dtype=torch.uint8).view(2 * n, page)
+            if cuda and not getattr(be, "pool_registered", False):
+                host = torch.empty((2 * n, page), dtype=torch.uint8, pin_memory=True)
+            sub_gpu, sub_host = gpu[:n], host[:n]
+            contig: dict[str, Callable[[], None]] = {
+                "store": functools.partial(_copy, sub_host, sub_gpu),
+                "load": functools.partial(_copy, sub_gpu, sub_host),
+            }
+            cases: list[tuple[str, list[TransferJob], list[bool]]] = [
+                ("store", stores, [True] * len(stores)),
+                ("load", loads, [False] * len(loads)),
+            ]
+            if cuda:
+                cases.append(("both", both, both_store))
+            for direction, js, flags in cases:
+                t = _median_seconds(functools.partial(run, js, flags), sync, args.repeat)
+                gbs = n * page / t / 1e9
+                if direction == "store":  # check one page per job
+                    for a in range(0, n, per_job):
+                        want = gpu[blocks[a]].cpu()
+                        got = torch.frombuffer(pool.row(0, slots[a]), dtype=torch.uint8)
+                        if not torch.equal(want, got):
+                            failures += 1
+                            print(f"MISMATCH block {blocks[a]} slot {slots[a]} ({label})")
+                if direction in contig:
+                    tc = _median_seconds(contig[direction], sync, args.repeat)
+                else:
+                    tc = _both_contig(torch, sub_gpu, sub_host, gpu[n:], host[n:], args.repeat)
+                cgbs = n * page / tc / 1e9
+                print(
+                    f"{page >> 10:>6}K {label:>8} {direction:>10} {gbs:8.1f} {cgbs:12.1f} "
+                    f"{gbs / cgbs:6.2f}"
+                )
+            be.shutdown()
+    if failures:
+        print(f"FAILED: {failures} byte mismatches")
+        return 1
+    return 0
+
+
+def _copy(dst: Any, src: Any) -> None:
+    dst.copy_(src, non_blocking=True)
+
+
+def _both_contig(torch: Any, g1: Any, h1: Any, g2: Any, h2: Any, repeat: int) -> float:
+    """Contiguous D2H and H2D of half the bytes each, on two streams at once."""
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    half = g1.shape[0] // 2
+
+    def fn() -> None:
+        with torch.cuda.stream(s1):
+            h1[:half].copy_(g1[:half], non_blocking=True)
+        with torch.cuda.stream(s2):
+            g2[:half].copy_(h2[:half], non_blocking=True)
+
+    return _median_seconds(fn, torch.cuda.synchronize, repeat)
