@@ -1,0 +1,928 @@
+"""``statecore bench scheduler``: the connector's cost per engine step.
+
+The cost of one engine step is the sum of the four per-step connector hooks
+(``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``,
+``update_connector_output``). The workload is shaped like the vLLM peer scenario: N requests
+kept in flight, 128 shared 512-token prefixes each followed by a unique 64-512-token suffix, a
+quarter of new requests being follow-up turns (an earlier request's full text plus 64 tokens),
+outputs of 16-96 tokens, a GPU cache of 1.1x what N average requests need, a CPU tier of 4x
+the GPU blocks, workers reporting loads 2 steps and stores 3 steps after submission.
+
+Two engines run it:
+
+* ``standalone`` (always): a small engine loop in this module (GPU block pool with a prefix
+  cache, chunked prefill, one decode token per step, newest-first preemption) over
+  statecore's scheduler, CPU manager and worker;
+* ``vllm`` (when this Python has vLLM 0.33, e.g. the peer venv): vLLM's real engine
+  ``Scheduler`` with vLLM's ``OffloadingConnector`` and with statecore's connector
+  (:mod:`statecore.adapters.vllm`), one after the other on the same seeded workload, workers
+  simulated (real worker-role connectors, transfer engines replaced by step-delayed ones).
+
+Statistics are over steps ``warmup..steps`` that scheduled tokens (median, p99, max, in
+microseconds). Memory per in-flight job is measured with ``tracemalloc`` over the creation
+of the job records. This is a command, not a test: nothing here asserts timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from statecore.config import GroupConfig, SchedulerConfig
+from statecore.managers.cpu import CPUOffloadingManager
+from statecore.scheduler import OffloadingScheduler
+from statecore.sim.blocks import BlockPool
+from statecore.sim.hashing import extend_block_hashes
+from statecore.views import Request, ScheduledRequest, SchedulerOutput
+from statecore.wire import TransferJob, WorkerMetadata
+from statecore.worker import OffloadingWorker, TransferResult
+
+__all__ = [
+    "HOOKS",
+    "Scenario",
+    "StepDelayBackend",
+    "Workload",
+    "main",
+    "run_standalone",
+    "run_vllm",
+    "summarize",
+]
+
+HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+)
+"""The four per-step connector hooks whose sum is the per-step cost."""
+
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """The workload and engine shape (defaults follow the peer scenario)."""
+
+    concurrency: int = 64
+    steps: int = 400
+    num_prefixes: int = 128
+    prefix_len: int = 512
+    suffix_len: tuple[int, int] = (64, 512)
+    output_len: tuple[int, int] = (16, 96)
+    followup_prob: float = 0.25
+    followup_turn_len: int = 64
+    max_prompt_len: int = 4096
+    gpu_cache_factor: float = 1.1
+    cpu_cache_factor: float = 4.0
+    load_delay: int = 2
+    store_delay: int = 3
+    num_workers: int = 1
+    max_num_batched_tokens: int = 8192
+    warmup_steps: int = 20
+    reset_at: int | None = None
+    seed: int = 0
+
+    def num_gpu_blocks(self) -> int:
+        """GPU blocks: 1.1x what N average requests need, at least two of the largest."""
+        avg = (
+            self.prefix_len
+            + sum(self.suffix_len) / 2
+            + self.followup_prob * 300
+            + sum(self.output_len) / 2
+        )
+        need = int(self.concurrency * avg / BLOCK)
+        floor = 2 * -(-(self.max_prompt_len + self.output_len[1]) // BLOCK) + 1
+        return max(int(need * self.gpu_cache_factor), floor)
+
+    def num_cpu_chunks(self) -> int:
+        """CPU tier capacity in chunks."""
+        return int(self.num_gpu_blocks() * self.cpu_cache_factor)
+
+
+class Workload:
+    """The seeded request stream: prompts and output lengths."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.sc = sc
+        self.rng = random.Random(sc.seed)
+        self.prefixes = [self._tokens(sc.prefix_len) for _ in range(sc.num_prefixes)]
+        self.done: list[list[int]] = []
+        self.next_id = 0
+
+    def _tokens(self, n: int) -> list[int]:
+        r = self.rng.randrange
+        return [r(3, 50000) for _ in range(n)]
+
+    def new(self) -> tuple[str, list[int], int]:
+        """The next request: (id, prompt tokens, output tokens)."""
+        sc, rng = self.sc, self.rng
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        if self.done and rng.random() < sc.followup_prob:
+            prompt = rng.choice(self.done) + self._tokens(sc.followup_turn_len)
+        else:
+            prompt = self.prefixes[rng.randrange(sc.num_prefixes)] + self._tokens(
+                rng.randint(*sc.suffix_len)
+            )
+        return rid, prompt[: sc.max_prompt_len], rng.randint(*sc.output_len)
+
+    def finished(self, text: list[int]) -> None:
+        """A request finished with ``text`` (prompt + output): a follow-up base."""
+        self.done.append(text)
+        if len(self.done) > 512:
+            self.done.pop(self.rng.randrange(len(self.done)))
+
+
+class StepDelayBackend:
+    """A statecore transfer backend that reports each job done a fixed number of engine
+    steps after submission; ``wait`` completes at once. Moves no bytes."""
+
+    def __init__(self, clock: list[int], load_delay: int, store_delay: int) -> None:
+        self.clock = clock
+        self.delay = {False: load_delay, True: store_delay}
+        self._due: dict[int, tuple[int, bool]] = {}
+
+    def submit(self, job_id: int, job: TransferJob, is_store: bool) -> None:
+        """Queue the job."""
+        self._due[job_id] = (self.clock[0] + self.delay[is_store], is_store)
+
+    def poll(self) -> list[TransferResult]:
+        """Jobs whose step has come."""
+        now = self.clock[0]
+        done = [j for j, (due, _) in self._due.items() if due <= now]
+        return [TransferResult(j, True, 0, 0.0, self._due.pop(j)[1]) for j in sorted(done)]
+
+    def wait(self, job_ids: Any) -> None:
+        """Complete those jobs now."""
+        for j in job_ids:
+            if j in self._due:
+                self._due[j] = (-1, self._due[j][1])
+
+    def pending(self) -> int:
+        """Jobs not reported yet."""
+        return len(self._due)
+
+    def shutdown(self) -> None:
+        """Drop everything."""
+        self._due.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+
+
+class HookTimer:
+    """Wraps the four hooks of a connector instance; accumulates ns per step."""
+
+    def __init__(self, target: Any, on_call: Callable[[str, tuple[Any, ...], Any], None]) -> None:
+        self.ns: dict[str, int] = dict.fromkeys(HOOKS, 0)
+        self.steps: list[tuple[int, dict[str, int]]] = []
+        pc = time.perf_counter_ns
+        for name in HOOKS:
+            orig = getattr(target, name)
+
+            def timed(*args: Any, _o: Any = orig, _n: str = name) -> Any:
+                t0 = pc()
+                res = _o(*args)
+                self.ns[_n] += pc() - t0
+                on_call(_n, args, res)
+                return res
+
+            setattr(target, name, timed)
+
+    def end_step(self, scheduled_tokens: int) -> None:
+        """Close the step."""
+        self.steps.append((scheduled_tokens, self.ns))
+        self.ns = dict.fromkeys(HOOKS, 0)
+
+
+def _pct(xs: Sequence[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
+
+
+def summarize(
+    steps: Sequence[tuple[int, dict[str, int]]], warmup: int, last: int
+) -> dict[str, dict[str, float]]:
+    """Median, p99, max (µs) per hook and for the sum, over active steps warmup..last."""
+    recs = [ns for tok, ns in steps[warmup:last] if tok > 0]
+    rows: dict[str, list[float]] = {name: [] for name in (*HOOKS, "sum of 4 hooks")}
+    for ns in recs:
+        total = 0
+        for name in HOOKS:
+            rows[name].append(ns[name] / 1e3)
+            total += ns[name]
+        rows["sum of 4 hooks"].append(total / 1e3)
+    out: dict[str, dict[str, float]] = {}
+    for name, xs in rows.items():
+        if xs:
+            out[name] = {
+                "median_us": statistics.median(xs),
+                "p99_us": _pct(xs, 99),
+                "max_us": max(xs),
+                "steps": float(len(xs)),
+            }
+    return out
+
+
+@dataclass
+class RunResult:
+    """One run: counters, per-request outcomes and load traces, timing summary."""
+
+    engine: str
+    connector: str
+    scenario: Scenario
+    summary: dict[str, dict[str, float]]
+    counters: dict[str, int] = field(default_factory=dict)
+    outputs: dict[str, int] = field(default_factory=dict)
+    hits: dict[str, list[int]] = field(default_factory=dict)
+    loads: dict[str, list[int]] = field(default_factory=dict)
+    leftovers: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+    bytes_per_job: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        """The JSON-able form."""
+        d = asdict(self)
+        d["scenario"] = asdict(self.scenario)
+        return d
+
+
+# --------------------------------------------------------------------------------------------
+# Standalone engine (no vLLM)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Req:
+    view: Request
+    tokens: list[int]
+    max_out: int
+    blocks: list[int] = field(default_factory=list)
+    new_blocks: list[int] = field(default_factory=list)
+    loading: bool = False
+    scheduled_once: bool = False
+    resumed: bool = False
+
+
+def _standalone_scheduler(sc: Scenario) -> tuple[OffloadingScheduler, CPUOffloadingManager]:
+    cfg = SchedulerConfig(
+        groups=(GroupConfig(BLOCK),),
+        num_workers=sc.num_workers,
+        offload_prompt_only=True,
+    )
+    manager = CPUOffloadingManager(sc.num_cpu_chunks(), policy="lru", enable_events=False)
+    return OffloadingScheduler(cfg, manager), manager
+
+
+def run_standalone(sc: Scenario) -> RunResult:
+    """The scenario on this module's engine loop over statecore's stack."""
+    sched, _ = _standalone_scheduler(sc)
+    clock = [0]
+    backends = [
+        StepDelayBackend(clock, sc.load_delay, sc.store_delay) for _ in range(sc.num_workers)
+    ]
+    workers = [OffloadingWorker(b, rank=i) for i, b in enumerate(backends)]
+    res = RunResult("standalone", "statecore", sc, {})
+    timer = HookTimer(sched, lambda n, a, r: None)
+    pool = BlockPool(sc.num_gpu_blocks())
+    wl = Workload(sc)
+    waiting: list[_Req] = []
+    running: list[_Req] = []
+    live: dict[str, _Req] = {}
+    finished_ids: set[str] = set()
+    c = res.counters
+
+    def arrive() -> None:
+        rid, prompt, out = wl.new()
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, prompt, BLOCK)
+        r = _Req(Request(rid, len(prompt), len(prompt), hashes), list(prompt), out)
+        live[rid] = r
+        waiting.append(r)
+        sched.on_new_request(r.view)
+
+    def free(r: _Req) -> None:
+        pool.release(r.blocks)
+        r.blocks = []
+
+    t0 = time.perf_counter()
+    step = 0
+    while True:
+        if step >= sc.steps and not live and not sched.has_pending_push_work():
+            break
+        if step > 10 * sc.steps + 1000:
+            raise RuntimeError("standalone engine did not drain")
+        if sc.reset_at is not None and step == sc.reset_at:
+            sched.reset_cache()
+        if step < sc.steps:
+            while len(live) < sc.concurrency:
+                arrive()
+        budget = sc.max_num_batched_tokens
+        scheduled: list[tuple[_Req, int]] = []
+        new_ids: set[str] = set()
+        preempted: set[str] = set()
+        # running requests first (as vLLM): chunked prefill or one decode token
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            v = r.view
+            n = min(v.num_tokens - v.num_computed_tokens, budget)
+            need = -(-(v.num_computed_tokens + n) // BLOCK) - len(r.blocks)
+            while need > 0:
+                got = pool.allocate(need)
+                if got is not None:
+                    r.blocks += got
+                    r.new_blocks += got
+                    break
+                victim = running.pop()
+                free(victim)
+                victim.view.num_computed_tokens = 0
+                victim.resumed = True
+                victim.new_blocks = []
+                preempted.add(victim.view.request_id)
+                waiting.insert(0, victim)
+                c["preemptions"] = c.get("preemptions", 0) + 1
+                if victim is r:
+                    break
+            if r not in running:
+                continue
+            scheduled.append((r, n))
+            budget -= n
+            i += 1
+        # waiting requests
+        still: list[_Req] = []
+        for r in waiting:
+            v = r.view
+            if r.loading or budget <= 0 or len(running) >= sc.concurrency:
+                still.append(r)
+                continue
+            if r.blocks:  # its load ended: schedule the rest
+                n = min(v.num_tokens - v.num_computed_tokens, budget)
+                need = -(-(v.num_computed_tokens + n) // BLOCK) - len(r.blocks)
+                got = pool.allocate(need) if need > 0 else []
+                if got is None:
+                    still.append(r)
+                    continue
+                r.blocks += got
+                r.new_blocks = list(r.blocks)
+                scheduled.append((r, n))
+                new_ids.add(v.request_id)
+                running.append(r)
+                budget -= n
+                continue
+            hit = pool.computed_blocks(v.block_hashes, (v.num_tokens - 1) // BLOCK)
+            local = len(hit) * BLOCK
+            ext, is_async = sched.get_num_new_matched_tokens(v, local)
+            if ext is None:
+                still.append(r)
+                continue
+            total = local + ext
+            n = 0 if is_async else min(v.num_tokens - total, budget)
+            need = -(-(total + n) // BLOCK) - len(hit)
+            if need > pool.num_free:
+                still.append(r)
+                continue
+            pool.touch(hit)
+            got = pool.allocate(need) or []
+            r.blocks = hit + got
+            r.new_blocks = list(r.blocks)
+            v.num_computed_tokens = local
+            sched.update_state_after_alloc(v, (r.blocks,), ext)
+            if is_async:
+                r.loading = True
+                v.num_computed_tokens = total
+                still.append(r)
+                continue
+            v.num_computed_tokens = total
+            scheduled.append((r, n))
+            new_ids.add(v.request_id)
+            running.append(r)
+            budget -= n
+        waiting = still
+        out = SchedulerOutput(
+            scheduled=tuple(
+                ScheduledRequest(
+                    r.view.request_id,
+                    (tuple(r.new_blocks),),
+                    n,
+                    r.resumed and r.view.request_id not in new_ids,
+                )
+                for r, n in scheduled
+            ),
+            new_req_ids=frozenset(new_ids),
+            finished_req_ids=frozenset(finished_ids),
+            preempted_req_ids=frozenset(preempted),
+        )
+        finished_ids = set()
+        meta = sched.build_connector_meta(out)
+        for r, _ in scheduled:
+            r.new_blocks = []
+            r.resumed = False
+        for w in workers:
+            w.start_step(meta)
+            w.end_step(meta)
+        report = WorkerMetadata()
+        for w in workers:
+            report = report.aggregate(w.build_worker_metadata())
+        result = sched.update_connector_output(report)
+        # compute: advance tokens, sample, cache full blocks
+        done: list[_Req] = []
+        for r, n in scheduled:
+            v = r.view
+            v.num_computed_tokens += n
+            for b in range(len(v.block_hashes)):
+                if b < len(r.blocks) and (b + 1) * BLOCK <= v.num_computed_tokens:
+                    pool.cache(r.blocks[b], v.block_hashes[b])
+            if v.num_computed_tokens >= v.num_tokens:
+                r.tokens.append(wl.rng.randrange(3, 50000))
+                v.num_tokens += 1
+                extend_block_hashes(v.block_hashes, r.tokens, BLOCK)
+                if v.num_tokens - v.num_prompt_tokens >= r.max_out:
+                    done.append(r)
+        for rid in result.finished_loads:
+            lr = live.get(rid)
+            if lr is None:
+                continue
+            lr.loading = False
+            lr.view.num_computed_tokens = min(lr.view.num_computed_tokens, lr.view.num_tokens - 1)
+            if result.invalid_block_ids:
+                lr.view.num_computed_tokens = 0
+        for r in done:
+            running.remove(r)
+            sched.request_finished(r.view)
+            free(r)
+            del live[r.view.request_id]
+            finished_ids.add(r.view.request_id)
+            res.outputs[r.view.request_id] = r.view.num_tokens - r.view.num_prompt_tokens
+            wl.finished(list(r.tokens))
+        timer.end_step(sum(n for _, n in scheduled))
+        step += 1
+        clock[0] += 1
+    res.wall_s = time.perf_counter() - t0
+    res.summary = summarize(timer.steps, sc.warmup_steps, sc.steps)
+    res.counters.update(
+        {k: v for k, v in sched.counters.as_dict().items() if isinstance(v, int) and v}
+    )
+    res.leftovers = {
+        "requests": len(sched.requests),
+        "jobs": len(sched.jobs),
+        "stalled": len(sched.stalled_jobs),
+        "fences": len(sched.fence_index),
+        "backend_pending": sum(b.pending() for b in backends),
+    }
+    res.bytes_per_job = job_record_bytes()
+    return res
+
+
+def job_record_bytes(n: int = 2000) -> float:
+    """Bytes retained per in-flight job: ``tracemalloc`` over ``n`` load jobs of 4 chunks
+    created through the public hooks (the job record, its keys/blocks tuples, its lifecycle
+    shadow and the pending transfer entry), divided by ``n``."""
+    cfg = SchedulerConfig(groups=(GroupConfig(BLOCK),), offload_prompt_only=False)
+    mgr = CPUOffloadingManager(4 * n + 8, enable_events=False)
+    sched = OffloadingScheduler(cfg, mgr)
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    seed = Request("seed", 64, 64, list(hashes))
+    sched.on_new_request(seed)
+    sched.get_num_new_matched_tokens(seed, 0)
+    sched.update_state_after_alloc(seed, ((1, 2, 3, 4),), 0)
+    sched.build_connector_meta(
+        SchedulerOutput(scheduled=(ScheduledRequest("seed", ((1, 2, 3, 4),), 64),))
+    )
+    sched.update_connector_output(WorkerMetadata(completed=dict.fromkeys(sched.jobs, 1)))
+    reqs = [Request(f"q{i}", 64, 64, list(hashes)) for i in range(n)]
+    for r in reqs:
+        sched.on_new_request(r)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for i, r in enumerate(reqs):
+        sched.get_num_new_matched_tokens(r, 0)
+        base = 10 + 4 * i
+        sched.update_state_after_alloc(r, ((base, base + 1, base + 2, base + 3),), 64)
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    return grown / n
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM engine (needs vLLM 0.33)
+# --------------------------------------------------------------------------------------------
+
+
+def have_vllm() -> bool:
+    """Whether vLLM can be imported here."""
+    try:
+        importlib.import_module("vllm")
+    except Exception:
+        return False
+    return True
+
+
+_TINY_MODEL = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 64,
+    "ffn_dim": 64,
+    "num_attention_heads": 8,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 32768,
+    "vocab_size": 50272,
+    "word_embed_proj_dim": 64,
+    "pad_token_id": 1,
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+    "torch_dtype": "float16",
+}
+
+
+def _model_dir() -> str:
+    path = os.path.join(tempfile.gettempdir(), "statecore_bench_tinymodel")
+    os.makedirs(path, exist_ok=True)
+    cfg = os.path.join(path, "config.json")
+    text = json.dumps(_TINY_MODEL, sort_keys=True)
+    if not os.path.exists(cfg) or open(cfg).read() != text:  # noqa: SIM115
+        tmp = f"{cfg}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, cfg)
+    return path
+
+
+def _m(name: str) -> Any:
+    return importlib.import_module(name)
+
+
+class _VllmDelayedEngine:
+    """vLLM ``OffloadingWorker`` stand-in: jobs complete a fixed number of steps later."""
+
+    def __init__(self, clock: list[int], load_delay: int, store_delay: int) -> None:
+        self.clock = clock
+        self.load_delay = load_delay
+        self.store_delay = store_delay
+        self._due: dict[int, int] = {}
+        self._result = _m("vllm.v1.kv_offload.base").TransferResult
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        self._due[job_id] = self.clock[0] + self.store_delay
+        return True
+
+    def submit_load(
+        self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
+    ) -> bool:
+        self._due[job_id] = self.clock[0] + (0 if expedited else self.load_delay)
+        return True
+
+    def wait(self, job_ids: Any) -> None:
+        for j in job_ids:
+            if j in self._due:
+                self._due[j] = -1
+
+    def get_finished(self) -> list[Any]:
+        now = self.clock[0]
+        done = sorted(j for j, d in self._due.items() if d <= now)
+        for j in done:
+            del self._due[j]
+        return [self._result(job_id=j, success=True) for j in done]
+
+    def pending(self) -> int:
+        return len(self._due)
+
+    def shutdown(self) -> None:
+        self._due.clear()
+
+
+def _chunk_count(spec: Any) -> int:
+    for attr in ("slots", "block_ids"):
+        ids = getattr(spec, attr, None)
+        if ids is not None:
+            return len(ids)
+    return 0
+
+
+def run_vllm(sc: Scenario, connector: str) -> RunResult:
+    """The scenario on vLLM's engine ``Scheduler`` with ``connector`` = ``"vllm"`` (vLLM's
+    OffloadingConnector) or ``"statecore"`` (:class:`StatecoreOffloadingConnector`)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    torch = _m("torch")
+    vcfg = _m("vllm.config")
+    iface = _m("vllm.v1.kv_cache_interface")
+    kvu = _m("vllm.v1.core.kv_cache_utils")
+    base = _m("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    outputs_mod = _m("vllm.v1.outputs")
+    SamplingParams = _m("vllm").SamplingParams
+    VRequest = _m("vllm.v1.request").Request
+    ngpu, ncpu = sc.num_gpu_blocks(), sc.num_cpu_chunks()
+    kcc = iface.KVCacheConfig(
+        num_blocks=ngpu,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            iface.KVCacheGroupSpec(
+                ["layer"],
+                iface.FullAttentionSpec(
+                    block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+            )
+        ],
+    )
+    extra: dict[str, Any] = {
+        "blocks_per_chunk": 1,
+        "eviction_policy": "lru",
+        "offload_prompt_only": True,
+        "store_threshold": 0,
+    }
+    page = kcc.kv_cache_groups[0].kv_cache_spec.page_size_bytes * sc.num_workers
+    align = _m("mmap").PAGESIZE
+    extra["cpu_bytes_to_use"] = ncpu * (-(-page // align) * align)
+    if connector == "vllm":
+        ktc = vcfg.KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
+    else:
+        ktc = vcfg.KVTransferConfig(
+            kv_connector="StatecoreOffloadingConnector",
+            kv_connector_module_path="statecore.adapters.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
+    model = _model_dir()
+    cache_config = vcfg.CacheConfig(
+        block_size=BLOCK,
+        gpu_memory_utilization=0.9,
+        cache_dtype="auto",
+        enable_prefix_caching=True,
+    )
+    cache_config.kv_cache_layout = "LBNHC"
+    vc = vcfg.VllmConfig(
+        model_config=vcfg.ModelConfig(
+            model=model,
+            tokenizer=model,
+            skip_tokenizer_init=True,
+            dtype="float16",
+            seed=0,
+            max_model_len=16384,
+        ),
+        scheduler_config=vcfg.SchedulerConfig(
+            max_num_seqs=max(sc.concurrency, 1),
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_model_len=16384,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+            async_scheduling=False,
+        ),
+        cache_config=cache_config,
+        kv_transfer_config=ktc,
+        parallel_config=vcfg.ParallelConfig(tensor_parallel_size=sc.num_workers),
+        device_config=vcfg.DeviceConfig("cpu"),
+    )
+    vc.cache_config.num_gpu_blocks = ngpu
+    engine = _m("vllm.v1.core.sched.scheduler").Scheduler(
+        vllm_config=vc,
+        kv_cache_config=kcc,
+        structured_output_manager=_m("vllm.v1.structured_output").StructuredOutputManager(vc),
+        block_size=BLOCK,
+        log_stats=True,
+    )
+    conn = engine.connector
+    clock = [0]
+    role = base.KVConnectorRole.WORKER
+    workers: list[Any] = []
+    delayed: list[Any] = []
+    for rank in range(sc.num_workers):
+        if connector == "vllm":
+            w = type(conn)(vc, role, kcc)
+            eng: Any = _VllmDelayedEngine(clock, sc.load_delay, sc.store_delay)
+            w.connector_worker.worker = eng
+        else:
+            w = type(conn)(vc, role, kcc)
+            eng = StepDelayBackend(clock, sc.load_delay, sc.store_delay)
+            w.attach_backend(eng, rank=rank)
+        workers.append(w)
+        delayed.append(eng)
+    aggregator = _m("vllm.distributed.kv_transfer.kv_connector.utils").KVOutputAggregator(
+        expected_finished_count=sc.num_workers
+    )
+    hash_fn = _m("vllm.utils.hashing").get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
+    kvu.init_none_hash(hash_fn)
+    hasher = kvu.get_request_block_hasher(BLOCK, hash_fn)
+
+    res = RunResult("vllm", connector, sc, {})
+    c = res.counters
+
+    def on_call(name: str, args: tuple[Any, ...], out: Any) -> None:
+        if name == "get_num_new_matched_tokens":
+            n, _ = out
+            if n is None:
+                c["lookups_deferred"] = c.get("lookups_deferred", 0) + 1
+            elif n > 0:
+                res.hits.setdefault(args[0].request_id, []).append(int(n))
+        elif name == "build_connector_meta":
+            inner = getattr(out, "inner", out)
+            for job in inner.load_jobs.values():
+                src = getattr(job, "src_spec", None) or job.src
+                res.loads.setdefault(job.req_id, []).append(_chunk_count(src))
+            c["load_jobs"] = c.get("load_jobs", 0) + len(inner.load_jobs)
+            c["store_jobs"] = c.get("store_jobs", 0) + len(inner.store_jobs)
+            c["flushed"] = c.get("flushed", 0) + len(inner.jobs_to_flush or ())
+
+    timer = HookTimer(conn, on_call)
+    wl = Workload(sc)
+    token_rng = random.Random(sc.seed + 1)
+    live: dict[str, Any] = {}
+    gc.collect()
+    gc.freeze()
+    t0 = time.perf_counter()
+    step = 0
+    while True:
+        if step >= sc.steps and not (engine.has_requests()):
+            break
+        if step > 10 * sc.steps + 1000:
+            raise RuntimeError(f"vLLM engine with {connector} connector did not drain")
+        if sc.reset_at is not None and step == sc.reset_at:
+            engine.reset_connector_cache()
+        if step < sc.steps:
+            while len(live) < sc.concurrency:
+                rid, prompt, out_len = wl.new()
+                sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
+                sp.update_from_generation_config({}, None)
+                req = VRequest(
+                    request_id=rid,
+                    prompt_token_ids=prompt,
+                    sampling_params=sp,
+                    pooling_params=None,
+                    block_hasher=hasher,
+                )
+                engine.add_request(req)
+                live[rid] = req
+        so = engine.schedule()
+        meta = so.kv_connector_metadata
+        ids = list(so.num_scheduled_tokens)
+        outs: list[Any] = []
+        for rank, w in enumerate(workers):
+            wmeta = meta
+            if connector == "vllm":
+                wmeta = type(meta)(
+                    load_jobs=dict(meta.load_jobs),
+                    store_jobs=dict(meta.store_jobs),
+                    jobs_to_flush=set(meta.jobs_to_flush) if meta.jobs_to_flush else None,
+                )
+            w.handle_preemptions(wmeta)
+            w.bind_connector_metadata(wmeta)
+            w.start_load_kv(None)
+            w.wait_for_save()
+            tr = w.get_transfer_results(so.finished_req_ids)
+            kvo = outputs_mod.KVConnectorOutput(
+                finished_sending=tr.finished_sending or None,
+                finished_recving=tr.finished_recving or None,
+                failed_recving=tr.failed_recving,
+                invalid_block_ids=w.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=w.build_connector_worker_meta(),
+            )
+            w.clear_connector_metadata()
+            if rank == 0:
+                sampled: list[list[int]] = []
+                for rid in ids:
+                    r = engine.requests[rid]
+                    done = r.num_computed_tokens >= r.num_tokens
+                    sampled.append([token_rng.randrange(3, 50000)] if done else [])
+                outs.append(
+                    outputs_mod.ModelRunnerOutput(
+                        req_ids=ids,
+                        req_id_to_index={r: i for i, r in enumerate(ids)},
+                        sampled_token_ids=sampled,
+                        kv_connector_output=kvo,
+                    )
+                )
+            else:
+                outs.append(
+                    outputs_mod.ModelRunnerOutput(
+                        req_ids=[], req_id_to_index={}, kv_connector_output=kvo
+                    )
+                )
+        engine.update_from_output(so, aggregator.aggregate(outs, output_rank=0))
+        for rid in [r for r, q in live.items() if q.is_finished()]:
+            q = live.pop(rid)
+            res.outputs[rid] = int(q.num_output_tokens)
+            wl.finished(list(q.all_token_ids))
+        timer.end_step(int(so.total_num_scheduled_tokens))
+        step += 1
+        clock[0] += 1
+    res.wall_s = time.perf_counter() - t0
+    gc.unfreeze()
+    res.summary = summarize(timer.steps, sc.warmup_steps, sc.steps)
+    res.counters["requests"] = wl.next_id
+    pending = sum(e.pending() for e in delayed)
+    if connector == "vllm":
+        cs = conn.connector_scheduler
+        res.leftovers = {
+            "requests": len(cs._req_status),
+            "jobs": len(cs._jobs),
+            "fences": len(cs._block_id_to_pending_jobs),
+            "reset_fence": len(cs._reset_fence),
+            "backend_pending": pending,
+        }
+    else:
+        s = conn.scheduler
+        res.leftovers = {
+            "requests": len(s.requests),
+            "jobs": len(s.jobs),
+            "stalled": len(s.stalled_jobs),
+            "fences": len(s.fence_index),
+            "backend_pending": pending,
+            "pinned": int(s.manager.counters().pinned),
+            "write_pending": int(s.manager.counters().write_pending),
+        }
+    res.leftovers["engine_requests"] = len(engine.requests)
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def _row(label: str, s: dict[str, dict[str, float]]) -> str:
+    t = s.get("sum of 4 hooks", {"median_us": 0.0, "p99_us": 0.0, "max_us": 0.0})
+    return f"{label:<34} {t['median_us']:>10.1f} {t['p99_us']:>10.1f} {t['max_us']:>10.1f}"
+
+
+def _header() -> str:
+    return f"{'connector cost per engine step (µs)':<34} {'median':>10} {'p99':>10} {'max':>10}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``statecore bench scheduler``."""
+    p = argparse.ArgumentParser(prog="statecore bench scheduler", description=__doc__)
+    p.add_argument("--concurrency", type=int, action="append", help="N (repeatable)")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--engine",
+        choices=["auto", "standalone", "vllm", "both"],
+        default="auto",
+        help="auto: standalone, plus vLLM when importable",
+    )
+    p.add_argument(
+        "--vllm-concurrency",
+        type=int,
+        action="append",
+        help="N for the vLLM engine runs (default 64 and 256)",
+    )
+    p.add_argument("--json", help="write every run's summary here")
+    a = p.parse_args(list(argv) if argv is not None else None)
+    ns = a.concurrency or [64, 256, 1024]
+    vns = a.vllm_concurrency or [n for n in ns if n <= 256] or ns
+    use_vllm = a.engine in ("vllm", "both") or (a.engine == "auto" and have_vllm())
+    use_standalone = a.engine in ("standalone", "both", "auto")
+    runs: list[RunResult] = []
+    if use_standalone:
+        print("standalone engine loop, statecore connector")
+        print(_header())
+        for n in ns:
+            sc = Scenario(concurrency=n, steps=a.steps, num_workers=a.workers, seed=a.seed)
+            r = run_standalone(sc)
+            runs.append(r)
+            print(_row(f"N={n}", r.summary))
+        if runs:
+            print(f"memory per in-flight job: {runs[0].bytes_per_job:.0f} B (target <= 1024)")
+    if use_vllm:
+        print(f"\nvLLM {_m('vllm').__version__} engine Scheduler, same scenario, both connectors")
+        print(_header() + f" {'ratio':>7}")
+        for n in vns:
+            sc = Scenario(concurrency=n, steps=a.steps, num_workers=a.workers, seed=a.seed)
+            rv = run_vllm(sc, "vllm")
+            rs = run_vllm(sc, "statecore")
+            runs += [rv, rs]
+            print(_row(f"N={n} vLLM OffloadingConnector", rv.summary))
+            ratio = rs.summary["sum of 4 hooks"]["median_us"] / max(
+                rv.summary["sum of 4 hooks"]["median_us"], 1e-9
+            )
+            print(_row(f"N={n} statecore", rs.summary) + f" {ratio:>7.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([r.as_json() for r in runs], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
