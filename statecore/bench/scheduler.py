@@ -365,9 +365,10 @@ def run_standalone(sc: Scenario) -> RunResult:
             i += 1
         # waiting requests
         still: list[_Req] = []
+        blocked = False  # FCFS, as vLLM: the first request that does not fit stops admission
         for r in waiting:
             v = r.view
-            if r.loading or budget <= 0 or len(running) >= sc.concurrency:
+            if blocked or r.loading or budget <= 0 or len(running) >= sc.concurrency:
                 still.append(r)
                 continue
             if r.blocks:  # its load ended: schedule the rest
@@ -376,6 +377,7 @@ def run_standalone(sc: Scenario) -> RunResult:
                 got = pool.allocate(need) if need > 0 else []
                 if got is None:
                     still.append(r)
+                    blocked = True
                     continue
                 r.blocks += got
                 r.new_blocks = list(r.blocks)
@@ -395,6 +397,7 @@ def run_standalone(sc: Scenario) -> RunResult:
             need = -(-(total + n) // BLOCK) - len(hit)
             if need > pool.num_free:
                 still.append(r)
+                blocked = True
                 continue
             pool.touch(hit)
             got = pool.allocate(need) or []
@@ -489,9 +492,13 @@ def run_standalone(sc: Scenario) -> RunResult:
 
 
 def job_record_bytes(n: int = 2000) -> float:
-    """Bytes retained per in-flight job: ``tracemalloc`` over ``n`` load jobs of 4 chunks
-    created through the public hooks (the job record, its keys/blocks tuples, its lifecycle
-    shadow and the pending transfer entry), divided by ``n``."""
+    """Bytes retained per in-flight job: ``tracemalloc`` over ``n`` load jobs of 4 chunks.
+
+    Requests are tracked and looked up before the first snapshot, so only what a job adds
+    is counted: the job record with its keys/blocks tuples and lifecycle state, its entries
+    in the scheduler's indexes (jobs, the request's job set, the keys being loaded). The
+    step's metadata is built and dropped before the second snapshot (it is handed to the
+    workers, not retained)."""
     cfg = SchedulerConfig(groups=(GroupConfig(BLOCK),), offload_prompt_only=False)
     mgr = CPUOffloadingManager(4 * n + 8, enable_events=False)
     sched = OffloadingScheduler(cfg, mgr)
@@ -507,15 +514,20 @@ def job_record_bytes(n: int = 2000) -> float:
     reqs = [Request(f"q{i}", 64, 64, list(hashes)) for i in range(n)]
     for r in reqs:
         sched.on_new_request(r)
+        sched.get_num_new_matched_tokens(r, 0)
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     for i, r in enumerate(reqs):
-        sched.get_num_new_matched_tokens(r, 0)
         base = 10 + 4 * i
         sched.update_state_after_alloc(r, ((base, base + 1, base + 2, base + 3),), 64)
+    meta = sched.build_connector_meta(SchedulerOutput())
+    del meta
+    gc.collect()
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
+    if len(sched.jobs) != n:
+        raise RuntimeError(f"expected {n} in-flight jobs, found {len(sched.jobs)}")
     grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
     return grown / n
 
