@@ -26,7 +26,6 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisException
-
 from statecore.specs.stack import StackHarness, StackMachine
 
 __all__ = ["OPS", "decode", "main", "run_program"]
@@ -40,8 +39,9 @@ _OP_TABLE: list[tuple[int, _Op]] = [
         4,
         (
             "new_request",
-            lambda h, a: h.new_request(a % 3, (a >> 2) % 15, 1 + (a >> 6) % 6, a % 97 == 0,
-                                       bool(a & 2)),
+            lambda h, a: h.new_request(
+                a % 3, (a >> 2) % 15, 1 + (a >> 6) % 6, a % 97 == 0, bool(a & 2)
+            ),
         ),
     ),
     (1, ("finish", lambda h, a: h.finish(a))),
@@ -184,9 +184,14 @@ def _stateful_campaign(seconds: float, steps: int) -> tuple[int, int, float, str
                 settings=settings(_settings(5, True), stateful_step_count=steps),
             )
         except (Exception, HypothesisException) as exc:
-            return StackMachine.steps_run - before, rounds, time.monotonic() - t0, (
-                f"FAILED: {type(exc).__name__}: {exc}\n(the shrunk rule sequence is printed "
-                "above by Hypothesis)"
+            return (
+                StackMachine.steps_run - before,
+                rounds,
+                time.monotonic() - t0,
+                (
+                    f"FAILED: {type(exc).__name__}: {exc}\n(the shrunk rule sequence is printed "
+                    "above by Hypothesis)"
+                ),
             )
         rounds += 5
     return StackMachine.steps_run - before, rounds, time.monotonic() - t0, None
@@ -197,9 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="statecore fuzz", description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=60.0, help="campaign length")
     p.add_argument("--max-ops", type=int, default=400, help="operations per program at most")
-    p.add_argument(
-        "--mode", choices=("program", "stateful"), default="program", help="generator"
-    )
+    p.add_argument("--mode", choices=("program", "stateful"), default="program", help="generator")
     args = p.parse_args(list(argv) if argv is not None else None)
     if args.seconds <= 0 or args.max_ops < 1:
         print("statecore fuzz: --seconds must be > 0 and --max-ops >= 1", file=sys.stderr)

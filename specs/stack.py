@@ -41,9 +41,10 @@ from hypothesis.stateful import (
 )
 
 from statecore.errors import InvariantViolation
+from statecore.manager import CPULoadStoreSpec
 from statecore.sim.engine import SimConfig, SimEngine, SimRequest, Status
 from statecore.sim.faults import SimFaults
-from statecore.sim.run import SimStack, leaks
+from statecore.sim.run import SimStack, attach_store_oracle, leaks
 from statecore.sim.workload import Turn, WorkloadConfig
 from statecore.wire import WorkerMetadata
 
@@ -141,6 +142,9 @@ class StackHarness:
             channel=self.channel,  # type: ignore[arg-type]
             check_each_step=False,
         )
+        attach_store_oracle(self.stack, self.engine)
+        sched = self.stack.scheduler
+        self.engine.extra_pending = lambda: bool(sched.stalled_jobs)
         rng = random.Random(11)
         self.prompts = [[rng.randrange(1000) for _ in range(n)] for n in (9, 14, 20)]
         self.outstanding: list[Report] = []
@@ -242,9 +246,21 @@ class StackHarness:
         self.ops += 1
         got = self._take(rep)
         if got is not None:
+            self._scribble(got)
             failed = Report(got.rank, got.job_id, False)
             self._feed([failed])
             self.delivered.append(failed)
+
+    def _scribble(self, rep: Report) -> None:
+        """A failed store may have written part of its slots: make that visible."""
+        job = self.engine._stores.get(rep.job_id)
+        if job is None or not isinstance(job.dst, CPULoadStoreSpec):
+            return
+        cfg = self.cfg
+        for slot in job.dst.slots[:1]:
+            for t in range(cfg.num_tensors):
+                row = self.stack.pool.row(rep.rank * cfg.num_tensors + t, slot)
+                row[:] = b"\xa5" * len(row)
 
     def lose(self, rep: Report | int) -> None:
         """The report never arrives (the job will stall)."""

@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from statecore.worker import TransferBackend, TransferResult
 from statecore.wire import TransferJob
+from statecore.worker import TransferBackend, TransferResult
 
 __all__ = ["DelayedBackend"]
 

@@ -28,9 +28,7 @@ def _parser() -> argparse.ArgumentParser:
         "every step and every loaded byte.",
     )
     p.add_argument("--seed", type=int, default=d.seed, help="seed of every random stream")
-    p.add_argument(
-        "--requests", type=int, default=d.workload.num_requests, help="requests (turns)"
-    )
+    p.add_argument("--requests", type=int, default=d.workload.num_requests, help="requests (turns)")
     p.add_argument("--steps", type=int, default=d.steps, help="engine steps before draining")
     p.add_argument("--workers", type=int, default=d.num_workers, help="worker ranks")
     p.add_argument(
@@ -96,8 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"statecore simulate: {exc}", file=sys.stderr)
         return 2
     if args.requests < 0 or args.steps < 0 or args.workers < 1:
-        print("statecore simulate: --requests/--steps must be >= 0, --workers >= 1",
-              file=sys.stderr)
+        print(
+            "statecore simulate: --requests/--steps must be >= 0, --workers >= 1", file=sys.stderr
+        )
         return 2
     base = SimConfig()
     cfg = dataclasses.replace(
@@ -132,8 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report.to_json())
     else:
         print(report.format_text())
-        print(f"wall time     {wall:.1f} s ({(report.steps + report.drain_steps) / wall:.0f} "
-              "steps/s)")
+        print(
+            f"wall time     {wall:.1f} s ({(report.steps + report.drain_steps) / wall:.0f} steps/s)"
+        )
         if args.plot:
             print(f"plot          {args.plot}")
     return 0 if report.ok else 1

@@ -33,7 +33,7 @@ from statecore.errors import InvariantViolation, StatecoreError
 from statecore.sim.blocks import BlockPool
 from statecore.sim.faults import ReportChannel, SimFaults
 from statecore.sim.hashing import ROOT_HASH, extend_block_hashes
-from statecore.sim.kv import DataError, KVCache
+from statecore.sim.kv import KVCache
 from statecore.sim.workload import Turn, Workload, WorkloadConfig
 from statecore.views import Request, ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, WorkerMetadata
@@ -253,6 +253,11 @@ class SimEngine:
             + 2,
         )
         self.check_each_step = check_each_step
+        self.store_oracle: Callable[[int, Any], list[str]] | None = None
+        """Verifies the stored bytes of a store job that completed successfully."""
+        self.live_jobs: Callable[[], Any] = lambda: ()
+        self._stores: dict[int, Any] = {}
+        self.chunk_hashes: dict[bytes, tuple[bytes, ...]] = {}
         self._preempted_next: set[str] = set()
         self.pool = BlockPool(cfg.num_gpu_blocks, on_evict=kv.dont_care)
         self.tpb = cfg.tokens_per_block
@@ -347,6 +352,9 @@ class SimEngine:
             meta = ConnectorMetadata()
         for job_id in (*meta.load_jobs, *meta.store_jobs):
             self.channel.job_emitted(job_id, k)
+        if self.store_oracle is not None:
+            for job_id, job in meta.store_jobs.items():
+                self._stores[job_id] = job
 
         for s in self.stacks:
             s.advance(k)
@@ -372,6 +380,26 @@ class SimEngine:
         result = self._guard("update_connector_output", self.conn.update_connector_output, report)
         if result is not None:
             self._loads_ended(self.step_no, result.finished_loads, result.invalid_block_ids)
+        if self._stores:
+            self._stores_ended()
+
+    def _register_chunks(self, hashes: Sequence[bytes]) -> None:
+        bpc = self.cfg.blocks_per_chunk
+        reg = self.chunk_hashes
+        for end in range(len(hashes) - (len(hashes) % bpc), 0, -bpc):
+            last = hashes[end - 1]
+            if last in reg:
+                break
+            reg[last] = tuple(hashes[end - bpc : end])
+
+    def _stores_ended(self) -> None:
+        live = self.live_jobs()
+        oracle = self.store_oracle
+        for job_id in [j for j in self._stores if j not in live]:
+            job = self._stores.pop(job_id)
+            if oracle is not None:
+                for err in oracle(job_id, job):
+                    self.stats.data_errors.append(f"step {self.step_no}: {err}")
 
     def preempt(self, r: SimRequest) -> None:
         """Preempt running ``r`` between steps; the next step lists it as preempted."""
@@ -403,6 +431,10 @@ class SimEngine:
             self.stats.violations.append(f"step {self.step_no}: {call}: {exc}")
         except StatecoreError as exc:
             self.stats.errors.append(f"step {self.step_no}: {call}: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # an untyped exception into the engine: the worst kind
+            self.stats.errors.append(
+                f"step {self.step_no}: {call}: untyped {type(exc).__name__}: {exc!r}"
+            )
         return None
 
     # -- arrivals, aborts, finish --------------------------------------------------------------
@@ -416,6 +448,7 @@ class SimEngine:
             skip_reading_prefix_cache=turn.skip_prefix,
         )
         extend_block_hashes(req.block_hashes, tokens, self.tpb)
+        self._register_chunks(req.block_hashes)
         r = SimRequest(turn, req, tokens, k)
         if turn.abort_after is not None:
             r.abort_at = k + turn.abort_after
@@ -569,7 +602,7 @@ class SimEngine:
                 preempted.add(victim.turn.req_id)
                 if victim is r:
                     break
-            if r.status is not Status.RUNNING:
+            if r in self.waiting:  # preempted itself: nothing left to preempt
                 continue
             fresh = self.pool.allocate(need) or []
             r.blocks.extend(fresh)
@@ -633,6 +666,7 @@ class SimEngine:
             r.turn.output.append(tok)
             req.num_tokens += 1
             extend_block_hashes(req.block_hashes, r.tokens, tpb)
+            self._register_chunks(req.block_hashes)
             if len(r.turn.output) >= r.turn.max_output:
                 self.stats.requests_finished += 1
                 self._guard("request_finished", self.conn.request_finished, req)

@@ -83,10 +83,7 @@ class SimReport:
             f"{', tiering to files' if self.tiering else ''})"
         )
         r = self.requests
-        add(
-            "requests      "
-            + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in r.items())
-        )
+        add("requests      " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in r.items()))
         t = self.tokens
         add(
             f"hit rate      {self.hit_rate:.1%} of prompt tokens (offloaded hits "
@@ -99,10 +96,7 @@ class SimReport:
         )
         add("bytes moved   " + ", ".join(f"{k} {_human(v)}" for k, v in self.bytes_moved.items()))
         add("jobs          " + ", ".join(f"{k} {v}" for k, v in self.jobs.items()))
-        add(
-            "absorbed      "
-            + ", ".join(f"{k} {v}" for k, v in self.reports_absorbed.items())
-        )
+        add("absorbed      " + ", ".join(f"{k} {v}" for k, v in self.reports_absorbed.items()))
         add("faults        kind               injected  observed (as)")
         for kind, fc in self.faults.items():
             add(f"              {kind:<18} {fc.injected:>8}  {fc.observed:>8} ({fc.observed_as})")

@@ -11,6 +11,7 @@ pool. Only the engine around it is simulated.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import random
 import shutil
 import tempfile
@@ -20,8 +21,8 @@ from typing import Any
 
 from statecore.config import GroupConfig, SchedulerConfig
 from statecore.lifecycle import checked_mode
-from statecore.managers.cpu import CPUOffloadingManager
 from statecore.manager import OffloadingManager
+from statecore.managers.cpu import CPUOffloadingManager
 from statecore.pool import CPUPool
 from statecore.scheduler import OffloadingScheduler
 from statecore.sim.backend import DelayedBackend
@@ -32,7 +33,14 @@ from statecore.sim.report import FaultCount, SimReport
 from statecore.wire import ConnectorMetadata, WorkerMetadata
 from statecore.worker import FaultyBackend, OffloadingWorker, TransferBackend
 
-__all__ = ["RankStackImpl", "SimStack", "build_stack", "leaks", "simulate"]
+__all__ = [
+    "RankStackImpl",
+    "SimStack",
+    "attach_store_oracle",
+    "build_stack",
+    "leaks",
+    "simulate",
+]
 
 
 class _InlineExecutor(Executor):
@@ -80,7 +88,7 @@ def _make_backend(kv: KVCache, rank: int, pool: CPUPool, regions: range, bpc: in
     """The torch adapter over this rank's KV tensors and pool regions (MemoryBackend until the
     adapter is importable)."""
     try:
-        from statecore.adapters import torch as torch_adapter  # noqa: F401
+        torch_adapter: Any = importlib.import_module("statecore.adapters.torch")
     except ImportError:
         torch_adapter = None
     make = getattr(torch_adapter, "sim_backend", None) if torch_adapter else None
@@ -94,7 +102,7 @@ def _make_backend(kv: KVCache, rank: int, pool: CPUPool, regions: range, bpc: in
         [pool.region(i) for i in regions],
         bpc,
     )
-    backend.gpu = [memoryview(t.numpy()).cast("B") for t in kv.tensors[rank]]  # type: ignore[misc]
+    backend.gpu = [t.numpy().data.cast("B") for t in kv.tensors[rank]]  # type: ignore[misc]
     return backend
 
 
@@ -122,6 +130,7 @@ class SimStack:
             self.sched_config, self.manager, clock=self.clock, checked=cfg.checked
         )
         self.failures_injected = 0
+        self.scheduler_keys: dict[int, tuple[Any, ...]] = {}
         self.ranks: list[RankStackImpl] = []
         f = cfg.faults
         for r in range(cfg.num_workers):
@@ -168,6 +177,63 @@ class SimStack:
             self.tmpdir = None
 
 
+def make_store_oracle(stack: SimStack, engine: SimEngine) -> Callable[[int, Any], list[str]]:
+    """INV-DATA at store time: a store that completed successfully left exactly its keys'
+    bytes in its CPU slots (checked on every rank and tensor)."""
+    from statecore.keys import key_hash
+    from statecore.manager import CPULoadStoreSpec
+    from statecore.sim.hashing import block_content
+
+    cfg = stack.cfg
+    pool = stack.pool
+    m = stack.manager
+    primary: Any = getattr(m, "primary", m)
+    page = cfg.page_bytes
+
+    def check(job_id: int, job: Any) -> list[str]:
+        dst = job.dst
+        if not isinstance(dst, CPULoadStoreSpec):
+            return []
+        keys = stack.scheduler_keys.pop(job_id, ())
+        errors: list[str] = []
+        for key, slot in zip(keys, dst.slots, strict=False):
+            if primary.slot_of(key) != slot or not primary.is_ready(key):
+                continue  # failed, stalled, discarded or since evicted: nothing to check
+            chunk = engine.chunk_hashes.get(key_hash(key))
+            if chunk is None:
+                continue
+            for r in range(cfg.num_workers):
+                for t in range(cfg.num_tensors):
+                    want = b"".join(block_content(h, r, t, page) for h in chunk)
+                    if bytes(pool.row(r * cfg.num_tensors + t, slot)) != want:
+                        errors.append(
+                            f"store job {job_id} completed but CPU slot {slot} (rank {r}, "
+                            f"tensor {t}) holds wrong bytes for key {key.hex()[:12]}"
+                        )
+        return errors
+
+    return check
+
+
+def attach_store_oracle(stack: SimStack, engine: SimEngine) -> None:
+    """Verify the bytes of every successful store at its completion."""
+    sched = stack.scheduler
+    real_build = sched.build_connector_meta
+
+    def build(output: Any) -> Any:
+        meta = real_build(output)
+        for job_id in meta.store_jobs:
+            job = sched.jobs.get(job_id)
+            if job is not None:
+                stack.scheduler_keys[job_id] = job.keys
+        return meta
+
+    sched.build_connector_meta = build  # type: ignore[method-assign]
+    engine.conn = sched
+    engine.live_jobs = lambda: sched.jobs
+    engine.store_oracle = make_store_oracle(stack, engine)
+
+
 def build_stack(cfg: SimConfig) -> tuple[SimStack, SimEngine]:
     """The stack and an engine over it."""
     stack = SimStack(cfg)
@@ -176,6 +242,7 @@ def build_stack(cfg: SimConfig) -> tuple[SimStack, SimEngine]:
         cfg, sched, stack.ranks, stack.kv, stack.clock, in_flight=lambda: len(sched.jobs)
     )
     engine.extra_pending = lambda: bool(sched.stalled_jobs)
+    attach_store_oracle(stack, engine)
     return stack, engine
 
 
@@ -193,11 +260,10 @@ def simulate(cfg: SimConfig, progress: Callable[[int, int], None] | None = None)
     stack, engine = build_stack(cfg)
     try:
         with _maybe_checked(cfg.checked):
-            stats = engine.run(progress)
+            engine.run(progress)
         return _report(cfg, stack, engine)
     finally:
         stack.close()
-    _ = stats
 
 
 def leaks(stack: SimStack, engine: SimEngine) -> list[str]:

@@ -103,12 +103,8 @@ class Workload:
 
     def arrivals(self, step: int) -> list[Turn]:
         """The turns that arrive at ``step``."""
-        out: list[Turn] = []
-        keep: list[tuple[int, Turn]] = []
-        for due, turn in self._followups:
-            (out if due <= step else keep).append((due, turn))
-        self._followups = keep
-        out_turns = [t for _, t in out]
+        out_turns = [t for due, t in self._followups if due <= step]
+        self._followups = [(due, t) for due, t in self._followups if due > step]
         cfg, rng = self.cfg, self.rng
         if (
             self.issued < cfg.num_requests

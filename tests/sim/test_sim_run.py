@@ -1,0 +1,114 @@
+"""The simulator on small defaults: clean runs, every fault kind observed, replay determinism."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from statecore.sim.blocks import BlockPool, BlockPoolError
+from statecore.sim.cli import main as simulate_main
+from statecore.sim.engine import SimConfig
+from statecore.sim.faults import FAULT_KINDS, SimFaults, parse_faults
+from statecore.sim.hashing import ROOT_HASH, chain_hash, extend_block_hashes
+from statecore.sim.run import simulate
+from statecore.sim.workload import WorkloadConfig
+
+
+def _small(seed: int = 0, **kw: object) -> SimConfig:
+    return dataclasses.replace(
+        SimConfig(), seed=seed, steps=2500, workload=WorkloadConfig(num_requests=400), **kw
+    )
+
+
+def test_small_default_run_is_clean_and_observes_every_fault() -> None:
+    rep = simulate(_small())
+    assert rep.ok, rep.format_text()
+    assert not rep.invariant_violations and not rep.data_errors
+    assert not rep.hung_requests and not rep.leaked_state
+    for kind in FAULT_KINDS:
+        fc = rep.faults[kind]
+        assert fc.injected > 0, f"{kind} never injected"
+        assert fc.observed > 0, f"{kind} injected {fc.injected} times, never observed"
+    assert rep.tokens["loaded"] > 0 and rep.jobs["stores"] > 0
+    assert rep.requests["preempted"] > 0 and rep.requests["aborted_during_load"] > 0
+
+
+def test_replay_is_deterministic() -> None:
+    a = simulate(_small(seed=3))
+    b = simulate(_small(seed=3))
+    assert a.fingerprint() == b.fingerprint()
+    c = simulate(_small(seed=4))
+    assert c.fingerprint() != a.fingerprint()
+
+
+def test_checked_mode_and_several_workers() -> None:
+    cfg = dataclasses.replace(
+        _small(seed=5), num_workers=3, checked=True, workload=WorkloadConfig(num_requests=120)
+    )
+    rep = simulate(cfg)
+    assert rep.ok, rep.format_text()
+
+
+def test_no_faults_run_has_no_failures() -> None:
+    rep = simulate(_small(seed=2, faults=SimFaults.preset("none")))
+    assert rep.ok, rep.format_text()
+    assert rep.jobs["failed"] == rep.jobs["stalled"] == rep.jobs["discarded"] == 0
+    assert sum(fc.injected for fc in rep.faults.values()) == 0
+
+
+def test_cli_json_and_exit_status(capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
+    rc = simulate_main(["--requests", "60", "--steps", "600", "--json", "--seed", "1"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["ok"] is True
+    assert set(out["faults"]) == set(FAULT_KINDS)
+    assert simulate_main(["--faults", "nonsense"]) == 2
+
+
+def test_cli_plot(tmp_path: object) -> None:
+    import pathlib
+
+    png = pathlib.Path(str(tmp_path)) / "sim.png"
+    rc = simulate_main(["--requests", "40", "--steps", "400", "--plot", str(png), "--no-progress"])
+    assert rc == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_parse_faults() -> None:
+    assert parse_faults("none") == SimFaults()
+    f = parse_faults("heavy,reset=0.5,max_report_delay=2")
+    assert f.reset == 0.5 and f.max_report_delay == 2 and f.stall == SimFaults.preset("heavy").stall
+    assert parse_faults("stall=0.1").late == SimFaults.preset("default").late
+    for bad in ("stall=2", "bogus=1", "stall=x", "weird"):
+        with pytest.raises(ValueError):
+            parse_faults(bad)
+
+
+def test_block_pool_prefix_cache_and_lru_reuse() -> None:
+    pool = BlockPool(5)
+    a = pool.allocate(2)
+    assert a == [1, 2]
+    pool.cache(1, b"h1")
+    pool.release(a)  # tail first: 2 then 1 go to the free list
+    assert pool.computed_blocks([b"h1", b"h2"], 2) == [1]
+    pool.touch([1])
+    assert pool.ref[1] == 1 and 1 not in pool.free
+    pool.release([1])
+    got = pool.allocate(4)
+    assert got == [3, 4, 2, 1]  # never-used first, then least recently freed
+    assert b"h1" not in pool.cached  # reuse evicted the cached hash
+    assert pool.allocate(1) is None
+    pool.check()
+    with pytest.raises(BlockPoolError):
+        pool.release([0, 3, 3])
+
+
+def test_chained_hashes_share_prefixes() -> None:
+    a: list[bytes] = []
+    b: list[bytes] = []
+    extend_block_hashes(a, [1, 2, 3, 4, 5, 6, 7], 2)
+    extend_block_hashes(b, [1, 2, 3, 4, 9, 9], 2)
+    assert len(a) == 3 and len(b) == 3
+    assert a[:2] == b[:2] and a[2] != b[2]
+    assert a[0] == chain_hash(ROOT_HASH, [1, 2])
