@@ -26,7 +26,8 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisException
-from statecore.specs.stack import StackHarness, StackMachine
+
+from .stack import StackHarness, StackMachine
 
 __all__ = ["OPS", "decode", "main", "run_program"]
 
