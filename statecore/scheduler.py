@@ -571,7 +571,8 @@ class OffloadingScheduler:
             )
         allocated = self._batch.allocated
         for ids in block_ids:
-            allocated.update(b for b in ids if b)
+            allocated.update(ids)
+        allocated.discard(0)  # the null block is never handed to an owner
         if num_external_tokens <= 0:
             return
         REQUEST.require(rec, RE_ALLOC_LOAD)
