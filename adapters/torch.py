@@ -45,7 +45,7 @@ import ctypes
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -64,7 +64,14 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
-__all__ = ["CopyImpl", "TorchTransferBackend", "memmove_runs"]
+__all__ = [
+    "CopyImpl",
+    "TorchTransferBackend",
+    "backend_from_vllm",
+    "canonical_kv_tensors",
+    "memmove_runs",
+    "sim_backend",
+]
 
 log = logging.getLogger(__name__)
 _cuda: Any = torch.cuda  # partly untyped module
@@ -250,6 +257,9 @@ class TorchTransferBackend:
             ``"triton"`` or ``"staging"``. Ignored on the CPU.
         register_pool: pin the pool in place with ``cudaHostRegister`` (CUDA only).
         threads: host copy threads (default ``torch.get_num_threads()``).
+        pool_regions: the pool region of each KV tensor (default: region ``i`` for tensor
+            ``i``, and the pool must have exactly one region per tensor). Several ranks of
+            one process (the simulator) share a pool this way.
     """
 
     def __init__(
@@ -262,15 +272,26 @@ class TorchTransferBackend:
         copy_impl: CopyImpl = "auto",
         register_pool: bool = True,
         threads: int | None = None,
+        pool_regions: Sequence[int] | None = None,
     ) -> None:
         if blocks_per_chunk <= 0:
             raise ConfigError(f"blocks_per_chunk must be > 0, got {blocks_per_chunk}")
         if not gpu_caches:
             raise ConfigError("gpu_caches: at least one KV tensor is needed")
-        if pool.num_regions != len(gpu_caches):
+        if pool_regions is None:
+            if pool.num_regions != len(gpu_caches):
+                raise ConfigError(
+                    f"pool has {pool.num_regions} regions but there are {len(gpu_caches)} "
+                    "KV tensors"
+                )
+            pool_regions = range(len(gpu_caches))
+        regions = list(pool_regions)
+        if len(regions) != len(gpu_caches) or any(not 0 <= r < pool.num_regions for r in regions):
             raise ConfigError(
-                f"pool has {pool.num_regions} regions but there are {len(gpu_caches)} KV tensors"
+                f"pool_regions {regions} must name one of the pool's {pool.num_regions} "
+                f"regions for each of the {len(gpu_caches)} KV tensors"
             )
+        self.pool_regions = regions
         devices = {t.device for t in gpu_caches}
         if len(devices) != 1:
             raise ConfigError(f"gpu_caches on several devices: {sorted(map(str, devices))}")
@@ -283,9 +304,10 @@ class TorchTransferBackend:
         self._gpu_stride: list[int] = []
         for i, t in enumerate(gpu_caches):
             v, page, stride = _block_view(t, i)
-            if pool.row_bytes[i] != page * blocks_per_chunk:
+            if pool.row_bytes[regions[i]] != page * blocks_per_chunk:
                 raise ConfigError(
-                    f"pool region {i} rows are {pool.row_bytes[i]} B, expected page {page} B "
+                    f"pool region {regions[i]} rows are {pool.row_bytes[regions[i]]} B, "
+                    f"expected page {page} B "
                     f"x blocks_per_chunk {blocks_per_chunk}"
                 )
             self._gpu.append(v)
@@ -302,7 +324,7 @@ class TorchTransferBackend:
                 raise ConfigError(f"group_tensors[{g}] = {ts}: bad or repeated tensor index")
         self.group_tensors = groups
         self._cpu = [
-            _region_view(pool, i, pool.num_slots * blocks_per_chunk, self.page_bytes[i])
+            _region_view(pool, regions[i], pool.num_slots * blocks_per_chunk, self.page_bytes[i])
             for i in range(len(gpu_caches))
         ]
         self._cpu_base = torch.tensor([c.data_ptr() for c in self._cpu], dtype=torch.int64)
@@ -655,3 +677,86 @@ class TorchTransferBackend:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+# --------------------------------------------------------------------------------------------
+# Factories for the simulator and the vLLM adapter
+# --------------------------------------------------------------------------------------------
+
+
+def sim_backend(
+    tensors: Sequence[torch.Tensor], pool: CPUPool, regions: Sequence[int], bpc: int
+) -> TorchTransferBackend:
+    """The backend of one simulated rank: its KV tensors over its regions of a shared pool.
+
+    Copies run on the calling thread (the simulator is single-threaded and deterministic).
+    """
+    return TorchTransferBackend(list(tensors), pool, bpc, threads=1, pool_regions=regions)
+
+
+def canonical_kv_tensors(
+    kv_caches: Mapping[str, torch.Tensor],
+    group_layers: Sequence[Sequence[str]],
+    num_blocks: int,
+) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Block-first canonical tensors and, per group, the ones it uses (reference 4.2).
+
+    A layer's tensor is used as is when its first dimension is the block
+    (``(num_blocks, ...)``); a ``(2, num_blocks, ...)`` tensor (K and V stacked first, as
+    FlashAttention lays it out) is split into its K and V halves. Layers whose tensors alias
+    (same address, shape and strides) share one canonical tensor.
+    """
+    tensors: list[torch.Tensor] = []
+    seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], int] = {}
+    groups: list[list[int]] = []
+    for g, layers in enumerate(group_layers):
+        used: list[int] = []
+        for name in layers:
+            if name not in kv_caches:
+                raise ConfigError(f"group {g}: layer {name!r} has no KV cache tensor")
+            t = kv_caches[name]
+            if t.dim() >= 2 and t.shape[0] == num_blocks:
+                parts = [t]
+            elif t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+                parts = [t[0], t[1]]
+            else:
+                raise ConfigError(
+                    f"layer {name!r}: KV tensor of shape {tuple(t.shape)} is neither "
+                    f"({num_blocks}, ...) nor (2, {num_blocks}, ...)"
+                )
+            for part in parts:
+                key = (part.data_ptr(), tuple(part.shape), tuple(part.stride()))
+                idx = seen.get(key)
+                if idx is None:
+                    idx = seen[key] = len(tensors)
+                    tensors.append(part)
+                if idx not in used:
+                    used.append(idx)
+        groups.append(used)
+    return tensors, groups
+
+
+def backend_from_vllm(
+    kv_caches: Mapping[str, torch.Tensor], vllm_config: Any, kv_cache_config: Any
+) -> TorchTransferBackend:
+    """The torch backend of one vLLM worker, over its own CPU pool.
+
+    Groups and layers come from ``kv_cache_config.kv_cache_groups`` (``layer_names``), the
+    number of GPU blocks from ``kv_cache_config.num_blocks``; ``blocks_per_chunk`` and the
+    pool's capacity in chunks come from the same extra config the scheduler role reads
+    (:func:`statecore.adapters.vllm.scheduler_config_from_vllm` and
+    :func:`~statecore.adapters.vllm.cpu_chunks_from_config`), so slot ids agree. The pool is
+    this worker's: the scheduler process only tracks slot ids.
+    """
+    import importlib
+
+    vllm_adapter: Any = importlib.import_module("statecore.adapters.vllm")
+    cfg = vllm_adapter.scheduler_config_from_vllm(vllm_config, kv_cache_config)
+    num_slots = int(
+        vllm_adapter.cpu_chunks_from_config(vllm_config, kv_cache_config, cfg.blocks_per_chunk)
+    )
+    group_layers = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+    tensors, groups = canonical_kv_tensors(kv_caches, group_layers, int(kv_cache_config.num_blocks))
+    pages = [t[0].numel() * t.element_size() for t in tensors]
+    pool = CPUPool(num_slots, [p * cfg.blocks_per_chunk for p in pages])
+    return TorchTransferBackend(tensors, pool, cfg.blocks_per_chunk, group_tensors=groups)

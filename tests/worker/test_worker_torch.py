@@ -277,3 +277,41 @@ def test_cuda_triton_selected_when_available() -> None:
     s = Setup(1, device="cuda")
     assert s.be.impl == "triton", "Triton present but the staging fallback was chosen"
     s.be.shutdown()
+
+
+# -- factories -----------------------------------------------------------------------------------
+
+
+def test_canonical_kv_tensors_split_and_alias() -> None:
+    from statecore.adapters.torch import canonical_kv_tensors
+
+    nb = 6
+    flash = torch.arange(2 * nb * 4 * 2, dtype=torch.int16).view(2, nb, 4, 2)  # (2, nb, ...)
+    mla = torch.ones((nb, 3, 8), dtype=torch.bfloat16)
+    caches = {"l0": flash, "l1": mla, "l2": mla}  # l2 aliases l1
+    tensors, groups = canonical_kv_tensors(caches, [["l0", "l1"], ["l2"]], nb)
+    assert len(tensors) == 3
+    assert groups == [[0, 1, 2], [2]]
+    assert torch.equal(tensors[0], flash[0]) and torch.equal(tensors[1], flash[1])
+    with pytest.raises(ConfigError, match="neither"):
+        canonical_kv_tensors({"x": torch.zeros((3, nb))}, [["x"]], nb)
+    with pytest.raises(ConfigError, match="no KV cache tensor"):
+        canonical_kv_tensors({}, [["x"]], nb)
+
+
+def test_pool_regions_let_two_ranks_share_a_pool() -> None:
+    from statecore.adapters.torch import sim_backend
+
+    page = 64
+    pool = CPUPool(8, [page] * 4)
+    ranks = [
+        [torch.randint(-128, 127, (10, page), dtype=torch.int8) for _ in range(2)] for _ in range(2)
+    ]
+    backends = [sim_backend(ranks[r], pool, range(2 * r, 2 * r + 2), 1) for r in range(2)]
+    for r, be in enumerate(backends):
+        be.submit(1, simple_mapping([3, 7], [5, 0]).store(), True)
+        for t in range(2):
+            assert bytes(pool.row(2 * r + t, 5)) == ranks[r][t][3].numpy().tobytes()
+            assert bytes(pool.row(2 * r + t, 0)) == ranks[r][t][7].numpy().tobytes()
+    with pytest.raises(ConfigError, match="pool_regions"):
+        TorchTransferBackend(ranks[0], pool, 1, pool_regions=[0, 4])
