@@ -36,6 +36,10 @@ Execution:
     GPU). Used when Triton is missing, and when ``cudaHostRegister`` fails: the pool then
     stays pageable and only the bounce buffers are pinned (documented fallback: one extra
     host copy per byte, no sharing problem since the pool stays authoritative).
+
+Factories: :func:`sim_backend` (one simulated rank over its regions of a shared pool),
+:func:`backend_from_vllm` (a vLLM worker's KV caches, canonicalised by
+:func:`canonical_kv_tensors`, over the worker's own pool).
 """
 
 from __future__ import annotations
@@ -566,7 +570,7 @@ class TorchTransferBackend:
                 dev = addrs.to(self.device, non_blocking=True)
                 keep.append(dev)
                 words = max(self.page_bytes[t] for t in plan.tensors) // self._word_bytes
-                block = 1024 if self._word_bytes == 8 else 2048
+                block = min(1024 if self._word_bytes == 8 else 2048, triton.next_power_of_2(words))
                 word_t = tl.int64 if self._word_bytes == 8 else tl.int32
                 _copy_pages_kernel[(n, triton.cdiv(words, block))](
                     dev, n, WORD=word_t, BLOCK=block, num_warps=4
