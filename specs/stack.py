@@ -252,10 +252,13 @@ class StackHarness:
             self.delivered.append(failed)
 
     def _scribble(self, rep: Report) -> None:
-        """A failed store may have written part of its slots: make that visible."""
+        """A failed store may have written part of its slots: make that visible (only while
+        the job is in flight, when its partial write would really land)."""
         job = self.engine._stores.get(rep.job_id)
         if job is None or not isinstance(job.dst, CPULoadStoreSpec):
             return
+        if rep.job_id not in self.stack.scheduler.jobs:
+            return  # a report that arrives after its job ended: its copy landed long ago
         cfg = self.cfg
         for slot in job.dst.slots[:1]:
             for t in range(cfg.num_tensors):
@@ -278,10 +281,22 @@ class StackHarness:
             self.delivered.append(got)
 
     def duplicate(self, i: int) -> None:
-        """A delivered report arrives a second time."""
+        """A delivered report arrives a second time, after its job ended.
+
+        Only then: while the job is live (or stalled), a second report from the same rank is
+        indistinguishable from another rank's on the wire (counts per job, no rank identity)
+        and would complete the job before every rank's copy landed; no scheduler can defend
+        against that input, so it is not generated.
+        """
         self.ops += 1
-        if self.delivered:
-            self._feed([self.delivered[i % len(self.delivered)]])
+        sched = self.stack.scheduler
+        ended = [
+            r
+            for r in self.delivered
+            if r.job_id not in sched.jobs and r.job_id not in sched.stalled_jobs
+        ]
+        if ended:
+            self._feed([ended[i % len(ended)]])
 
     def stale(self, i: int) -> None:
         """A report for a job of an epoch before the last reset."""

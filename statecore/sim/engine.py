@@ -408,8 +408,12 @@ class SimEngine:
             self._preempted_next.add(r.turn.req_id)
 
     def finish(self, r: SimRequest) -> None:
-        """Finish running ``r`` now (a stop condition), between steps."""
-        if r.status is Status.RUNNING:
+        """Finish running ``r`` now (a stop condition on its last sampled token).
+
+        Only a request past its prefill can stop (a stop needs a sampled token, so every token
+        but the last is computed); for any other request this does nothing.
+        """
+        if r.status is Status.RUNNING and r.req.num_computed_tokens == r.req.num_tokens - 1:
             self.stats.requests_finished += 1
             self._guard("request_finished", self.conn.request_finished, r.req)
             self.finished_since_last.add(r.turn.req_id)
