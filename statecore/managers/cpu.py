@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from statecore.errors import (
@@ -318,9 +319,17 @@ class CPUOffloadingManager(OffloadingManager):
         return self.prepare_write(keys, ctx)
 
     def prepare_write(
-        self, keys: Sequence[OffloadKey], ctx: ReqContext, bypass_reuse_filter: bool = False
+        self,
+        keys: Sequence[OffloadKey],
+        ctx: ReqContext,
+        bypass_reuse_filter: bool = False,
+        protected: AbstractSet[OffloadKey] = frozenset(),
     ) -> PrepareStoreOutput | None:
-        """:meth:`prepare_store`; ``bypass_reuse_filter`` admits every key (promotions)."""
+        """:meth:`prepare_store` with options for composite managers.
+
+        ``bypass_reuse_filter`` admits every key (promotions); ``protected`` keys are never
+        evicted, besides ``keys`` themselves (e.g. keys that answered HIT this step).
+        """
         entries = self._entries
         tracker = self._tracker
         skipped = 0
@@ -345,7 +354,7 @@ class CPUOffloadingManager(OffloadingManager):
         if need > 0:
             if need > self._evictable:
                 return None
-            chosen = self.policy.evict(need, frozenset(keys))
+            chosen = self.policy.evict(need, frozenset(keys).union(protected))
             if chosen is None:
                 return None
             victims = chosen

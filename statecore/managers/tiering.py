@@ -14,6 +14,8 @@ Principles:
   primary slot at once (write-pending, so later lookups answer ``HIT_PENDING`` and nothing is
   promoted twice) and queues the promotion; promotions are batched per (tier, request) and
   submitted in ``on_schedule_end``. The promotion's result completes the primary write.
+* A promotion never evicts a primary key that answered ``HIT`` earlier in the same step: the
+  scheduler may still ``prepare_load`` it.
 * Secondary tiers are polled at most once per engine step, by the first of ``lookup``,
   ``prepare_load``, ``prepare_store`` or ``on_schedule_end``.
 """
@@ -83,6 +85,7 @@ class TieringOffloadingManager(OffloadingManager):
         ]
         self._num_pending_promotions = 0
         self._polled_this_step = False
+        self._hits_this_step: set[OffloadKey] = set()
         self._req_state: dict[str, _RequestState] = {}
         self._next_job_id = 0
         self._stats: dict[str, int] = {
@@ -164,6 +167,10 @@ class TieringOffloadingManager(OffloadingManager):
         """Primary first; a hit in an allowed secondary tier starts a promotion (HIT_PENDING)."""
         self._poll()
         result = self.primary.lookup(key, ctx)
+        if result is LookupResult.HIT:
+            # The scheduler may prepare_load it later in this step: promotions must not evict it.
+            self._hits_this_step.add(key)
+            return result
         if result is not LookupResult.MISS:
             return result
         retry = False
@@ -179,7 +186,9 @@ class TieringOffloadingManager(OffloadingManager):
         return LookupResult.RETRY if retry else LookupResult.MISS
 
     def _start_promotion(self, tier_idx: int, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        out = self.primary.prepare_write((key,), ctx, bypass_reuse_filter=True)
+        out = self.primary.prepare_write(
+            (key,), ctx, bypass_reuse_filter=True, protected=self._hits_this_step
+        )
         slot = self.primary.slot_of(key)
         if out is None or not out.keys_to_store or slot is None:
             return LookupResult.MISS
@@ -281,6 +290,7 @@ class TieringOffloadingManager(OffloadingManager):
         """Poll (if not yet this step), submit the step's promotions, start a new step."""
         self._poll()
         self._polled_this_step = False
+        self._hits_this_step.clear()
         if self._num_pending_promotions:
             for idx, per_req in enumerate(self._pending_promotions):
                 if not per_req:
@@ -333,6 +343,7 @@ class TieringOffloadingManager(OffloadingManager):
             self._maybe_finalize(state)
         self.primary.reset_cache()
         self._polled_this_step = False
+        self._hits_this_step.clear()
 
     def get_stats(self) -> dict[str, float | int | list[float]]:
         """The primary's stats, the tiering counters, and each tier's stats as ``name.metric``."""

@@ -312,3 +312,20 @@ def test_complete_store_without_prepare_is_harmless(success: bool) -> None:
     m, primary = stack(2, MemoryTier())
     m.complete_store([k(1)], ReqContext("r"), success)
     assert len(primary) == 0 and m.in_flight_jobs() == 0
+
+
+def test_promotion_never_evicts_a_key_that_hit_this_step() -> None:
+    tier = MemoryTier()
+    m, primary = stack(1, tier)
+    ctx = ReqContext("r")
+    store(m, ctx, 1)
+    m.on_schedule_end(END)
+    m.on_schedule_end(END)
+    tier.put(k(2))
+    assert m.lookup(k(1), ctx) is LookupResult.HIT
+    assert m.lookup(k(2), ctx) is LookupResult.MISS  # the only slot holds a key that hit
+    m.prepare_load([k(1)], ctx)  # still loadable
+    m.complete_load([k(1)], ctx)
+    m.on_schedule_end(END)
+    assert m.lookup(k(2), ctx) is LookupResult.HIT_PENDING  # next step: k1 may be evicted
+    assert primary.ref_count(k(1)) is None
