@@ -99,12 +99,18 @@ class KeyNotReadyError(ManagerError):
 
 
 class PinUnderflowError(ManagerError):
-    """``complete_load`` for a key that is not pinned (INV-PIN)."""
+    """``complete_load`` for a key that is not pinned (INV-PIN).
 
-    def __init__(self, key: bytes, call: str) -> None:
+    ``state`` says what the key is instead (ready and idle, or write-pending).
+    """
+
+    def __init__(
+        self, key: bytes, call: str, state: str = "ready but not pinned (ref count 0)"
+    ) -> None:
         self.key = key
         self.call = call
-        super().__init__(f"{call}: key {key.hex()} is ready but not pinned (ref count 0)")
+        self.state = state
+        super().__init__(f"{call}: key {key.hex()} is {state}")
 
 
 class TransferError(StatecoreError):

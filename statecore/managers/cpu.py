@@ -52,8 +52,7 @@ class WritePendingPinError(PinUnderflowError):
     """``complete_load`` for a key whose write is still pending (it cannot be pinned)."""
 
     def __init__(self, key: bytes, call: str) -> None:
-        super().__init__(key, call)
-        self.args = (f"{call}: key {key.hex()} is write-pending, not pinned (ref count -1)",)
+        super().__init__(key, call, "write-pending, not pinned (ref count -1)")
 
 
 @dataclass(frozen=True, slots=True)
