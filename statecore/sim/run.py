@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import random
 import shutil
 import tempfile
@@ -85,15 +86,20 @@ class RankStackImpl:
 
 
 def _make_backend(kv: KVCache, rank: int, pool: CPUPool, regions: range, bpc: int) -> Any:
-    """The torch adapter over this rank's KV tensors and pool regions (MemoryBackend until the
-    adapter is importable)."""
-    try:
-        torch_adapter: Any = importlib.import_module("statecore.adapters.torch")
-    except ImportError:
-        torch_adapter = None
-    make = getattr(torch_adapter, "sim_backend", None) if torch_adapter else None
-    if make is not None:  # pragma: no cover - wired once the adapter lands
-        return make(kv.tensors[rank], pool, regions, bpc)
+    """The torch adapter over this rank's KV tensors and pool regions.
+
+    Falls back to the pure-Python :class:`~statecore.worker.MemoryBackend` over the same
+    memory when the adapter cannot be imported (``STATECORE_SIM_BACKEND=memory`` forces it).
+    """
+    if os.environ.get("STATECORE_SIM_BACKEND", "torch") != "memory":
+        try:
+            adapter: Any = importlib.import_module("statecore.adapters.torch")
+        except ImportError:
+            adapter = None
+        if adapter is not None:
+            return adapter.TorchTransferBackend(
+                kv.tensors[rank], pool, bpc, pool_regions=list(regions), threads=1
+            )
     from statecore.worker import MemoryBackend
 
     backend = MemoryBackend(
