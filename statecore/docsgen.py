@@ -1,0 +1,818 @@
+"""``statecore docs``: the documentation pages generated from the code.
+
+Writes, under ``docs/``:
+
+* ``lifecycles/request.md`` and ``lifecycles/job.md``: per lifecycle the diagram (included
+  from ``docs/diagrams/<name>.mmd``, which ``statecore diagrams`` writes), every state with its
+  explanation and the events that enter and leave it, every event with the scheduler methods
+  that fire it and the engine calls that reach them, and the transition table with what each
+  transition calls in the scheduler and, through it, in the manager;
+* ``invariants.md``: the invariant catalogue of :data:`statecore.specs.invariants.INVARIANTS`
+  (statement, failure prevented, where it is checked, its scheduler predicate if any, and the
+  modules that name it);
+* ``reference/cli.md``: every ``statecore`` command with its options, read from the argparse
+  parsers.
+
+Everything is derived from the code: the compiled lifecycles, the scheduler's source (read with
+:mod:`ast`: ``REQUEST.fire``/``JOB.fire`` calls, ``self.manager.*`` accesses and calls between
+its methods), the action functions' source, the invariant catalogue and the command parsers.
+The only hand-written text is the per-state explanation in :data:`STATE_PROSE` and the
+per-mechanism explanation in :data:`CHECK_MECHANISMS`; generation fails when a state has no
+explanation or an explanation names a state that does not exist.
+
+``--check`` compares the committed pages with what would be generated and exits 1 listing the
+stale ones. Output is deterministic (declaration order, sorted sets, no timestamps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import inspect
+import re
+import sys
+import textwrap
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from statecore.lifecycle import machines
+from statecore.lifecycle.diagrams import LIFECYCLES, Lifecycle
+from statecore.lifecycle.table import CompiledLifecycle, TransitionInfo
+
+__all__ = [
+    "CHECK_MECHANISMS",
+    "STATE_PROSE",
+    "SchedulerGraph",
+    "check",
+    "default_docs_dir",
+    "main",
+    "render_cli_page",
+    "render_invariants_page",
+    "render_lifecycle_page",
+    "rendered_pages",
+    "scheduler_graph",
+    "write",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Hand-written text, checked against the code
+
+STATE_PROSE: dict[str, dict[str, str]] = {
+    "request": {
+        "no_transfer": (
+            "The request has no transfer job in flight. Every tracked request starts here "
+            "(on its first lookup or `on_new_request`) and comes back here whenever its last "
+            "job ends. Lookups are answered normally: the scheduler probes the manager, and a "
+            "hit leads to `alloc_load`. A store built for it in `build_connector_meta` moves "
+            "it to `storing`. A reset leaves it here with its store cursors rewound."
+        ),
+        "loading": (
+            "Exactly one load job is in flight, writing offloaded KV into the request's newly "
+            "allocated GPU blocks. No store may start (INV-EXCL is structural: `store_created` "
+            "is not accepted here), and a second load is impossible since `alloc_load` is only "
+            "accepted from `no_transfer`. A lookup in this state is deferred (the engine "
+            "asks again later). When the load ends, however it ends, the request returns to "
+            "`no_transfer` and the engine learns it through `finished_loads` (and the blocks "
+            "to recompute through `invalid_block_ids` if it failed)."
+        ),
+        "storing": (
+            "One or more store jobs are copying the request's computed KV from its GPU blocks "
+            "to offloaded chunks. More stores may be added as decoding produces whole chunks. "
+            "Lookups are deferred while any store is in flight. The last job to end returns "
+            "the request to `no_transfer`."
+        ),
+        "preempted_draining": (
+            "The engine preempted the request (its GPU blocks were freed) while jobs were in "
+            "flight. Entering this state flushes every one of its jobs, so the workers finish "
+            "them before any reused block is written. Lookups are deferred until the jobs "
+            "have drained; then the request is back in `no_transfer` and its offloaded chunks "
+            "are ordinary hits when it is re-admitted."
+        ),
+        "finished_pending_final": (
+            "`request_finished` was called. The full-attention source blocks of its in-flight "
+            "stores are fenced from now on (the engine frees them at once). The next "
+            "`build_connector_meta` builds the final stores of the request and then fires "
+            "`signal_finished`, which sends `on_request_finished` to the manager exactly once "
+            "(INV-ORDER) and either releases the request or waits for its jobs."
+        ),
+        "finished_draining": (
+            "The manager has been told the request finished, but some of its jobs are still "
+            "in flight. Their completions still reach the manager (completions may follow "
+            "`on_request_finished`); the last one releases the request."
+        ),
+        "released": (
+            "The scheduler forgot the request: it is no longer tracked and holds no job, "
+            "fence or index entry. A late report for one of its jobs is absorbed and counted."
+        ),
+    },
+    "job": {
+        "in_flight": (
+            "The job was created (a load in `update_state_after_alloc`, a store in "
+            "`build_connector_meta`) and no worker has reported it yet; `pending` equals the "
+            "number of workers. Its keys are pinned or write-pending in the manager and, for "
+            "a store, its source blocks may be fenced."
+        ),
+        "partial": (
+            "Some workers reported, others have not: `0 < pending < num_workers`. Nothing is "
+            "completed on a partial quorum (INV-QUORUM), so a store is never visible while "
+            "another rank is still copying."
+        ),
+        "stalled": (
+            "No full quorum arrived within `stall_timeout_s`. The job was completed with "
+            "`success=False` through the one completion path (the manager drops a store's "
+            "pending keys and releases a load's pins; a load's GPU blocks are reported for "
+            "recompute) and put in the next step's `jobs_to_flush`, so a transfer that is "
+            "still running cannot land on reused memory. The record stays in a ledger that "
+            "absorbs the late reports still on their way."
+        ),
+        "completed": (
+            "Every worker reported success; the manager received `complete_store` "
+            "(`success=True`) or `complete_load` exactly once."
+        ),
+        "failed": (
+            "Every worker reported and at least one reported a failure. A store is completed "
+            "with `success=False` (its bytes never become loadable, INV-NO-PARTIAL); a load "
+            "releases its pins and its GPU blocks are reported for recompute."
+        ),
+        "retired": (
+            "A stalled job whose late reports all arrived: it leaves the ledger. (A ledger "
+            "entry whose reports never arrive expires after another `stall_timeout_s`.)"
+        ),
+        "discarded": (
+            "`reset_cache` dropped the job: it was flushed to the workers, the manager "
+            "receives no completion for it (the manager itself is reset), and any report "
+            "that still arrives for it belongs to an earlier epoch and is ignored "
+            "(INV-EPOCH)."
+        ),
+    },
+}
+"""Per lifecycle (``request``, ``job``) and state id: what the state means, in prose."""
+
+CHECK_MECHANISMS: dict[str, str] = {
+    "checked mode": (
+        "`OffloadingScheduler(checked=True)` or `STATECORE_CHECKED=1`: every scheduler "
+        "predicate runs after every public scheduler call and the first violation raises "
+        "`InvariantViolation`; `checked_mode()` also runs each lifecycle event through the "
+        "python-statemachine class beside the compiled table."
+    ),
+    "fuzzing": (
+        "`statecore fuzz` and the stateful machines in `statecore.specs.stack`: Hypothesis "
+        "drives the whole stack (engine events, worker reports, every fault) and evaluates "
+        "every invariant after every operation; failures shrink to a short reproduction."
+    ),
+    "CrossHair": (
+        "PEP 316 contracts (`pre:`/`post:` docstring lines) on the pure kernels, checked "
+        "symbolically by `crosshair check` in the test command."
+    ),
+    "conformance": (
+        "The manager conformance machine (`statecore.specs.conformance`) drives any "
+        "`OffloadingManager` next to a reference model."
+    ),
+    "simulator": (
+        "`statecore simulate` runs the real stack through a seeded workload with faults, "
+        "checks every scheduler invariant after every step, compares every loaded byte with "
+        "what was stored (byte oracle), bounds how long a request may wait (hung requests) "
+        "and looks for leaked state after the drain."
+    ),
+    "lifecycle table": (
+        "Structural: the lifecycle machines do not accept the event that would break it "
+        "(a rejected event raises `LifecycleError` with the state unchanged)."
+    ),
+    "differential Hypothesis test": (
+        "`tests/lifecycle/test_lc_differential.py` drives the compiled tables and the "
+        "python-statemachine classes with the same random event sequences."
+    ),
+    "unit tests": "Targeted pytest cases under `tests/`.",
+    "worker tests": "Byte-exact store/load round trips through the worker and its backends.",
+}
+"""What each ``checked_by`` mechanism of the invariant catalogue means (matched by prefix)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the scheduler
+
+
+@dataclass
+class _Method:
+    manager: set[str] = field(default_factory=set)
+    calls: set[str] = field(default_factory=set)
+    fires: set[tuple[str, str]] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class SchedulerGraph:
+    """What the scheduler's methods do, read from its source.
+
+    Attributes:
+        manager_calls: method -> manager methods it uses (directly).
+        self_calls: method -> other scheduler methods it calls.
+        fires: method -> ``(entity, event)`` pairs it fires (``REQUEST.fire``/``JOB.fire``).
+        hooks: the lifecycle-effect method names (:class:`~statecore.lifecycle.LifecycleEffects`).
+        entry_points: public methods an engine calls (not hooks, not properties).
+    """
+
+    manager_calls: dict[str, frozenset[str]]
+    self_calls: dict[str, frozenset[str]]
+    fires: dict[str, frozenset[tuple[str, str]]]
+    hooks: frozenset[str]
+    entry_points: tuple[str, ...]
+
+    def reach(self, start: str, through_lifecycles: bool) -> set[str]:
+        """Methods reachable from ``start`` (itself included), optionally through the
+        lifecycle actions of the events it fires."""
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            m = todo.pop()
+            if m in seen or m not in self.self_calls:
+                continue
+            seen.add(m)
+            todo.extend(self.self_calls[m])
+            if through_lifecycles:
+                for entity, event in self.fires[m]:
+                    todo.extend(_event_hooks(entity, event))
+        return seen
+
+    def manager_reach(self, start: str) -> list[str]:
+        """Manager methods used by ``start`` and the scheduler methods it calls (sorted)."""
+        out: set[str] = set()
+        for m in self.reach(start, through_lifecycles=False):
+            out |= self.manager_calls[m]
+        return sorted(out)
+
+    def fires_reach(self, start: str) -> list[tuple[str, str]]:
+        """Events fired by ``start`` and the scheduler methods it calls (sorted)."""
+        out: set[tuple[str, str]] = set()
+        for m in self.reach(start, through_lifecycles=False):
+            out |= self.fires[m]
+        return sorted(out)
+
+    def fired_in(self, entity: str, event: str) -> list[str]:
+        """Scheduler methods whose body fires ``event`` of ``entity``."""
+        return sorted(m for m, f in self.fires.items() if (entity, event) in f)
+
+    def entry_points_reaching(self, entity: str, event: str) -> list[str]:
+        """Engine-facing methods from which ``event`` can be fired (through lifecycles too)."""
+        firing = set(self.fired_in(entity, event))
+        return [
+            e
+            for e in self.entry_points
+            if firing & self.reach(e, through_lifecycles=True) and e not in self.hooks
+        ]
+
+
+def _lifecycle(entity: str) -> CompiledLifecycle:
+    for life in LIFECYCLES:
+        if life.table.entity == entity:
+            return life.table
+    raise KeyError(entity)
+
+
+def _action_hooks(action: Callable[..., Any]) -> list[str]:
+    """``owner`` hooks an action calls: ``model.owner.<hook>(...)`` in its source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(action)))
+    hooks: list[str] = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "owner"
+            and node.attr not in hooks
+        ):
+            hooks.append(node.attr)
+    return hooks
+
+
+def _event_hooks(entity: str, event: str) -> list[str]:
+    out: list[str] = []
+    for t in _lifecycle(entity).transitions:
+        if t.event == event:
+            for a in t.actions:
+                out.extend(h for h in _action_hooks(a) if h not in out)
+    return out
+
+
+def _fired_event(call: ast.Call) -> tuple[str, str] | None:
+    """``REQUEST.fire(rec, RE_X)`` -> ``("request", "x")``."""
+    func = call.func
+    if not (
+        isinstance(func, ast.Attribute)
+        and func.attr == "fire"
+        and isinstance(func.value, ast.Name)
+        and func.value.id in ("REQUEST", "JOB")
+        and len(call.args) == 2
+        and isinstance(call.args[1], ast.Name)
+    ):
+        return None
+    lifecycle = importlib.import_module("statecore.lifecycle")
+    table: CompiledLifecycle = getattr(lifecycle, func.value.id)
+    index = int(getattr(lifecycle, call.args[1].id))
+    return table.entity, table.events[index]
+
+
+def scheduler_graph() -> SchedulerGraph:
+    """Read :class:`~statecore.OffloadingScheduler`'s source into a :class:`SchedulerGraph`."""
+    from statecore.scheduler import OffloadingScheduler
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(OffloadingScheduler)))
+    cls = tree.body[0]
+    if not isinstance(cls, ast.ClassDef):  # pragma: no cover - getsource returns the class
+        raise TypeError("expected the OffloadingScheduler class")
+    methods: dict[str, _Method] = {}
+    properties: set[str] = set()
+    for item in cls.body:
+        if isinstance(item, ast.FunctionDef):
+            methods[item.name] = _Method()
+            if any(isinstance(d, ast.Name) and d.id == "property" for d in item.decorator_list):
+                properties.add(item.name)
+    for item in cls.body:
+        if not isinstance(item, ast.FunctionDef):
+            continue
+        info = methods[item.name]
+        for node in ast.walk(item):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+                inner = node.value
+                if (
+                    isinstance(inner.value, ast.Name)
+                    and inner.value.id == "self"
+                    and inner.attr == "manager"
+                ):
+                    info.manager.add(node.attr)
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+                and node.attr in methods
+                and node.attr not in properties
+                and node.attr != item.name
+            ):
+                info.calls.add(node.attr)
+            if isinstance(node, ast.Call):
+                fired = _fired_event(node)
+                if fired is not None:
+                    info.fires.add(fired)
+    hooks = frozenset(
+        name
+        for name, value in vars(machines.LifecycleEffects).items()
+        if callable(value) and not name.startswith("_")
+    )
+    entry = tuple(
+        name
+        for name in methods
+        if not name.startswith("_")
+        and name not in properties
+        and name not in hooks
+        and name != "check_invariants"
+    )
+    return SchedulerGraph(
+        manager_calls={k: frozenset(v.manager) for k, v in methods.items()},
+        self_calls={k: frozenset(v.calls) for k, v in methods.items()},
+        fires={k: frozenset(v.fires) for k, v in methods.items()},
+        hooks=hooks,
+        entry_points=entry,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown helpers
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ") if text else "—"
+
+
+def _code(names: Iterable[str]) -> str:
+    return ", ".join(f"`{n}`" for n in names)
+
+
+def _first_line(obj: Any) -> str:
+    doc = inspect.getdoc(obj) or ""
+    return doc.split("\n\n")[0].replace("\n", " ").strip()
+
+
+def _rst_to_md(text: str) -> str:
+    """``:class:`X``` -> ```X```, ````code```` -> ```code```."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", text)
+    return text.replace("``", "`")
+
+
+def _anchor(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lifecycle pages
+
+
+def _hook_calls(graph: SchedulerGraph, hook: str) -> str:
+    parts = [f"`{hook}`"]
+    mgr = graph.manager_reach(hook)
+    if mgr:
+        parts.append("manager " + _code(mgr))
+    fired = graph.fires_reach(hook)
+    if fired:
+        parts.append("fires " + ", ".join(f"{e} `{ev}`" for e, ev in fired))
+    return " → ".join(parts)
+
+
+def _transition_calls(graph: SchedulerGraph, t: TransitionInfo) -> str:
+    out = []
+    for action in t.actions:
+        for hook in _action_hooks(action):
+            out.append(_hook_calls(graph, hook))
+    return "; ".join(out)
+
+
+def render_lifecycle_page(life: Lifecycle, graph: SchedulerGraph | None = None) -> str:
+    """The lifecycle page: diagram, states in prose, events, transitions with their calls."""
+    graph = graph if graph is not None else scheduler_graph()
+    lc = life.table
+    cls = lc.machine
+    prose = STATE_PROSE.get(life.name, {})
+    missing = [s for s in lc.states if s not in prose]
+    unknown = sorted(set(prose) - set(lc.states))
+    if missing or unknown:
+        raise ValueError(
+            f"STATE_PROSE[{life.name!r}]: no explanation for {missing}, unknown states {unknown}"
+        )
+    labels = {s.id: str(s.name) for s in cls.states}
+    doc = _rst_to_md(inspect.getdoc(cls) or "")
+    out = [
+        f"# {life.title}",
+        "",
+        f"<!-- Generated by `statecore docs` from {cls.__module__}.{cls.__name__}; "
+        "do not edit. -->",
+        "",
+        doc,
+        "",
+        f"The machine is `{cls.__module__}.{cls.__name__}`, compiled at import into "
+        f"`statecore.lifecycle.{life.table.entity.upper()}`, the dispatch table the scheduler "
+        f"runs. It has {len(lc.states)} states, {len(lc.events)} events and "
+        f"{len(lc.transitions)} transitions. The diagram is `docs/diagrams/{life.name}.mmd`, "
+        "written by `statecore diagrams`; its labels read `event [guard] / actions`.",
+        "",
+        "```mermaid",
+        f'--8<-- "{life.name}.mmd"',
+        "```",
+        "",
+        "## States",
+        "",
+    ]
+    for i, sid in enumerate(lc.states):
+        tags = []
+        if i == lc.initial:
+            tags.append("initial")
+        if i in lc.final:
+            tags.append("final")
+        entered = sorted(
+            {t.event for t in lc.transitions if t.target == sid and t.source != sid}
+        )
+        left = sorted({t.event for t in lc.transitions if t.source == sid and t.target != sid})
+        kept = sorted({t.event for t in lc.transitions if t.source == sid and t.target == sid})
+        title = f"`{sid}`: {labels[sid]}" + (f" ({', '.join(tags)})" if tags else "")
+        out += [f"### {title}", "", prose[sid], ""]
+        facts = []
+        if entered:
+            facts.append(f"- Entered by: {_code(entered)}")
+        if left:
+            facts.append(f"- Left by: {_code(left)}")
+        if kept:
+            facts.append(f"- Accepted without leaving: {_code(kept)}")
+        rejected = [
+            e for e in lc.events if not any(t.source == sid and t.event == e for t in lc.transitions)
+        ]
+        if rejected and i not in lc.final:
+            facts.append(f"- Rejected (`LifecycleError`): {_code(rejected)}")
+        out += facts + [""]
+    out += [
+        "## Events",
+        "",
+        "Where each event is fired in `OffloadingScheduler`, and from which engine calls it "
+        "can be reached (directly, or through the actions of other lifecycle events).",
+        "",
+        "| event | fired in | reached from engine calls |",
+        "| --- | --- | --- |",
+    ]
+    for ev in lc.events:
+        fired = graph.fired_in(lc.entity, ev)
+        entry = graph.entry_points_reaching(lc.entity, ev)
+        out.append(f"| `{ev}` | {_cell(_code(fired))} | {_cell(_code(entry))} |")
+    out += [
+        "",
+        "## Transitions",
+        "",
+        "In declaration order; for one event and source state the first transition whose guard "
+        "holds is taken. *Calls* follows each action to the scheduler hook it invokes "
+        "(`LifecycleEffects`), the manager methods that hook uses and the events it fires in "
+        "turn.",
+        "",
+        "| event | source | guard | target | actions | calls |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for t in lc.transitions:
+        guard = f"`{t.guard_text}`" if t.guards else ""
+        actions = _code(a.__name__ for a in t.actions)
+        target = f"`{t.target}`" + (" (internal)" if t.internal else "")
+        out.append(
+            f"| `{t.event}` | `{t.source}` | {_cell(guard)} | {target} | {_cell(actions)} | "
+            f"{_cell(_transition_calls(graph, t))} |"
+        )
+    guards: dict[str, Callable[..., Any]] = {}
+    actions_seen: dict[str, Callable[..., Any]] = {}
+    for t in lc.transitions:
+        for g, _ in t.guards:
+            guards.setdefault(g.__name__, g)
+        for a in t.actions:
+            actions_seen.setdefault(a.__name__, a)
+    out += ["", "## Guards", "", "| guard | holds when |", "| --- | --- |"]
+    for name, g in guards.items():
+        out.append(f"| `{name}` | {_cell(_rst_to_md(_first_line(g)))} |")
+    out += ["", "## Actions", "", "| action | does | scheduler hook |", "| --- | --- | --- |"]
+    from statecore.scheduler import OffloadingScheduler
+
+    for name, a in actions_seen.items():
+        hooks = _action_hooks(a)
+        hook_doc = "; ".join(
+            f"`{h}`: {_rst_to_md(_first_line(getattr(OffloadingScheduler, h)))}" for h in hooks
+        )
+        out.append(f"| `{name}` | {_cell(_rst_to_md(_first_line(a)))} | {_cell(hook_doc)} |")
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Invariant catalogue
+
+_INV_RE = re.compile(r"INV-[A-Z]+(?:-[A-Z]+)*")
+
+
+def _mechanism(label: str) -> str | None:
+    for name in sorted(CHECK_MECHANISMS, key=len, reverse=True):
+        if label == name or label.startswith(name + " "):
+            return name
+    return None
+
+
+def _source_mentions(root: Path) -> dict[str, list[str]]:
+    """INV code -> source files (relative, sorted) that name it, the catalogue excluded."""
+    found: dict[str, set[str]] = {}
+    folders = ("statecore", "adapters", "specs")
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel in ("specs/invariants.py", "statecore/docsgen.py"):
+                continue
+            for code in set(_INV_RE.findall(path.read_text(encoding="utf-8"))):
+                found.setdefault(code, set()).add(rel)
+    return {k: sorted(v) for k, v in found.items()}
+
+
+def _source_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def render_invariants_page(root: Path | None = None) -> str:
+    """The invariant catalogue page."""
+    inv_mod: Any = importlib.import_module("statecore.specs.invariants")
+    invariants: dict[str, Any] = inv_mod.INVARIANTS
+    mentions = _source_mentions(root if root is not None else _source_root())
+    out = [
+        "# Invariant catalogue",
+        "",
+        "<!-- Generated by `statecore docs` from statecore.specs.invariants.INVARIANTS; "
+        "do not edit. -->",
+        "",
+        "Every correctness rule statecore keeps has a name. The catalogue lives in "
+        "`specs/invariants.py` (importable as `statecore.specs.invariants`) as executable "
+        "`Invariant` records; this page is generated from it. An invariant with a *scheduler "
+        "predicate* is a function of the scheduler's state that yields violation messages: "
+        "it runs in checked mode after every public scheduler call, and after every step of "
+        "the fuzzers and the simulator. The others concern the manager, the bytes or the "
+        "lifecycle definitions and are checked by the mechanisms listed with them.",
+        "",
+        "| code | statement | checked by | scheduler predicate |",
+        "| --- | --- | --- | --- |",
+    ]
+    for code, inv in invariants.items():
+        pred = "yes" if inv.check is not None else "no"
+        out.append(
+            f"| [{code}](#{_anchor(code)}) | {_cell(inv.statement)} | "
+            f"{_cell(', '.join(inv.checked_by))} | {pred} |"
+        )
+    out += [
+        "",
+        "## How invariants are checked",
+        "",
+        "| mechanism | what it does |",
+        "| --- | --- |",
+    ]
+    for name, text in CHECK_MECHANISMS.items():
+        out.append(f"| {name} | {_cell(text)} |")
+    for code, inv in invariants.items():
+        out += [
+            "",
+            f"## {code}",
+            "",
+            f"**Statement.** {inv.statement}",
+            "",
+            f"**Prevents.** {inv.prevents}",
+            "",
+            "**Checked by.**",
+            "",
+        ]
+        for label in inv.checked_by:
+            out.append(f"- {label}")
+        out.append("")
+        if inv.check is not None:
+            out.append(
+                f"**Scheduler predicate.** `statecore.specs.invariants.{inv.check.__name__}` "
+                "runs in checked mode (`OffloadingScheduler(checked=True)` or "
+                "`STATECORE_CHECKED=1`) after every public scheduler call, and after every "
+                "step of the fuzzers and the simulator; a violation raises "
+                f'`InvariantViolation("{code}", ...)`.'
+            )
+        else:
+            out.append(
+                "**Scheduler predicate.** None: this invariant is not a property of the "
+                "scheduler's state alone; the mechanisms above check it."
+            )
+        files = mentions.get(code, [])
+        if files:
+            out += ["", "**Named in.** " + _code(files)]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI page
+
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__(parser.prog)
+        self.parser = parser
+
+
+def _capture_parser(main: Callable[[list[str]], int]) -> argparse.ArgumentParser | None:
+    """Run ``main`` until it parses its arguments, and return the parser it built."""
+    original = argparse.ArgumentParser.parse_args
+
+    def capture(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        raise _Captured(self)
+
+    argparse.ArgumentParser.parse_args = capture  # type: ignore[method-assign,assignment]
+    try:
+        main([])
+    except _Captured as got:
+        return got.parser
+    finally:
+        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
+    return None
+
+
+def _option_rows(parser: argparse.ArgumentParser) -> Iterator[str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+            continue
+        names = ", ".join(action.option_strings) or action.dest
+        if action.nargs != 0 and action.option_strings:
+            if action.metavar is not None:
+                names += f" {action.metavar}"
+            elif action.choices is not None:
+                names += " {" + ",".join(str(c) for c in action.choices) + "}"
+            else:
+                names += f" {action.dest.upper()}"
+        text = action.help or ""
+        if "%(" in text:
+            text = text % {**vars(action), "prog": parser.prog}
+        default = ""
+        if action.nargs != 0 and action.default not in (None, argparse.SUPPRESS):
+            default = f"`{action.default}`"
+        yield f"| `{names}` | {_cell(text)} | {_cell(default)} |"
+
+
+def render_cli_page() -> str:
+    """Every ``statecore`` command and its options, read from the parsers."""
+    cli: Any = importlib.import_module("statecore.cli")
+    commands: list[tuple[str, str, str]] = [
+        (name, module, text) for name, (module, text) in cli._COMMANDS.items()
+    ]
+    commands += [
+        (f"bench {name}", module, text) for name, (module, text) in cli._BENCHES.items()
+    ]
+    out = [
+        "# Command line",
+        "",
+        "<!-- Generated by `statecore docs` from statecore.cli and the command parsers; "
+        "do not edit. -->",
+        "",
+        "`statecore COMMAND [ARGS...]`; `statecore --help` lists the commands. Each command "
+        "is a module with a `main(argv)` function, imported only when it runs.",
+        "",
+        "| command | what it does | module |",
+        "| --- | --- | --- |",
+    ]
+    for name, module, text in commands:
+        out.append(f"| [`{name}`](#{_anchor('statecore ' + name)}) | {_cell(text)} | `{module}` |")
+    for name, module, text in commands:
+        out += ["", f"## statecore {name}", ""]
+        mod = importlib.import_module(module)
+        parser = _capture_parser(mod.main)
+        if parser is None:  # pragma: no cover - every command uses argparse today
+            out += [_rst_to_md(_first_line(mod))]
+            continue
+        desc = (parser.description or text).split("\n\n")[0].replace("\n", " ").strip()
+        out += [_rst_to_md(desc), "", f"Usage: `{parser.prog} [OPTIONS]`", ""]
+        rows = list(_option_rows(parser))
+        if rows:
+            out += ["| option | meaning | default |", "| --- | --- | --- |", *rows]
+        else:
+            out.append("No options.")
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def rendered_pages() -> dict[str, str]:
+    """Every generated page, by path relative to ``docs/``."""
+    graph = scheduler_graph()
+    pages = {f"lifecycles/{life.name}.md": render_lifecycle_page(life, graph) for life in LIFECYCLES}
+    pages["invariants.md"] = render_invariants_page()
+    pages["reference/cli.md"] = render_cli_page()
+    return pages
+
+
+def default_docs_dir() -> Path:
+    """``docs/`` of the source checkout, else of the current directory."""
+    root = _source_root()
+    if (root / "pyproject.toml").is_file() and (root / "docs").is_dir():
+        return root / "docs"
+    return Path.cwd() / "docs"
+
+
+def check(docs_dir: Path, pages: dict[str, str] | None = None) -> list[Path]:
+    """The generated pages under ``docs_dir`` that are missing or stale."""
+    stale = []
+    for rel, text in (pages if pages is not None else rendered_pages()).items():
+        path = docs_dir / rel
+        try:
+            current = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            current = None
+        if current != text:
+            stale.append(path)
+    return stale
+
+
+def write(docs_dir: Path, pages: dict[str, str] | None = None) -> list[Path]:
+    """Write every generated page under ``docs_dir``; return the paths written."""
+    written = []
+    for rel, text in (pages if pages is not None else rendered_pages()).items():
+        path = docs_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``statecore docs``."""
+    parser = argparse.ArgumentParser(
+        prog="statecore docs",
+        description="Write the documentation pages generated from the code (lifecycle "
+        "pages, the invariant catalogue, the command reference) under docs/.",
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 listing stale pages"
+    )
+    mode.add_argument("--print", metavar="PAGE", help="print one page (e.g. invariants.md)")
+    parser.add_argument("--out", type=Path, default=None, help="docs folder (default: docs)")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    docs_dir: Path = args.out if args.out is not None else default_docs_dir()
+    pages = rendered_pages()
+    if args.print:
+        if args.print not in pages:
+            print(f"statecore docs: no generated page {args.print!r}; pages: {sorted(pages)}")
+            return 2
+        print(pages[args.print], end="")
+        return 0
+    if args.check:
+        stale = check(docs_dir, pages)
+        if stale:
+            print("statecore docs: stale or missing (run `statecore docs`):")
+            for path in stale:
+                print(f"  {path}")
+            return 1
+        print(f"statecore docs: {len(pages)} pages up to date in {docs_dir}")
+        return 0
+    for path in write(docs_dir, pages):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
