@@ -118,6 +118,8 @@ def _quorum(s: OffloadingScheduler) -> Iterator[str]:
             yield f"live job {jid} has {job.pending} outstanding reports of {n} workers"
         if job.pending + job.failed > n:
             yield f"live job {jid}: {job.pending} outstanding + {job.failed} failed > {n}"
+        if job.seen >= 1 << n or bin(job.seen).count("1") > n - job.pending:
+            yield f"live job {jid}: rank mask {job.seen:b} disagrees with {job.pending} outstanding"
     for jid, job in s.stalled_jobs.items():
         if not 0 < job.pending <= n:
             yield f"stalled job {jid} has remaining count {job.pending}"

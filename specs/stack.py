@@ -83,7 +83,7 @@ class Report:
 
     def meta(self) -> WorkerMetadata:
         """As a one-entry worker metadata."""
-        m = WorkerMetadata()
+        m = WorkerMetadata(rank=self.rank)
         (m.mark_completed if self.ok else m.mark_failed)(self.job_id)
         return m
 

@@ -18,6 +18,7 @@ __all__ = [
     "fence_add",
     "fence_remove",
     "prefix_hits",
+    "rank_delta",
     "stall_due",
     "storable_chunks",
     "window_hits",
@@ -86,6 +87,40 @@ def apply_report(pending: int, ok: int, bad: int) -> tuple[int, int, int, int]:
     accepted_ok = min(ok, pending - accepted_bad)
     excess = ok + bad - accepted_ok - accepted_bad
     return pending - accepted_ok - accepted_bad, accepted_ok, accepted_bad, excess
+
+
+def rank_delta(
+    seen: int, ok_mask: int, bad_mask: int, num_workers: int
+) -> tuple[int, int, int, int, int]:
+    """Which ranks of a report are new for a job (INV-QUORUM with rank identity).
+
+    ``seen`` is the mask of ranks that already reported the job. Returns ``(new_seen, ok, bad,
+    duplicates, invalid)``: the updated mask, how many ranks newly reported success and
+    failure (a rank reporting both counts as a failure), how many rank bits were already
+    seen, and how many name a rank that does not exist.
+
+    pre: 0 < num_workers <= 16
+    pre: 0 <= seen < 2 ** num_workers
+    pre: 0 <= ok_mask < 2 ** 20 and 0 <= bad_mask < 2 ** 20
+    post: __return__[0] & seen == seen
+    post: 0 <= __return__[0] < 2 ** num_workers
+    post: __return__[1] + __return__[2] == bin(__return__[0] & ~seen).count("1")
+    post: __return__[1] >= 0 and __return__[2] >= 0
+    """
+    valid = (1 << num_workers) - 1
+    invalid = bin((ok_mask | bad_mask) & ~valid).count("1")
+    ok_mask &= valid
+    bad_mask &= valid
+    fresh_bad = bad_mask & ~seen
+    fresh_ok = ok_mask & ~seen & ~fresh_bad
+    duplicates = bin((ok_mask | bad_mask) & seen).count("1")
+    return (
+        seen | fresh_bad | fresh_ok,
+        bin(fresh_ok).count("1"),
+        bin(fresh_bad).count("1"),
+        duplicates,
+        invalid,
+    )
 
 
 def stall_due(now: float, created_at: float, timeout: float) -> bool:

@@ -160,6 +160,7 @@ class JobRecord:
         blocks: GPU blocks it reads (store) or writes (load).
         pending: workers that have not reported yet.
         failed: workers that reported a failure.
+        seen: bit mask of the ranks that reported, for reports that carry ranks.
         fenced: store sources fenced from creation (sliding-window groups).
         deferred_fence: store sources fenced once the request finishes (full attention).
         deferred_registered: whether ``deferred_fence`` is in the fence index.
@@ -183,6 +184,7 @@ class JobRecord:
         "owner",
         "pending",
         "req",
+        "seen",
         "stalled_at",
         "state",
     )
@@ -208,6 +210,7 @@ class JobRecord:
         self.blocks = blocks
         self.pending = pending
         self.failed = 0
+        self.seen = 0  # mask of ranks that reported (when reports carry ranks)
         self.created_at = now
         self.stalled_at = 0.0
         self.fenced = fenced
@@ -860,18 +863,27 @@ class OffloadingScheduler:
             c.load_seconds += load.seconds
             c.store_bytes += store.bytes
             c.store_seconds += store.seconds
+            # job id -> [ok count, failed count, ok rank mask, failed rank mask]
             reports: dict[int, list[int]] = {}
-            for col, counts in ((0, meta.completed), (1, meta.failed)):
+            for col, counts in (
+                (0, meta.completed),
+                (1, meta.failed),
+                (2, meta.completed_ranks),
+                (3, meta.failed_ranks),
+            ):
                 for job_id, n in counts.items():
                     if type(n) is not int or n <= 0 or type(job_id) is not int:
                         c.invalid_report_counts += 1
                         continue
                     entry = reports.get(job_id)
                     if entry is None:
-                        entry = reports[job_id] = [0, 0]
-                    entry[col] += n
-            for job_id, (ok, bad) in reports.items():
-                self._apply_report(job_id, ok, bad)
+                        entry = reports[job_id] = [0, 0, 0, 0]
+                    if col < 2:
+                        entry[col] += n
+                    else:
+                        entry[col] |= n
+            for job_id, (ok, bad, ok_mask, bad_mask) in reports.items():
+                self._apply_report(job_id, ok, bad, ok_mask, bad_mask)
         self._check_stalls()
         result = ConnectorOutputResult(
             frozenset(self._finished_loads), frozenset(self._invalid_blocks)
@@ -880,7 +892,7 @@ class OffloadingScheduler:
         self._invalid_blocks.clear()
         return result
 
-    def _apply_report(self, job_id: int, ok: int, bad: int) -> None:
+    def _apply_report(self, job_id: int, ok: int, bad: int, ok_mask: int, bad_mask: int) -> None:
         c = self.counters
         job = self._jobs.get(job_id)
         stalled = self._stalled.get(job_id) if job is None else None
@@ -906,6 +918,15 @@ class OffloadingScheduler:
             return
         if stalled is not None:
             c.late_reports += 1
+        if ok_mask or bad_mask:  # ranks known: each rank counts once per job
+            seen, ok, bad, duplicates, invalid = kernels.rank_delta(
+                target.seen, ok_mask, bad_mask, self.config.num_workers
+            )
+            target.seen = seen
+            c.duplicate_reports += duplicates
+            c.invalid_report_counts += invalid
+            if not ok and not bad:
+                return
         pending, _, acc_bad, excess = kernels.apply_report(target.pending, ok, bad)
         if excess:
             c.over_reports += 1

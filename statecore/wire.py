@@ -113,34 +113,65 @@ class TransferStats:
 class WorkerMetadata:
     """Per-step report of one worker, or of several merged by :meth:`aggregate`.
 
+    Counts say how many workers reported a job; rank masks say which ones. A worker that knows
+    its rank sets ``rank`` and its marks set bit ``1 << rank`` too: the scheduler then counts
+    each rank at most once per job, so a report delivered twice can never complete a job
+    before every rank finished it (INV-QUORUM). Without ranks, counts are trusted (upstream's
+    wire format) and an excess over the outstanding count is dropped and counted.
+
     Attributes:
         completed: job id -> number of workers that finished it successfully.
         failed: job id -> number of workers that could not execute it.
         stats: bytes and time moved.
+        rank: the reporting worker's rank, or None (merged reports, legacy workers).
+        completed_ranks: job id -> bit mask of the ranks among ``completed``.
+        failed_ranks: job id -> bit mask of the ranks among ``failed``.
     """
 
     completed: dict[int, int] = field(default_factory=dict)
     failed: dict[int, int] = field(default_factory=dict)
     stats: TransferStats = field(default_factory=TransferStats)
+    rank: int | None = None
+    completed_ranks: dict[int, int] = field(default_factory=dict)
+    failed_ranks: dict[int, int] = field(default_factory=dict)
 
     def mark_completed(self, job_id: int) -> None:
         """This worker finished ``job_id``."""
         self.completed[job_id] = self.completed.get(job_id, 0) + 1
+        if self.rank is not None:
+            self.completed_ranks[job_id] = self.completed_ranks.get(job_id, 0) | 1 << self.rank
 
     def mark_failed(self, job_id: int) -> None:
         """This worker could not execute ``job_id``."""
         self.failed[job_id] = self.failed.get(job_id, 0) + 1
+        if self.rank is not None:
+            self.failed_ranks[job_id] = self.failed_ranks.get(job_id, 0) | 1 << self.rank
 
     def is_empty(self) -> bool:
         """Whether the report carries nothing."""
         return not (self.completed or self.failed) and self.stats.is_empty()
 
     def aggregate(self, other: WorkerMetadata) -> WorkerMetadata:
-        """A new report with both reports' counts summed per job id."""
-        completed = dict(self.completed)
-        for job_id, n in other.completed.items():
-            completed[job_id] = completed.get(job_id, 0) + n
-        failed = dict(self.failed)
-        for job_id, n in other.failed.items():
-            failed[job_id] = failed.get(job_id, 0) + n
-        return WorkerMetadata(completed, failed, self.stats.merged(other.stats))
+        """A new report with both reports' counts summed and rank masks merged per job."""
+        return WorkerMetadata(
+            _sum(self.completed, other.completed),
+            _sum(self.failed, other.failed),
+            self.stats.merged(other.stats),
+            None,
+            _union(self.completed_ranks, other.completed_ranks),
+            _union(self.failed_ranks, other.failed_ranks),
+        )
+
+
+def _sum(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
+    out = dict(a)
+    for k, n in b.items():
+        out[k] = out.get(k, 0) + n
+    return out
+
+
+def _union(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
+    out = dict(a)
+    for k, m in b.items():
+        out[k] = out.get(k, 0) | m
+    return out

@@ -289,7 +289,7 @@ class OffloadingWorker:
         self._deferred: dict[int, TransferJob] = {}
         self._inflight: dict[int, bool] = {}  # job id -> is_store
         self._pulled: set[int] = set()
-        self._report = WorkerMetadata()
+        self._report = WorkerMetadata(rank=rank)
         self._closed = False
         self.ignored_results = 0
 
@@ -342,7 +342,7 @@ class OffloadingWorker:
         """Poll the backend; return this rank's report since the last call, and reset it."""
         if not self._closed:
             self._poll()
-        report, self._report = self._report, WorkerMetadata()
+        report, self._report = self._report, WorkerMetadata(rank=self.rank)
         return report
 
     def wait(self, job_ids: Collection[int]) -> None:

@@ -4,8 +4,9 @@ Every worker rank produces one :class:`~statecore.wire.WorkerMetadata` per step.
 :class:`ReportChannel` splits each report into per-(rank, job) entries and decides, from its own
 seeded random stream, what happens to each one: delivered now, delayed a few steps, delivered
 only after the stall timeout (a late report), never delivered (a stalled job), or delivered
-twice (a duplicate after the job's quorum). It also invents reports for job ids the scheduler
-never issued and replays reports of jobs from before the last ``reset_cache`` (stale reports).
+twice (a duplicate, before or after the job's quorum). It also invents reports for job ids the
+scheduler never issued and replays reports of jobs from before the last ``reset_cache`` (stale
+reports).
 Delivered entries of a step are merged with :meth:`WorkerMetadata.aggregate`, as an engine does.
 """
 
@@ -28,7 +29,9 @@ class SimFaults:
     Attributes:
         stall: per worker report of a job: the report is lost (the job stalls).
         late: per worker report: delivered only after the stall timeout has expired.
-        duplicate: per job whose reports all arrived: one report is delivered again later.
+        duplicate: per delivered worker report: delivered again later, either while other
+            ranks are still outstanding (must not complete the job early) or after the job's
+            quorum (must be absorbed).
         stale: per step: a report for a job issued before the last reset is injected.
         unknown: per step: a report for a job id never issued is injected.
         transfer_failure: per worker and job: the transfer fails (reported as failed).
@@ -136,6 +139,7 @@ class _Entry:
     rank: int
     job_id: int
     ok: bool
+    dup: bool = False  # a re-delivery: not counted towards the job's expected reports
 
 
 @dataclass(slots=True)
@@ -225,17 +229,25 @@ class ReportChannel:
             return None if stats.is_empty() else WorkerMetadata(stats=stats)
         per_rank: dict[int, WorkerMetadata] = {}
         for e in entries:
-            m = per_rank.setdefault(e.rank, WorkerMetadata())
+            m = per_rank.setdefault(e.rank, WorkerMetadata(rank=e.rank))
             (m.mark_completed if e.ok else m.mark_failed)(e.job_id)
             track = self._jobs.get(e.job_id)
-            if track is None:
+            if track is None or e.dup:
                 continue
             track.delivered += 1
-            if track.delivered >= track.expected:
+            if track.delivered < track.expected:
+                # a rank's report delivered twice while other ranks are still outstanding:
+                # rank identity on the wire must keep it from completing the job early
+                if f.duplicate and rng.random() < f.duplicate:
+                    self.injected["duplicate"] += 1
+                    self._queue[step + 1].append(_Entry(e.rank, e.job_id, e.ok, True))
+            else:
                 del self._jobs[e.job_id]
                 if f.duplicate and rng.random() < f.duplicate:
                     self.injected["duplicate"] += 1
-                    self._queue[step + rng.randint(1, 3)].append(_Entry(e.rank, e.job_id, True))
+                    self._queue[step + rng.randint(1, 3)].append(
+                        _Entry(e.rank, e.job_id, True, True)
+                    )
         out: WorkerMetadata | None = None
         for rank in sorted(per_rank):
             out = per_rank[rank] if out is None else out.aggregate(per_rank[rank])

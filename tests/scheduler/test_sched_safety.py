@@ -419,3 +419,25 @@ def test_load_into_a_block_a_store_still_reads_flushes_the_store_first(kind: str
     with pytest.raises(InvariantViolation, match="INV-SRC-VALID"):
         h.sched.check_invariants()
     h.sched.jobs[store_a].flushed = True
+
+
+def test_rank_identity_keeps_a_repeated_report_from_completing_a_job_early(kind: str) -> None:
+    h = Harness(make_manager(kind), config(workers=2))
+    h.add("a", list(range(8)))
+    (job_id,) = prefill(h, "a")
+    rank0 = WorkerMetadata(rank=0)
+    rank0.mark_completed(job_id)
+    h.sched.update_connector_output(rank0)
+    h.sched.update_connector_output(rank0)  # the same rank's report delivered twice
+    assert h.sched.jobs[job_id].pending == 1
+    assert h.sched.counters.duplicate_reports == 1
+    rank5 = WorkerMetadata(rank=5)  # there is no rank 5
+    rank5.mark_completed(job_id)
+    h.sched.update_connector_output(rank5)
+    assert h.sched.jobs[job_id].pending == 1
+    assert h.sched.counters.invalid_report_counts == 1
+    rank1 = WorkerMetadata(rank=1)
+    rank1.mark_completed(job_id)
+    h.sched.update_connector_output(rank0.aggregate(rank1))
+    assert job_id not in h.sched.jobs
+    assert (h.sched.counters.jobs_completed, h.sched.counters.duplicate_reports) == (1, 2)
