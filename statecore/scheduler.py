@@ -747,7 +747,12 @@ class OffloadingScheduler:
         if request.is_aborted:
             target = request.num_computed_tokens
         elif finished:
-            target = max(request.num_prompt_tokens, request.num_tokens - 1)
+            # the last sampled token has no KV; and never more than was computed (a request
+            # that finishes mid-prefill must not store blocks that were never written)
+            target = min(
+                max(request.num_prompt_tokens, request.num_tokens - 1),
+                request.num_computed_tokens,
+            )
         else:
             target = request.num_computed_tokens + rec.num_scheduled
         n_off = min(target, request.num_tokens)

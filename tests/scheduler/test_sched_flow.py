@@ -419,3 +419,13 @@ def test_stores_wait_while_loading(kind: str) -> None:
 def test_offload_key_format() -> None:
     k = make_offload_key(b"\x01\x02", 7)
     assert k == b"\x01\x02\x00\x00\x00\x07"
+
+
+def test_finished_request_never_stores_more_than_it_computed(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(16)))
+    h.admit("a")
+    h.step([h.schedule("a", 5)], new=["a"])  # 5 of 16 prompt tokens computed
+    h.finish("a")  # finished (not aborted) mid-prefill, e.g. by the engine's stop logic
+    h.step(finished=["a"])
+    assert sum(len(j.keys) for j in h.sched.jobs.values()) == 1
