@@ -13,12 +13,14 @@ from collections.abc import Iterable, Sequence
 
 __all__ = [
     "ReportKind",
+    "advance_cursor",
     "apply_report",
     "classify_report",
     "fence_add",
     "fence_remove",
     "prefix_hits",
     "rank_delta",
+    "reset_plan",
     "stall_due",
     "storable_chunks",
     "window_hits",
@@ -121,6 +123,34 @@ def rank_delta(
         duplicates,
         invalid,
     )
+
+
+def advance_cursor(cursor: int, storable: int) -> int:
+    """The store cursor after ``storable`` leading chunks were considered (never backwards).
+
+    pre: cursor >= 0 and storable >= 0
+    post: __return__ >= cursor and __return__ >= storable
+    post: __return__ in (cursor, storable)
+    """
+    return storable if storable > cursor else cursor
+
+
+def reset_plan(
+    live: frozenset[int], stalled: frozenset[int], next_job_id: int, stale_threshold: int
+) -> tuple[frozenset[int], int]:
+    """What ``reset_cache`` flushes and the new stale threshold (INV-EPOCH).
+
+    Every live and stalled job is flushed to the workers (loads too), and the threshold moves
+    to the next job id, so that every report for a job issued before the reset is inert.
+
+    pre: 0 <= stale_threshold <= next_job_id
+    pre: all(stale_threshold <= j < next_job_id for j in live | stalled)
+    post: __return__[0] == live | stalled
+    post: __return__[1] == next_job_id
+    post: all(j < __return__[1] for j in __return__[0])
+    post: __return__[1] >= stale_threshold
+    """
+    return live | stalled, next_job_id
 
 
 def stall_due(now: float, created_at: float, timeout: float) -> bool:

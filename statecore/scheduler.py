@@ -836,8 +836,7 @@ class OffloadingScheduler:
     @staticmethod
     def _advance(rec: RequestRecord, storable: list[int]) -> None:
         for gs, n in zip(rec.groups, storable, strict=True):
-            if n > gs.cursor:
-                gs.cursor = n
+            gs.cursor = kernels.advance_cursor(gs.cursor, n)
 
     def _register_deferred_fence(self, job: JobRecord) -> None:
         if not job.deferred_registered and job.deferred_fence:
@@ -1029,8 +1028,13 @@ class OffloadingScheduler:
         their in-flight sets and rewind their store cursors to chunk 0 (seed 004).
         """
         batch = self._batch
-        batch.flush.update(self._jobs)
-        batch.flush.update(self._stalled)
+        flush, threshold = kernels.reset_plan(
+            frozenset(self._jobs),
+            frozenset(self._stalled),
+            self._next_job_id,
+            self._stale_threshold,
+        )
+        batch.flush.update(flush)
         batch.loads.clear()
         for job in list(self._jobs.values()):
             if not job.is_store:
@@ -1049,7 +1053,7 @@ class OffloadingScheduler:
             REQUEST.fire(rec, RE_RESET)
         self._awaiting_signal.clear()
         self.manager.reset_cache()
-        self._stale_threshold = self._next_job_id
+        self._stale_threshold = threshold
         self.counters.resets += 1
 
     def shutdown(self) -> None:
