@@ -264,7 +264,7 @@ class StatecoreConnectorStats(KVConnectorStats):
 
     def reset(self) -> None:
         """Forget everything."""
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Add ``other``'s values into this object."""
@@ -411,7 +411,7 @@ def build_scheduler(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
 # --------------------------------------------------------------------------------------------
 
 
-class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector backed by statecore (see the module documentation)."""
 
     _cache_hit_source = CacheHitSource.HOST
