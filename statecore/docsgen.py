@@ -467,9 +467,7 @@ def render_lifecycle_page(life: Lifecycle, graph: SchedulerGraph | None = None) 
             tags.append("initial")
         if i in lc.final:
             tags.append("final")
-        entered = sorted(
-            {t.event for t in lc.transitions if t.target == sid and t.source != sid}
-        )
+        entered = sorted({t.event for t in lc.transitions if t.target == sid and t.source != sid})
         left = sorted({t.event for t in lc.transitions if t.source == sid and t.target != sid})
         kept = sorted({t.event for t in lc.transitions if t.source == sid and t.target == sid})
         title = f"`{sid}`: {labels[sid]}" + (f" ({', '.join(tags)})" if tags else "")
@@ -482,7 +480,9 @@ def render_lifecycle_page(life: Lifecycle, graph: SchedulerGraph | None = None) 
         if kept:
             facts.append(f"- Accepted without leaving: {_code(kept)}")
         rejected = [
-            e for e in lc.events if not any(t.source == sid and t.event == e for t in lc.transitions)
+            e
+            for e in lc.events
+            if not any(t.source == sid and t.event == e for t in lc.transitions)
         ]
         if rejected and i not in lc.final:
             facts.append(f"- Rejected (`LifecycleError`): {_code(rejected)}")
@@ -661,7 +661,7 @@ def _capture_parser(main: Callable[[list[str]], int]) -> argparse.ArgumentParser
     def capture(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
         raise _Captured(self)
 
-    argparse.ArgumentParser.parse_args = capture  # type: ignore[method-assign,assignment]
+    argparse.ArgumentParser.parse_args = capture  # type: ignore[method-assign]
     try:
         main([])
     except _Captured as got:
@@ -698,9 +698,7 @@ def render_cli_page() -> str:
     commands: list[tuple[str, str, str]] = [
         (name, module, text) for name, (module, text) in cli._COMMANDS.items()
     ]
-    commands += [
-        (f"bench {name}", module, text) for name, (module, text) in cli._BENCHES.items()
-    ]
+    commands += [(f"bench {name}", module, text) for name, (module, text) in cli._BENCHES.items()]
     out = [
         "# Command line",
         "",
@@ -739,7 +737,9 @@ def render_cli_page() -> str:
 def rendered_pages() -> dict[str, str]:
     """Every generated page, by path relative to ``docs/``."""
     graph = scheduler_graph()
-    pages = {f"lifecycles/{life.name}.md": render_lifecycle_page(life, graph) for life in LIFECYCLES}
+    pages = {
+        f"lifecycles/{life.name}.md": render_lifecycle_page(life, graph) for life in LIFECYCLES
+    }
     pages["invariants.md"] = render_invariants_page()
     pages["reference/cli.md"] = render_cli_page()
     return pages
