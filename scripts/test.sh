@@ -98,6 +98,7 @@ step "mypy --strict statecore" mypy statecore
 # adapters/ and specs/ are mapped into statecore at build time; mypy checks them as folders
 step "mypy --strict adapters specs" mypy adapters specs
 step "statecore diagrams --check" statecore diagrams --check
+step "statecore docs --check" statecore docs --check
 step "crosshair contracts" crosshair_contracts
 step "mkdocs build --strict" docs_build
 step "pytest" python -m pytest -q -p no:cacheprovider "$@"

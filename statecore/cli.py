@@ -16,6 +16,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("statecore.sim.cli", "run the deterministic simulator and print its report"),
     "fuzz": ("statecore.specs.fuzz", "time-boxed stateful fuzzing campaign"),
     "diagrams": ("statecore.lifecycle.diagrams", "write (or --check) the lifecycle diagrams"),
+    "docs": ("statecore.docsgen", "write (or --check) the documentation pages generated from code"),
 }
 _BENCHES: dict[str, tuple[str, str]] = {
     "dispatch": ("statecore.bench.dispatch", "cost per lifecycle event: table vs machine"),
