@@ -114,6 +114,7 @@ class RequestRecord:
         "jobs",
         "max_load_tokens",
         "max_offload_tokens",
+        "n_hashes",
         "num_local_computed",
         "num_scheduled",
         "owner",
@@ -122,6 +123,7 @@ class RequestRecord:
         "request",
         "signalled",
         "state",
+        "store_cap",
         "store_floor",
     )
 
@@ -144,10 +146,13 @@ class RequestRecord:
         self.max_offload_tokens: int | None = None
         self.num_local_computed = 0
         self.num_scheduled = 0
+        self.n_hashes = 0  # block hashes already turned into keys
         self.deferred_since: float | None = None
         self.signalled = False
         # no chunk can become storable below this many offloadable tokens (0: unknown)
         self.store_floor = 0
+        # offloadable tokens never exceed this (max_offload_tokens, prompt-only)
+        self.store_cap = 1 << 62
         self.state = 0
         REQUEST.attach(self)
 
@@ -426,6 +431,10 @@ class OffloadingScheduler:
         rec.max_load_tokens, bad_load = _param(params, "max_load_tokens")
         rec.max_offload_tokens, bad_off = _param(params, "max_offload_tokens")
         self.counters.invalid_transfer_params += int(bad_load) + int(bad_off)
+        if rec.max_offload_tokens is not None:
+            rec.store_cap = rec.max_offload_tokens
+        if self.config.offload_prompt_only:
+            rec.store_cap = min(rec.store_cap, request.num_prompt_tokens)
         self._reqs[rec.req_id] = rec
         return rec
 
@@ -479,6 +488,9 @@ class OffloadingScheduler:
     def _update_keys(self, rec: RequestRecord) -> None:
         hashes = rec.request.block_hashes
         n_hashes = len(hashes)
+        if n_hashes == rec.n_hashes:
+            return
+        rec.n_hashes = n_hashes
         for g, gs in enumerate(rec.groups):
             hpc = self._hpc[g]
             keys = gs.keys
@@ -704,29 +716,43 @@ class OffloadingScheduler:
         allocated = self._batch.allocated
         scheduled: list[RequestRecord] = []
         swa_pre_len: list[tuple[GroupState, int]] = []
+        reqs = self._reqs
+        n_groups = self._n_groups
+        sliding = self._sliding if self._any_sliding else None
         for s in output.scheduled:
-            rec = self._reqs.get(s.req_id)
+            rec = reqs.get(s.req_id)
             if rec is None:
                 self.counters.unknown_scheduled_requests += 1
                 continue
-            if len(s.new_block_ids) != self._n_groups:
+            new_ids = s.new_block_ids
+            if len(new_ids) != n_groups:
                 raise MetadataError(
-                    f"build_connector_meta: request {s.req_id!r}: {len(s.new_block_ids)} "
-                    f"block lists for {self._n_groups} KV-cache groups"
+                    f"build_connector_meta: request {s.req_id!r}: {len(new_ids)} "
+                    f"block lists for {n_groups} KV-cache groups"
                 )
-            self._update_keys(rec)
+            request = rec.request
+            if len(request.block_hashes) != rec.n_hashes:
+                self._update_keys(rec)
             rec.num_scheduled = s.num_scheduled_tokens
             if s.resumed_from_preemption:
                 rec.store_floor = 0
-            for g, gs in enumerate(rec.groups):
-                if s.resumed_from_preemption:
+                for gs in rec.groups:
                     gs.block_ids.clear()
                     gs.cursor = 0
-                ids = s.new_block_ids[g]
-                if self._sliding[g] and gs.block_ids:
+            for g, ids in enumerate(new_ids):
+                gs = rec.groups[g]
+                if sliding is not None and sliding[g] and gs.block_ids:
                     swa_pre_len.append((gs, len(gs.block_ids)))
-                gs.block_ids.extend(ids)
-                allocated.update(ids)
+                if ids:
+                    gs.block_ids.extend(ids)
+                    allocated.update(ids)
+            # most steps are decode steps that cannot complete a chunk: skip store building
+            floor = rec.store_floor
+            if floor and (
+                rec.store_cap < floor
+                or request.num_computed_tokens + s.num_scheduled_tokens < floor
+            ):
+                continue
             scheduled.append(rec)
         allocated.update(output.extra_allocated_block_ids)
         allocated.discard(0)  # the null block is never handed to an owner
