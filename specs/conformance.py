@@ -15,6 +15,13 @@ after every step:
 * typed errors: unknown keys, write-pending keys and unpinned keys are rejected with
   ``UnknownKeyError``/``KeyNotReadyError``/``PinUnderflowError`` and leave the state unchanged.
 * the manager's own counters (optional) against the model.
+* **slot reuse** (optional, with ``slot_of``): a primary slot freed by ``reset_cache`` (it held
+  a write-pending or pinned key) or by ``complete_store(success=False)`` may still be touched
+  by a GPU transfer until the workers execute the next step's flush, so a key the manager
+  starts writing itself (a promotion: ``HIT_PENDING`` without a store from the machine) never
+  gets such a slot before the second ``on_schedule_end`` after it was freed. A store the
+  machine makes may reuse the slot at once (the workers order it after the flush), which
+  ends the slot's quarantine.
 
 Use it from a test module::
 
@@ -27,6 +34,7 @@ Use it from a test module::
         exact=True,          # a plain cache: stores every new key, evicts only when needed
         events=True,         # stored/removed events replay to the set of ready keys
         counters=lambda m: m.counters_dict(),  # optional: evictable, write_pending, keys, pinned
+        slot_of=lambda m, key: m.slot_of(key),   # optional: check the slot-reuse rule
     ).TestCase
 
 ``exact=False`` is for composite managers that may hold more than their store results say
@@ -86,6 +94,8 @@ class LoadJob:
     keys: tuple[OffloadKey, ...]
     req: int
     epoch: int
+    slots: tuple[int, ...] = ()
+    """The pinned slots (CPU load specs), co-indexed with ``keys``."""
 
 
 def _universe(n: int) -> list[OffloadKey]:
@@ -100,6 +110,7 @@ def make_manager_conformance(
     events: bool = False,
     counters: Callable[[Any], Mapping[str, int]] | None = None,
     self_check: Callable[[Any], None] | None = None,
+    slot_of: Callable[[Any, OffloadKey], int | None] | None = None,
     num_keys: int | None = None,
     num_requests: int = 2,
     step_count: int = 30,
@@ -114,8 +125,12 @@ def make_manager_conformance(
         events: the manager records events; stored/removed events must replay to the set of
             ready keys (exact mode) and never name a key that was never stored.
         counters: returns the manager's counters; any of ``evictable``, ``write_pending``,
-            ``pinned`` and ``keys`` present are compared with the model.
+            ``pinned`` and ``keys`` present are compared with the model; with ``free`` and
+            ``quarantined`` present, quarantined slots must be free ones.
         self_check: called after every step; raises on an internal inconsistency.
+        slot_of: the primary slot a present key occupies (``None`` if absent); with it the
+            slot-reuse rule is checked on every key the manager writes by itself (needs CPU
+            store and load specs).
         num_keys: size of the key universe (default ``3 * capacity``, at least 4).
         num_requests: how many request contexts the calls rotate through.
         step_count: steps per test case.
@@ -145,6 +160,12 @@ def make_manager_conformance(
             self.slots: dict[OffloadKey, int] = {}  # exact mode, CPU specs: key -> slot
             self.ever_stored: set[OffloadKey] = set()
             self.event_view: set[OffloadKey] = set()
+            # slot-reuse rule: slots of the machine's pending stores and outstanding loads, and
+            # quarantined slot -> number of step ends from which a promotion may take it
+            self.ends = 0
+            self.pending_slot: dict[OffloadKey, int] = {}
+            self.load_slots: Counter[int] = Counter()
+            self.quarantine: dict[int, int] = {}
 
         # -- model helpers ---------------------------------------------------------------------
 
@@ -161,6 +182,14 @@ def make_manager_conformance(
 
         def _lookup(self, key: OffloadKey, req: int = 0) -> LookupResult:
             got = self.sut.lookup(key, self.ctxs[req])
+            if slot_of is not None and got is LookupResult.HIT_PENDING and key not in self.pending:
+                slot = slot_of(self.sut, key)
+                if slot is not None and slot in self.quarantine:
+                    raise AssertionError(
+                        f"slot reuse: {key.hex()} is written by the manager into slot {slot}, "
+                        f"freed with transfers possibly in flight; safe only from step end "
+                        f"{self.quarantine[slot]}, now {self.ends}"
+                    )
             want = self._expected(key)
             if want is not None:
                 assert got == want, f"lookup({key.hex()}) = {got!r}, model says {want!r}"
@@ -173,6 +202,10 @@ def make_manager_conformance(
             if exact:
                 return [k for k in universe if k not in self.ready and k not in self.pending]
             return [k for k in universe if k not in self.ever_stored and k not in self.pending]
+
+        def _quarantine(self, slots: Sequence[int]) -> None:
+            for slot in slots:
+                self.quarantine[slot] = self.ends + 2
 
         # -- stores ----------------------------------------------------------------------------
 
@@ -227,6 +260,9 @@ def make_manager_conformance(
                         assert 0 <= s < capacity, f"slot {s} out of range"
                         assert s not in used, f"slot {s} handed out while still in use"
                         self.slots[k] = s
+                for k, s in zip(stored, spec.slots, strict=True):
+                    self.pending_slot[k] = s
+                    self.quarantine.pop(s, None)  # reused by a store the workers order
             self.pending.update(stored)
             if not stored:
                 return multiple()
@@ -237,6 +273,9 @@ def make_manager_conformance(
             if job.epoch != self.epoch:
                 return  # discarded by reset_cache: no completion (INV-TERM)
             self.sut.complete_store(job.keys, self.ctxs[job.req], success)
+            freed = [self.pending_slot.pop(k) for k in job.keys if k in self.pending_slot]
+            if not success:
+                self._quarantine(freed)
             for k in job.keys:
                 self.pending.discard(k)
                 if success:
@@ -267,17 +306,21 @@ def make_manager_conformance(
                 assert len(spec.slots) == len(keys), "load spec not co-indexed with keys"
                 if exact and self.slots:
                     assert list(spec.slots) == [self.slots[k] for k in keys]
+                self.load_slots.update(spec.slots)
             for k in keys:
                 self.pins[k] += 1
                 if not exact:
                     self.ready.add(k)
-            return LoadJob(tuple(keys), req, self.epoch)
+            slots = spec.slots if isinstance(spec, CPULoadStoreSpec) else ()
+            return LoadJob(tuple(keys), req, self.epoch, tuple(slots))
 
         @rule(job=consumes(loads))
         def complete_load(self, job: LoadJob) -> None:
             if job.epoch != self.epoch:
                 return
             self.sut.complete_load(job.keys, self.ctxs[job.req])
+            self.load_slots.subtract(job.slots)
+            self.load_slots += Counter()
             self.pins.subtract(job.keys)
             self.pins += Counter()  # drop zero counts
 
@@ -294,6 +337,8 @@ def make_manager_conformance(
         @rule(take_events=st.booleans())
         def end_step(self, take_events: bool) -> None:
             self.sut.on_schedule_end(ScheduleEndContext())
+            self.ends += 1
+            self.quarantine = {s: n for s, n in self.quarantine.items() if n > self.ends}
             if not take_events:
                 return
             for ev in self.sut.take_events():
@@ -313,6 +358,9 @@ def make_manager_conformance(
             if dice:  # resets wipe everything: keep them rarer than the other rules
                 return
             self.sut.reset_cache()
+            self._quarantine([*self.pending_slot.values(), *self.load_slots])
+            self.pending_slot.clear()
+            self.load_slots.clear()
             self.epoch += 1
             self.pending.clear()
             self.pins.clear()
@@ -405,6 +453,8 @@ def make_manager_conformance(
                 else:
                     assert c.get("write_pending", len(self.pending)) >= len(self.pending)
                     assert c.get("pinned", pinned) >= pinned
+                if "free" in c and "quarantined" in c:
+                    assert 0 <= c["quarantined"] <= c["free"], "a quarantined slot is in use"
             if self_check is not None:
                 self_check(self.sut)
 

@@ -178,6 +178,14 @@ class OffloadingManager(ABC):
     In return an implementation must keep INV-PIN, INV-EVICT and INV-NO-PARTIAL, and raise
     typed :class:`~statecore.errors.ManagerError` subclasses (leaving its state unchanged) on
     calls that break the preconditions above.
+
+    Slot reuse: a primary slot freed by ``reset_cache`` (it held a write-pending or pinned
+    key) or by ``complete_store(success=False)`` may still be written or read by a GPU
+    transfer until the workers execute the flush the scheduler puts in the next step's
+    metadata. Stores and loads the scheduler builds later are ordered after that flush and may
+    reuse the slot at once; a manager that writes primary slots itself (a promotion from a
+    secondary tier) must not hand it to such a write before the second ``on_schedule_end``
+    after the slot was freed (it answers ``MISS`` or waits instead).
     """
 
     @abstractmethod
@@ -224,8 +232,9 @@ class OffloadingManager(ABC):
 
         ``success=True``: write-pending keys become ready and evictable and are announced in a
         stored event. ``success=False``: write-pending keys are dropped and their room freed;
-        their bytes never become loadable (INV-NO-PARTIAL). Keys that are absent or already
-        ready are ignored in both cases.
+        their bytes never become loadable (INV-NO-PARTIAL); their slots fall under the
+        slot-reuse rule (class docstring): a stalled job may still be writing them. Keys that
+        are absent or already ready are ignored in both cases.
         """
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -234,7 +243,12 @@ class OffloadingManager(ABC):
 
     @abstractmethod
     def reset_cache(self) -> None:
-        """Drop every entry. The scheduler has flushed all in-flight jobs before calling."""
+        """Drop every entry.
+
+        The scheduler puts every in-flight job in the next step's flush; until the workers
+        have executed it, the slots of write-pending and pinned keys fall under the slot-reuse
+        rule (class docstring).
+        """
 
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
         """First sighting of a request; answers its offload policy (default chunk level)."""

@@ -9,6 +9,16 @@ Each present key has a slot id and a reference count:
   tier); never evicted.
 
 Slots are handed out fresh in ascending order first, then recycled last-freed first.
+
+Quarantine (the slot-reuse rule): a slot freed by ``reset_cache`` (it held a write-pending or
+pinned key) or by a failed ``complete_store`` may still be written or read by a GPU transfer
+until the workers have executed the flush that the scheduler puts in the next step's metadata.
+Such a slot is marked *quarantined* until the second ``on_schedule_end`` after it was freed.
+Stores and loads the scheduler submits are ordered after that flush by the workers, so
+``prepare_store`` may reuse a quarantined slot at once (and the mark is dropped: the slot's
+next release is governed by the new key). Only allocations for writers outside the workers
+(promotions from a secondary tier, ``prepare_write(skip_quarantined=True)``) skip it.
+Quarantined slots are always free slots; they count in ``num_free``.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from statecore.manager import (
     OffloadingManager,
     PrepareStoreOutput,
     ReqContext,
+    ScheduleEndContext,
 )
 from statecore.managers.policies import (
     BUILTIN_POLICIES,
@@ -65,8 +76,10 @@ class CPUManagerCounters:
         evictable: keys with reference count 0.
         write_pending: keys with reference count -1.
         pinned: keys with reference count > 0.
-        free: slots not holding a key.
+        free: slots not holding a key (quarantined ones included).
         high_water: fresh slot ids handed out so far.
+        quarantined: free slots that promotions must not take yet (see the module docstring).
+        schedule_ends: ``on_schedule_end`` calls so far (the quarantine clock).
     """
 
     capacity: int
@@ -76,6 +89,8 @@ class CPUManagerCounters:
     pinned: int
     free: int
     high_water: int
+    quarantined: int = 0
+    schedule_ends: int = 0
 
 
 class _Entry:
@@ -150,6 +165,10 @@ class CPUOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] = []
         self._alloc_sizes: list[float] = []
         self._stores_skipped = 0
+        # Quarantined free slots -> the schedule-end count from which promotions may take
+        # them. Insertion order is release order (every mark is "now + 2").
+        self._quarantine: OrderedDict[int, int] = OrderedDict()
+        self._schedule_ends = 0
         self._tracker: OrderedDict[OffloadKey, int] | None = (
             OrderedDict() if store_threshold >= 2 else None
         )
@@ -210,7 +229,18 @@ class CPUOffloadingManager(OffloadingManager):
             pinned=keys - self._evictable - self._write_pending,
             free=self.num_free,
             high_water=self._high_water,
+            quarantined=len(self._quarantine),
+            schedule_ends=self._schedule_ends,
         )
+
+    @property
+    def num_free_for_promotion(self) -> int:
+        """Free slots a promotion may take now (free slots that are not quarantined)."""
+        return self.num_free - len(self._quarantine)
+
+    def is_quarantined(self, slot: int) -> bool:
+        """Whether ``slot`` is free but must not be handed to a promotion yet."""
+        return slot in self._quarantine
 
     def check_invariants(self) -> None:
         """Recount everything from scratch and raise :class:`InvariantViolation` on a mismatch.
@@ -236,6 +266,20 @@ class CPUOffloadingManager(OffloadingManager):
             raise InvariantViolation("INV-EVICT", "a slot is both used and free, or used twice")
         if set(everything) != set(range(self._high_water)) or self._high_water > self.capacity:
             raise InvariantViolation("INV-EVICT", "allocated and free slots do not tile capacity")
+        in_use = set(used)
+        last_release = 0
+        for slot, release in self._quarantine.items():
+            if slot in in_use or not 0 <= slot < self.capacity:
+                raise InvariantViolation(
+                    "INV-EVICT", f"quarantined slot {slot} is not a free slot of this tier"
+                )
+            if release <= self._schedule_ends or release < last_release:
+                raise InvariantViolation(
+                    "INV-EVICT",
+                    f"quarantined slot {slot} expires at schedule end {release}: expired "
+                    f"(now {self._schedule_ends}) or out of release order",
+                )
+            last_release = release
         evictable_keys = getattr(self.policy, "evictable_keys", None)
         if callable(evictable_keys):
             listed = set(evictable_keys())
@@ -323,11 +367,15 @@ class CPUOffloadingManager(OffloadingManager):
         ctx: ReqContext,
         bypass_reuse_filter: bool = False,
         protected: AbstractSet[OffloadKey] = frozenset(),
+        skip_quarantined: bool = False,
     ) -> PrepareStoreOutput | None:
         """:meth:`prepare_store` with options for composite managers.
 
         ``bypass_reuse_filter`` admits every key (promotions); ``protected`` keys are never
-        evicted, besides ``keys`` themselves (e.g. keys that answered HIT this step).
+        evicted, besides ``keys`` themselves (e.g. keys that answered HIT this step);
+        ``skip_quarantined`` never hands out a quarantined slot (allocations for writers the
+        workers do not order, i.e. promotions): room is made among the other free slots, by
+        eviction if needed, and ``None`` is returned when that is impossible.
         """
         entries = self._entries
         tracker = self._tracker
@@ -348,7 +396,9 @@ class CPUOffloadingManager(OffloadingManager):
         if n == 0:
             self._stores_skipped += skipped
             return PrepareStoreOutput((), CPULoadStoreSpec(()), ())
-        need = n - self.num_free
+        quarantine = self._quarantine
+        avoid = skip_quarantined and bool(quarantine)
+        need = n - (self.num_free_for_promotion if avoid else self.num_free)
         victims: list[OffloadKey] = []
         if need > 0:
             if need > self._evictable:
@@ -363,12 +413,19 @@ class CPUOffloadingManager(OffloadingManager):
             self._evictable -= len(victims)
             if self.enable_events:
                 self._events.append(OffloadingEvent(tuple(victims), Medium.CPU, removed=True))
-        fresh, recycled = allocation_plan(self.capacity, self._high_water, len(self._free), n)
-        slots = list(range(self._high_water, self._high_water + fresh))
-        self._high_water += fresh
-        free = self._free
-        for _ in range(recycled):
-            slots.append(free.pop())
+        if avoid:
+            slots = self._take_unquarantined(n)
+        else:
+            fresh, recycled = allocation_plan(self.capacity, self._high_water, len(self._free), n)
+            slots = list(range(self._high_water, self._high_water + fresh))
+            self._high_water += fresh
+            free = self._free
+            for _ in range(recycled):
+                slots.append(free.pop())
+            if quarantine:
+                # Reused by a store the workers order after the flush: the mark is moot.
+                for slot in slots:
+                    quarantine.pop(slot, None)
         policy = self.policy
         for key, slot in zip(to_store, slots, strict=True):
             entries[key] = _Entry(-1, slot)
@@ -378,6 +435,36 @@ class CPUOffloadingManager(OffloadingManager):
         self._stores_skipped += skipped
         return PrepareStoreOutput(tuple(to_store), CPULoadStoreSpec(tuple(slots)), tuple(victims))
 
+    def _take_unquarantined(self, n: int) -> list[int]:
+        """``n`` free slots that are not quarantined: fresh ids first, then recycled LIFO.
+
+        The caller made sure that many exist. Quarantined fresh ids passed over move to the
+        free list (they stay free and quarantined); cost O(n + quarantined slots passed).
+        """
+        quarantine = self._quarantine
+        free = self._free
+        slots: list[int] = []
+        high_water = self._high_water
+        capacity = self.capacity
+        while len(slots) < n and high_water < capacity:
+            if high_water in quarantine:
+                free.append(high_water)
+            else:
+                slots.append(high_water)
+            high_water += 1
+        self._high_water = high_water
+        if len(slots) < n:
+            passed: list[int] = []
+            while len(slots) < n:
+                slot = free.pop()
+                if slot in quarantine:
+                    passed.append(slot)
+                else:
+                    slots.append(slot)
+            passed.reverse()
+            free.extend(passed)
+        return slots
+
     def complete_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
     ) -> None:
@@ -385,9 +472,18 @@ class CPUOffloadingManager(OffloadingManager):
         self.complete_write(keys, ctx, success)
 
     def complete_write(
-        self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
+        self,
+        keys: Sequence[OffloadKey],
+        ctx: ReqContext,
+        success: bool = True,
+        quarantine: bool = True,
     ) -> list[OffloadKey]:
-        """:meth:`complete_store`; returns the keys it changed (made ready, or dropped)."""
+        """:meth:`complete_store`; returns the keys it changed (made ready, or dropped).
+
+        On failure the dropped keys' slots are quarantined (a stalled GPU store may still be
+        writing them) unless ``quarantine=False``: the writer is known to be done (a promotion
+        whose result arrived).
+        """
         entries = self._entries
         policy = self.policy
         changed: list[OffloadKey] = []
@@ -403,6 +499,8 @@ class CPUOffloadingManager(OffloadingManager):
                 del entries[key]
                 policy.remove(key)
                 self._free.append(entry.slot)
+                if quarantine:
+                    self._quarantine_slot(entry.slot)
         self._write_pending -= len(changed)
         if success:
             self._evictable += len(changed)
@@ -420,18 +518,48 @@ class CPUOffloadingManager(OffloadingManager):
     def reset_cache(self) -> None:
         """Drop every key (any state); announce the ready ones as removed.
 
-        The reuse filter's lookup counts survive (they describe traffic, not cache content).
+        Slots of write-pending and pinned keys are quarantined (see the module docstring);
+        earlier quarantine marks survive. The reuse filter's lookup counts survive (they
+        describe traffic, not cache content).
         """
         if self.enable_events:
             ready = tuple(k for k, e in self._entries.items() if e.ref >= 0)
             if ready:
                 self._events.append(OffloadingEvent(ready, Medium.CPU, removed=True))
+        if self._evictable != len(self._entries):
+            for entry in self._entries.values():
+                if entry.ref != 0:  # write-pending or pinned: a transfer may be in flight
+                    self._quarantine_slot(entry.slot)
         self._entries.clear()
         self.policy.clear()
         self._free.clear()
         self._high_water = 0
         self._evictable = 0
         self._write_pending = 0
+
+    def _quarantine_slot(self, slot: int) -> None:
+        quarantine = self._quarantine
+        quarantine.pop(slot, None)  # re-insert: insertion order stays release order
+        quarantine[slot] = self._schedule_ends + 2
+
+    def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
+        """Advance the quarantine clock; release the slots whose quarantine is over.
+
+        A slot quarantined after schedule end ``n`` is released at end ``n + 2``: the first
+        end belongs to the step whose metadata carries the flush, by the second the workers
+        have executed it.
+        """
+        self._schedule_ends += 1
+        quarantine = self._quarantine
+        now = self._schedule_ends
+        if quarantine and quarantine[next(reversed(quarantine))] <= now:
+            quarantine.clear()  # the usual case: every mark is over
+            return
+        while quarantine:
+            slot = next(iter(quarantine))
+            if quarantine[slot] > now:
+                break
+            del quarantine[slot]
 
     def get_stats(self) -> dict[str, float | int | list[float]]:
         """Gauges ``cpu_cache_usage_perc`` (pinned + write-pending, as a fraction),

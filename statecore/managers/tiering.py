@@ -16,6 +16,10 @@ Principles:
   submitted in ``on_schedule_end``. The promotion's result completes the primary write.
 * A promotion never evicts a primary key that answered ``HIT`` earlier in the same step: the
   scheduler may still ``prepare_load`` it.
+* A promotion never takes a quarantined primary slot: one freed by ``reset_cache`` or a failed
+  ``complete_store`` less than two ``on_schedule_end`` calls ago, which a GPU transfer the
+  workers have not flushed yet may still write or read (see :mod:`statecore.managers.cpu`).
+  If no other room can be made, the lookup answers ``MISS``.
 * Secondary tiers are polled at most once per engine step, by the first of ``lookup``,
   ``prepare_load``, ``prepare_store`` or ``on_schedule_end``.
 """
@@ -137,7 +141,10 @@ class TieringOffloadingManager(OffloadingManager):
             ok = set(result.successful_keys or ())
             if ok:
                 primary.complete_write([k for k in job.keys if k in ok], job.ctx, True)
-            primary.complete_write([k for k in job.keys if k not in ok], job.ctx, False)
+            # The tier has finished writing these slots: no quarantine needed.
+            primary.complete_write(
+                [k for k in job.keys if k not in ok], job.ctx, False, quarantine=False
+            )
         else:
             if not result.success:
                 self._stats["cascades_failed"] += 1
@@ -187,7 +194,11 @@ class TieringOffloadingManager(OffloadingManager):
 
     def _start_promotion(self, tier_idx: int, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         out = self.primary.prepare_write(
-            (key,), ctx, bypass_reuse_filter=True, protected=self._hits_this_step
+            (key,),
+            ctx,
+            bypass_reuse_filter=True,
+            protected=self._hits_this_step,
+            skip_quarantined=True,
         )
         slot = self.primary.slot_of(key)
         if out is None or not out.keys_to_store or slot is None:
@@ -287,7 +298,10 @@ class TieringOffloadingManager(OffloadingManager):
         del self._req_state[state.ctx.req_id]
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
-        """Poll (if not yet this step), submit the step's promotions, start a new step."""
+        """Poll (if not yet this step), submit the step's promotions, start a new step.
+
+        The primary's ``on_schedule_end`` advances its quarantine clock.
+        """
         self._poll()
         self._polled_this_step = False
         self._hits_this_step.clear()
@@ -303,6 +317,7 @@ class TieringOffloadingManager(OffloadingManager):
                     tier.submit_load(job_id, keys, tuple(pending.slots))
                 per_req.clear()
             self._num_pending_promotions = 0
+        self.primary.on_schedule_end(ctx)
         for tier in self.secondaries:
             tier.on_schedule_end(ctx)
 

@@ -63,6 +63,10 @@ def _tiering_check(m: TieringOffloadingManager) -> None:
     m.primary.check_invariants()
 
 
+def _primary_slot(m: TieringOffloadingManager, key: OffloadKey) -> int | None:
+    return m.primary.slot_of(key)
+
+
 TestTieringConformance = make_manager_conformance(
     _tiering,
     capacity=4,
@@ -70,6 +74,7 @@ TestTieringConformance = make_manager_conformance(
     exact=False,
     counters=_tier_counters,
     self_check=_tiering_check,
+    slot_of=_primary_slot,
 ).TestCase
 
 
@@ -135,20 +140,43 @@ class _RefusesEarly(CPUOffloadingManager):
         return super().prepare_store(keys, ctx)
 
 
+class _PromotesIntoQuarantine(CPUOffloadingManager):
+    """Bug: promotions take quarantined slots (a flushed GPU transfer may still touch them)."""
+
+    def prepare_write(  # type: ignore[no-untyped-def]
+        self, keys, ctx, bypass_reuse_filter=False, protected=frozenset(), skip_quarantined=False
+    ):
+        return super().prepare_write(keys, ctx, bypass_reuse_filter, protected, False)
+
+
+# Generation stops at the first failure, so a generous budget costs little when the machine
+# works and keeps a miss (a flaky pass of the mutant) improbable.
+_MUTANT_SETTINGS = settings(
+    max_examples=1500,
+    stateful_step_count=30,
+    deadline=None,
+    database=None,
+    phases=[Phase.generate],
+    suppress_health_check=list(HealthCheck),
+)
+
+
 @pytest.mark.parametrize(
     "mutant", [_FailedStoreBecomesReady, _EvictsPinned, _PartialPin, _RefusesEarly]
 )
 def test_conformance_catches_mutant(mutant: type[CPUOffloadingManager]) -> None:
     machine = make_manager_conformance(lambda: mutant(4), capacity=4, events=True)
     with pytest.raises(AssertionError):
-        run_state_machine_as_test(
-            machine,
-            settings=settings(
-                max_examples=300,
-                stateful_step_count=30,
-                deadline=None,
-                database=None,
-                phases=[Phase.generate],
-                suppress_health_check=list(HealthCheck),
-            ),
-        )
+        run_state_machine_as_test(machine, settings=_MUTANT_SETTINGS)
+
+
+def test_conformance_catches_promotion_into_quarantined_slot() -> None:
+    machine = make_manager_conformance(
+        lambda: TieringOffloadingManager(_PromotesIntoQuarantine(4), [MemoryTier()]),
+        capacity=4,
+        num_keys=8,
+        exact=False,
+        slot_of=_primary_slot,
+    )
+    with pytest.raises(AssertionError, match="slot reuse"):
+        run_state_machine_as_test(machine, settings=_MUTANT_SETTINGS)

@@ -6,15 +6,24 @@ import pytest
 
 from statecore.errors import (
     ConfigError,
+    InvariantViolation,
     KeyNotReadyError,
     PinUnderflowError,
     UnknownKeyError,
 )
 from statecore.keys import OffloadKey, make_offload_key
-from statecore.manager import CPULoadStoreSpec, LookupResult, Medium, OffloadingEvent, ReqContext
+from statecore.manager import (
+    CPULoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    ReqContext,
+    ScheduleEndContext,
+)
 from statecore.managers import CPUOffloadingManager, LRUCachePolicy, WritePendingPinError
 
 CTX = ReqContext("r")
+END = ScheduleEndContext()
 
 
 def k(i: int) -> OffloadKey:
@@ -237,3 +246,107 @@ def test_policy_resolution() -> None:
         CPUOffloadingManager(2, "statecore.keys:OffloadKey")
     with pytest.raises(ConfigError):
         CPUOffloadingManager(-1)
+
+
+# -- quarantine: slots freed with transfers possibly in flight, held back from promotions -------
+
+
+def promote(m: CPUOffloadingManager, *ids: int) -> tuple[int, ...] | None:
+    out = m.prepare_write([k(i) for i in ids], CTX, bypass_reuse_filter=True, skip_quarantined=True)
+    if out is None:
+        return None
+    assert isinstance(out.store_spec, CPULoadStoreSpec)
+    return out.store_spec.slots
+
+
+def test_reset_quarantines_pending_and_pinned_slots_for_two_schedule_ends() -> None:
+    m = CPUOffloadingManager(6)
+    stored(m, 1, 2, 3)  # slots 0, 1, 2
+    m.prepare_load([k(2)], CTX)  # slot 1 pinned
+    m.prepare_store([k(4)], CTX)  # slot 3 write-pending
+    m.reset_cache()
+    c = m.counters()
+    assert c.free == 6 and c.quarantined == 2 and m.num_free_for_promotion == 4
+    assert [s for s in range(6) if m.is_quarantined(s)] == [1, 3]
+    m.check_invariants()
+    # promotions pass over the quarantined fresh ids (they move to the free list) ...
+    assert promote(m, 10, 11, 12) == (0, 2, 4)
+    m.check_invariants()
+    assert promote(m, 13) == (5,)
+    assert promote(m, 14) is None  # ... and never take them, even when nothing else is left
+    m.on_schedule_end(END)
+    assert promote(m, 14) is None and m.counters().quarantined == 2
+    m.on_schedule_end(END)
+    assert m.counters().quarantined == 0
+    assert promote(m, 14, 15) == (3, 1)  # released: recycled LIFO again
+    m.check_invariants()
+
+
+def test_failed_store_quarantines_and_scheduler_stores_reuse_at_once() -> None:
+    m = CPUOffloadingManager(3)
+    out = m.prepare_store([k(1), k(2)], CTX)
+    assert out is not None and out.store_spec == CPULoadStoreSpec((0, 1))
+    m.complete_store([k(1), k(2)], CTX, success=False)
+    assert m.is_quarantined(0) and m.is_quarantined(1) and m.counters().free == 3
+    assert promote(m, 5) == (2,)
+    m.check_invariants()
+    # a scheduler store keeps the usual allocation (recycled LIFO) and ends the quarantine
+    again = m.prepare_store([k(3)], CTX)
+    assert again is not None and again.store_spec == CPULoadStoreSpec((1,))
+    assert not m.is_quarantined(1) and m.is_quarantined(0)
+    m.check_invariants()
+    assert promote(m, 6) is None  # slot 0 is the only free one
+    # a failed promotion result (quarantine=False) frees without quarantine
+    m.complete_write([k(5)], CTX, success=False, quarantine=False)
+    assert not m.is_quarantined(2) and promote(m, 6) == (2,)
+
+
+def test_promotion_evicts_idle_keys_instead_of_taking_quarantined_slots() -> None:
+    m = CPUOffloadingManager(2)
+    stored(m, 1)  # slot 0, idle
+    out = m.prepare_store([k(2)], CTX)
+    assert out is not None
+    m.complete_store([k(2)], CTX, success=False)  # slot 1 quarantined
+    before = snapshot(m)
+    m.prepare_load([k(1)], CTX)
+    assert promote(m, 3) is None  # k1 pinned: no room outside the quarantine, nothing changed
+    m.complete_load([k(1)], CTX)
+    assert snapshot(m) == before
+    got = m.prepare_write([k(3)], CTX, bypass_reuse_filter=True, skip_quarantined=True)
+    assert got is not None and got.evicted_keys == (k(1),)
+    assert got.store_spec == CPULoadStoreSpec((0,)) and m.is_quarantined(1)
+    m.check_invariants()
+
+
+def test_quarantine_release_order_and_requarantine() -> None:
+    m = CPUOffloadingManager(2)
+    out = m.prepare_store([k(1), k(2)], CTX)
+    assert out is not None
+    m.complete_store([k(1)], CTX, success=False)  # slot 0 until end 2
+    m.on_schedule_end(END)
+    m.complete_store([k(2)], CTX, success=False)  # slot 1 until end 3
+    m.on_schedule_end(END)
+    assert not m.is_quarantined(0) and m.is_quarantined(1)
+    m.check_invariants()
+    assert m.prepare_store([k(3)], CTX) is not None  # slot 1 (recycled LIFO): mark dropped
+    assert m.slot_of(k(3)) == 1
+    assert m.counters().quarantined == 0
+    m.reset_cache()  # k3 write-pending in slot 1: quarantined again, until end 4
+    assert m.counters().quarantined == 1 and m.counters().schedule_ends == 2
+    m.on_schedule_end(END)
+    assert m.is_quarantined(1)
+    m.on_schedule_end(END)
+    assert not m.is_quarantined(1)
+    m.check_invariants()
+
+
+def test_check_invariants_catches_quarantine_corruption() -> None:
+    m = CPUOffloadingManager(2)
+    stored(m, 1)
+    m._quarantine[0] = 5  # slot 0 is in use
+    with pytest.raises(InvariantViolation):
+        m.check_invariants()
+    m._quarantine.clear()
+    m._quarantine[1] = 0  # expired but still listed
+    with pytest.raises(InvariantViolation):
+        m.check_invariants()

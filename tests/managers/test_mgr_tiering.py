@@ -329,3 +329,112 @@ def test_promotion_never_evicts_a_key_that_hit_this_step() -> None:
     m.on_schedule_end(END)
     assert m.lookup(k(2), ctx) is LookupResult.HIT_PENDING  # next step: k1 may be evicted
     assert primary.ref_count(k(1)) is None
+
+
+# -- the slot-reuse rule: promotions skip quarantined primary slots ----------------------------
+
+
+def _promotion_slot(m: TieringOffloadingManager, primary: CPUOffloadingManager, i: int) -> int:
+    assert m.lookup(k(i), ReqContext("p")) is LookupResult.HIT_PENDING
+    slot = primary.slot_of(k(i))
+    assert slot is not None
+    return slot
+
+
+def test_promotion_skips_slots_freed_by_reset_until_second_schedule_end() -> None:
+    """reset_cache with a store in flight: the scheduler flushes it in the next step's metadata,
+    so a promotion submitted in that step's on_schedule_end must not write its slot."""
+    tier = MemoryTier()
+    for i in (7, 8):
+        tier.put(k(i))
+    m, primary = stack(2, tier)
+    live = m.prepare_store([k(1)], ReqContext("live"))
+    assert live is not None and live.store_spec == CPULoadStoreSpec((0,))
+    m.reset_cache()  # store k1 -> slot 0 may still land (flushed in the next step)
+    assert primary.is_quarantined(0) and primary.counters().quarantined == 1
+    assert _promotion_slot(m, primary, 7) == 1  # not the quarantined (and lower) slot 0
+    assert m.lookup(k(8), ReqContext("p")) is LookupResult.MISS  # only slot 0 is left
+    m.on_schedule_end(END)  # #1: its metadata carries the flush; k7's promotion goes out
+    assert tier.submitted[-1].slots == (1,)
+    assert m.lookup(k(7), ReqContext("p")) is LookupResult.HIT  # promoted, and now protected
+    assert m.lookup(k(8), ReqContext("p")) is LookupResult.MISS
+    m.on_schedule_end(END)  # #2: the workers have executed the flush
+    assert not primary.is_quarantined(0)
+    assert m.lookup(k(7), ReqContext("p")) is LookupResult.HIT
+    assert _promotion_slot(m, primary, 8) == 0
+    m.on_schedule_end(END)
+    assert tier.submitted[-1].keys == (k(8),) and tier.submitted[-1].slots == (0,)
+    primary.check_invariants()
+
+
+def test_promotion_skips_slot_of_failed_store_until_second_schedule_end() -> None:
+    """A stalled store is completed with success=False at the stall and flushed in the next
+    step's metadata: its freed slot is quarantined for promotions the same way."""
+    tier = MemoryTier()
+    tier.put(k(7))
+    m, primary = stack(1, tier)
+    ctx = ReqContext("r")
+    out = m.prepare_store([k(1)], ctx)
+    assert out is not None and out.store_spec == CPULoadStoreSpec((0,))
+    m.complete_store(out.keys_to_store, ctx, success=False)  # the stall
+    assert primary.counters().free == 1 and primary.is_quarantined(0)
+    assert m.lookup(k(7), ctx) is LookupResult.MISS
+    m.on_schedule_end(END)
+    assert m.lookup(k(7), ctx) is LookupResult.MISS
+    m.on_schedule_end(END)
+    assert _promotion_slot(m, primary, 7) == 0
+    primary.check_invariants()
+
+
+def test_scheduler_stores_reuse_quarantined_slots_at_once() -> None:
+    """Workers order GPU stores after the flush: prepare_store keeps its full capacity."""
+    tier = MemoryTier()
+    tier.put(k(7))
+    m, primary = stack(1, tier)
+    ctx = ReqContext("r")
+    out = m.prepare_store([k(1)], ctx)
+    assert out is not None
+    m.complete_store(out.keys_to_store, ctx, success=False)
+    again = m.prepare_store([k(2)], ctx)
+    assert again is not None and again.store_spec == CPULoadStoreSpec((0,))
+    assert not primary.is_quarantined(0)  # the mark went with the reuse
+    m.complete_store(again.keys_to_store, ctx)
+    m.on_schedule_end(END)
+    # k2 is ready and idle: a promotion may evict it and take its slot at once
+    assert _promotion_slot(m, primary, 7) == 0 and primary.ref_count(k(2)) is None
+
+
+def test_promotion_evicts_rather_than_taking_a_quarantined_slot() -> None:
+    tier = MemoryTier()
+    tier.put(k(7))
+    m, primary = stack(2, tier)
+    ctx = ReqContext("r")
+    store(m, ctx, 1)  # slot 0, ready and idle
+    m.on_schedule_end(END)
+    m.on_schedule_end(END)  # the cascade to the tier completed: k1 unpinned
+    pending = m.prepare_store([k(2)], ctx)  # slot 1
+    assert pending is not None
+    m.complete_store(pending.keys_to_store, ctx, success=False)
+    assert _promotion_slot(m, primary, 7) == 0  # k1 evicted; quarantined slot 1 untouched
+    assert primary.ref_count(k(1)) is None and primary.is_quarantined(1)
+    primary.check_invariants()
+
+
+def test_reset_quarantines_pinned_slots_and_failed_promotions_do_not_quarantine() -> None:
+    tier = MemoryTier()
+    tier.put(k(7))
+    tier.fail_keys.add(k(7))
+    m, primary = stack(2, tier)
+    ctx = ReqContext("r")
+    store(m, ctx, 1)
+    m.on_schedule_end(END)
+    m.on_schedule_end(END)
+    m.prepare_load([k(1)], ctx)  # a GPU load reading slot 0 is in flight at the reset
+    m.reset_cache()
+    assert primary.is_quarantined(0) and not primary.is_quarantined(1)
+    assert _promotion_slot(m, primary, 7) == 1
+    m.on_schedule_end(END)
+    m.on_schedule_end(END)  # polls: the promotion failed; the tier is done with slot 1
+    assert primary.ref_count(k(7)) is None
+    assert not primary.is_quarantined(1) and primary.counters().quarantined == 0
+    primary.check_invariants()
