@@ -7,8 +7,6 @@ scheduler in checked mode (invariants after every call) and the lifecycles in ch
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from sched_harness import Harness, config, make_manager
 from statecore.specs.fakes import RecordingManager
@@ -23,18 +21,6 @@ from statecore import (
     SchedulerConfig,
     make_offload_key,
 )
-from statecore.lifecycle import checked_mode
-
-
-@pytest.fixture(autouse=True)
-def _checked_lifecycles() -> Iterator[None]:
-    with checked_mode():
-        yield
-
-
-@pytest.fixture(params=["fake", "cpu"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 def prefill(h: Harness, rid: str, tokens: int | None = None) -> dict[int, object]:

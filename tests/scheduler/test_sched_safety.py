@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,18 +20,6 @@ from statecore import (
     UnknownRequestError,
     WorkerMetadata,
 )
-from statecore.lifecycle import checked_mode
-
-
-@pytest.fixture(autouse=True)
-def _checked_lifecycles() -> Iterator[None]:
-    with checked_mode():
-        yield
-
-
-@pytest.fixture(params=["fake", "cpu"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 def snapshot(h: Harness) -> Any:
