@@ -17,9 +17,13 @@ moves.
 
 Execution:
 
-* **CPU** (no CUDA, CI): a job runs inside ``submit`` (``ctypes.memmove`` over merged
-  contiguous runs, split across ``torch.get_num_threads()`` threads for large jobs; the copies
-  release the GIL); ``poll`` reports it.
+* **CPU** (no CUDA, CI): a job runs inside ``submit``; ``poll`` reports it. Its copies are
+  planned on Python ints from base addresses taken once at construction (a few small torch
+  ops per job cost more than the arithmetic), pages that continue each other on both sides
+  are merged, and the C library's ``memmove`` runs them (it releases the GIL). Large jobs of
+  long copies are shared by ``torch.get_num_threads()`` persistent threads that claim
+  shrinking pieces of the copy list; short copies stay on the calling thread, where they do
+  not fight over the GIL.
 * **CUDA**: one stream per direction, so completion is FIFO per direction; a store's stream
   first waits for the compute (current) stream; completion is a CUDA event per job;
   ``wait(job_ids)`` synchronises those events. The pool's regions are registered in place
@@ -47,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -57,9 +62,16 @@ from typing import Any, Literal
 import torch
 
 from statecore.errors import ConfigError, SpecError, TransferError
+from statecore.manager import CPULoadStoreSpec
 from statecore.pool import CPUPool
-from statecore.wire import TransferJob
-from statecore.worker import TransferResult, job_specs, plan_spans, validate_ids
+from statecore.wire import GPULoadStoreSpec, TransferJob
+from statecore.worker import (
+    GroupSpan,
+    TransferResult,
+    job_specs,
+    plan_spans,
+    validate_ids,
+)
 
 try:  # Triton is optional (present on CUDA machines, absent in CI)
     import triton  # type: ignore[import-not-found,import-untyped,unused-ignore]
@@ -82,8 +94,13 @@ _cuda: Any = torch.cuda  # partly untyped module
 
 CopyImpl = Literal["auto", "triton", "staging"]
 
-_PARALLEL_MIN_BYTES = 8 << 20  # below this a CPU job is copied on the calling thread
+_PARALLEL_MIN_BYTES = 8 << 20  # staging bounce copies: below this, on the calling thread
 _PARALLEL_MIN_RUN = 32 << 10  # ... and when its copies are shorter than this on average
+# CPU jobs (measured on 2 cores: 32 KiB copies gain nothing from a second thread, 48 KiB
+# ones do; 4 MiB jobs of 64 KiB copies gain, 2 MiB ones lose):
+_HOST_PARALLEL_MIN_BYTES = 4 << 20  # below this a CPU job is copied on the calling thread
+_HOST_PARALLEL_MIN_RUN = 40 << 10  # ... and when its copies are shorter than this on average
+_PIECE_BYTES = 256 << 10  # least bytes per piece that copy threads claim in a parallel host job
 _REGISTER_FLAGS = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
@@ -168,6 +185,89 @@ def memmove_runs(
     _memmove_list(s, d, z, bounds[0], bounds[1])
     for f in futures:
         f.result()
+
+
+def _libc_memmove() -> Callable[[int, int, int], object]:
+    """The C library's ``memmove`` with the cheapest argument and result conversions.
+
+    Each call releases the GIL for the copy and takes it back for the conversions; with two
+    copy threads, the time spent holding it decides how often one thread must sleep until
+    the other wakes it (tens of microseconds on a virtual machine), so it is kept short:
+    ``size_t`` arguments and no result (``ctypes.memmove`` returns the pointer as an int).
+    Falls back to ``ctypes.memmove`` where the C library cannot be loaded this way.
+    """
+    try:
+        fn = ctypes.CDLL(None).memmove
+    except (OSError, AttributeError, TypeError):  # pragma: no cover - platform dependent
+        return ctypes.memmove
+    fn.restype = None
+    fn.argtypes = (ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)  # cheapest conversion
+    return fn  # type: ignore[no-any-return,unused-ignore]
+
+
+_memmove = _libc_memmove()
+
+
+def _copy_lists(dst: list[int], src: list[int], size: list[int]) -> None:
+    """``size[i]`` bytes from ``src[i]`` to ``dst[i]`` for every i, on the calling thread."""
+    deque(map(_memmove, dst, src, size), 0)
+
+
+def _pieces(n: int, nbytes: int, threads: int) -> deque[tuple[int, int]]:
+    """Split copies ``0..n`` into shrinking pieces ``[a, b)`` for ``threads`` threads to claim.
+
+    Each piece is a ``1 / (2 * threads)`` share of what is left, but at least about
+    ``_PIECE_BYTES``: few claims while there is much to do, and small ones at the end so the
+    threads finish together.
+    """
+    least = max(1, n * _PIECE_BYTES // max(1, nbytes))
+    out: deque[tuple[int, int]] = deque()
+    a = 0
+    while a < n:
+        b = min(n, a + max(least, (n - a) // (2 * threads)))
+        out.append((a, b))
+        a = b
+    return out
+
+
+def _drain_pieces(
+    pieces: deque[tuple[int, int]], dst: list[int], src: list[int], size: list[int]
+) -> None:
+    """Claim pieces ``[a, b)`` of a copy list from ``pieces`` and copy them until none is left.
+
+    Several threads share ``pieces`` (``deque.popleft`` is atomic): a thread that starts
+    late, or copies slowly, simply claims fewer pieces, so the work stays balanced without a
+    static split.
+    """
+    pop = pieces.popleft
+    while True:
+        try:
+            a, b = pop()
+        except IndexError:
+            return
+        deque(map(_memmove, dst[a:b], src[a:b], size[a:b]), 0)
+
+
+def _runs(ids: Sequence[int], rows: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    """Maximal runs over which both ``ids`` and ``rows`` go up by one.
+
+    Returns (first id, first row, length) of each run, in order.
+    """
+    first_ids = [ids[0]]
+    first_rows = [rows[0]]
+    lengths: list[int] = []
+    start = 0
+    prev_id, prev_row = ids[0], rows[0]
+    for i in range(1, len(ids)):
+        g, r = ids[i], rows[i]
+        if g != prev_id + 1 or r != prev_row + 1:
+            lengths.append(i - start)
+            start = i
+            first_ids.append(g)
+            first_rows.append(r)
+        prev_id, prev_row = g, r
+    lengths.append(len(ids) - start)
+    return first_ids, first_rows, lengths
 
 
 def _device_pointer(ptr: int) -> int:
@@ -336,6 +436,9 @@ class TorchTransferBackend:
         self._gpu_base = torch.tensor([v.data_ptr() for v in self._gpu], dtype=torch.int64)
         self._gpu_stride_t = torch.tensor(self._gpu_stride, dtype=torch.int64)
         self._page_t = torch.tensor(self.page_bytes, dtype=torch.int64)
+        # Host copies plan on Python ints: small torch ops cost more than the arithmetic.
+        self._gpu_base_i = [v.data_ptr() for v in self._gpu]
+        self._cpu_base_i = [c.data_ptr() for c in self._cpu]
         self.threads = max(1, threads if threads is not None else torch.get_num_threads())
         self._executor: ThreadPoolExecutor | None = (
             ThreadPoolExecutor(self.threads - 1, thread_name_prefix="statecore-copy")
@@ -460,7 +563,10 @@ class TorchTransferBackend:
                 buf.close()
 
     # -- planning -------------------------------------------------------------------------
-    def _plan(self, job_id: int, job: TransferJob, is_store: bool) -> _Plan:
+    def _validated(
+        self, job_id: int, job: TransferJob, is_store: bool
+    ) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec, list[GroupSpan]]:
+        """The job's specs and per-group spans; raises :class:`SpecError` on any mismatch."""
         gpu, cpu = job_specs(job, is_store)
         if len(gpu.group_sizes) != len(self.group_tensors):
             raise SpecError(
@@ -471,6 +577,10 @@ class TorchTransferBackend:
             gpu.group_sizes, gpu.block_indices, len(gpu.block_ids), len(cpu.slots), self.bpc
         )
         validate_ids(gpu.block_ids, cpu.slots, self.num_gpu_blocks, self.pool.num_slots)
+        return gpu, cpu, spans
+
+    def _plan(self, job_id: int, job: TransferJob, is_store: bool) -> _Plan:
+        gpu, cpu, spans = self._validated(job_id, job, is_store)
         block_ids = torch.tensor(gpu.block_ids, dtype=torch.int64)
         slots = torch.tensor(cpu.slots, dtype=torch.int64)
         per_tensor: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -494,6 +604,72 @@ class TorchTransferBackend:
             [torch.cat(per_tensor[t][1]) for t in tensors],
             nbytes,
         )
+
+    def _host_plan(
+        self, job_id: int, job: TransferJob, is_store: bool
+    ) -> tuple[list[int], list[int], list[int], int]:
+        """``(src, dst, size, nbytes)`` of a CPU job's copies, as Python int lists.
+
+        Pages that continue each other on both sides (consecutive GPU blocks of an unpadded
+        tensor into consecutive CPU sub-rows) are merged into one copy; the check for any
+        consecutive GPU blocks is a C-level scan, so scattered jobs pay almost nothing for it.
+        """
+        gpu, cpu, spans = self._validated(job_id, job, is_store)
+        bpc = self.bpc
+        gpu_addr: list[int] = []
+        cpu_addr: list[int] = []
+        size: list[int] = []
+        nbytes = 0
+        for sp in spans:
+            nb = sp.num_blocks
+            if nb == 0:
+                continue
+            ids = gpu.block_ids[sp.first_block : sp.first_block + nb]
+            chunks = cpu.slots[sp.first_chunk : sp.first_chunk + sp.num_chunks]
+            rows: Sequence[int] = (
+                chunks
+                if bpc == 1
+                else [c * bpc + k for c in chunks for k in range(bpc)][sp.skip : sp.skip + nb]
+            )
+            runs = _runs(ids, rows) if 1 in map(operator.sub, ids[1:], ids) else None
+            for t in self.group_tensors[sp.group]:
+                gbase, gstride = self._gpu_base_i[t], self._gpu_stride[t]
+                cbase, page = self._cpu_base_i[t], self.page_bytes[t]
+                nbytes += nb * page
+                if runs is not None and gstride == page:
+                    first_ids, first_rows, lengths = runs
+                    gpu_addr += [gbase + g * page for g in first_ids]
+                    cpu_addr += [cbase + r * page for r in first_rows]
+                    size += [n * page for n in lengths]
+                else:
+                    gpu_addr += [gbase + g * gstride for g in ids]
+                    cpu_addr += [cbase + r * page for r in rows]
+                    size += [page] * nb
+        if is_store:
+            return gpu_addr, cpu_addr, size, nbytes
+        return cpu_addr, gpu_addr, size, nbytes
+
+    def _host_copy_lists(
+        self, src: list[int], dst: list[int], size: list[int], nbytes: int
+    ) -> None:
+        """Run validated host copies; large jobs of long copies are shared by the threads.
+
+        Short copies from several threads mostly fight over the GIL (each ``memmove`` call
+        takes it back), so those stay on the calling thread.
+        """
+        n = len(size)
+        ex = self._executor
+        if ex is None or nbytes < _HOST_PARALLEL_MIN_BYTES or nbytes < _HOST_PARALLEL_MIN_RUN * n:
+            _copy_lists(dst, src, size)
+            return
+        pieces = _pieces(n, nbytes, self.threads)
+        futures = [
+            ex.submit(_drain_pieces, pieces, dst, src, size) for _ in range(self.threads - 1)
+        ]
+        _drain_pieces(pieces, dst, src, size)
+        for f in futures:
+            if not f.cancel():  # a helper that has not started yet has nothing left to do
+                f.result()
 
     def _addresses(
         self, plan: _Plan, is_store: bool, device_side: bool = False
@@ -536,13 +712,14 @@ class TorchTransferBackend:
         """Validate the job's specs, then start its copies (on the CPU: run them)."""
         if self._closed:
             raise TransferError(f"job {job_id}: backend is shut down")
-        plan = self._plan(job_id, job, is_store)
         if not self.is_cuda:
+            src, dst, size, nbytes = self._host_plan(job_id, job, is_store)
             t0 = time.perf_counter()
-            self._host_copy(*self._addresses(plan, is_store))
+            self._host_copy_lists(src, dst, size, nbytes)
             dt = time.perf_counter() - t0
-            self._done.append(TransferResult(job_id, True, plan.nbytes, dt, is_store))
+            self._done.append(TransferResult(job_id, True, nbytes, dt, is_store))
             return
+        plan = self._plan(job_id, job, is_store)
         if self.impl == "triton":
             self._submit_triton(job_id, plan, is_store)
         else:

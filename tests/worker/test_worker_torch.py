@@ -315,3 +315,52 @@ def test_pool_regions_let_two_ranks_share_a_pool() -> None:
             assert bytes(pool.row(2 * r + t, 0)) == ranks[r][t][7].numpy().tobytes()
     with pytest.raises(ConfigError, match="pool_regions"):
         TorchTransferBackend(ranks[0], pool, 1, pool_regions=[0, 4])
+
+
+@pytest.mark.parametrize("bpc", [1, 3])
+def test_consecutive_blocks_merge_and_parallel_pieces_byte_exact(
+    bpc: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs of consecutive blocks into consecutive sub-rows (merged into fewer copies), a
+    padded and an unpadded tensor of different page sizes, copied by both copy threads."""
+    import statecore.adapters.torch as torch_adapter
+
+    monkeypatch.setattr(torch_adapter, "_HOST_PARALLEL_MIN_BYTES", 1 << 20)  # small test tensors
+    pages = [64 << 10, 96 << 10]
+    backing = torch.randint(0, 255, (60, pages[1] + 256), dtype=torch.uint8)
+    caches = [
+        torch.randint(0, 255, (60, pages[0]), dtype=torch.uint8),
+        backing[:, : pages[1]],  # padded: its GPU rows never merge
+    ]
+    groups = [[0], [0, 1]]
+    pool = CPUPool(40, [p * bpc for p in pages])
+    be = TorchTransferBackend(caches, pool, bpc, group_tensors=groups, threads=2)
+    g0 = [*range(3, 21), *range(40, 45)]  # two runs of blocks, into consecutive slots
+    g1 = [50, 7, 8, 9, 30, 31, 2]  # group 1 enters its first chunk at sub-block 1 % bpc
+    n0 = -(-len(g0) // bpc)
+    n1 = -(-(len(g1) + 1 % bpc) // bpc)
+    slots = [*range(5, 5 + n0), *random.Random(3).sample(range(5 + n0, 40), n1)]
+    gspec = GPULoadStoreSpec((*g0, *g1), (len(g0), len(g1)), (0, 1))
+    job = TransferJob("r", gspec, CPULoadStoreSpec(tuple(slots)))
+    src, _, _, _ = be._host_plan(1, job, True)
+    assert len(src) < len(g0) + 2 * len(g1)  # some pages were merged
+    be.submit(1, job, True)
+    plan = plan_block_copies(gspec.block_ids, gspec.group_sizes, (0, 1), tuple(slots), bpc)
+
+    def cpu_page(t: int, slot: int, sub: int) -> bytes:
+        return bytes(pool.row(t, slot)[sub * pages[t] : (sub + 1) * pages[t]])
+
+    for group, block, slot, sub in plan:
+        for t in groups[group]:
+            assert cpu_page(t, slot, sub) == caches[t][block].numpy().tobytes()
+    want = {(t, b): caches[t][b].clone() for group, b, _, _ in plan for t in groups[group]}
+    pad = backing[:, pages[1] :].clone()
+    for c in caches:
+        c.zero_()
+    be.submit(2, TransferJob("r", job.dst, job.src), False)
+    for (t, b), data in want.items():
+        assert torch.equal(caches[t][b], data)
+    assert torch.equal(backing[:, pages[1] :], pad)  # padding never written
+    nbytes = len(g0) * pages[0] + len(g1) * (pages[0] + pages[1])
+    assert {r.job_id: r.nbytes for r in be.poll()} == {1: nbytes, 2: nbytes}
+    be.shutdown()
