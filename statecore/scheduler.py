@@ -801,48 +801,65 @@ class OffloadingScheduler:
         self, rec: RequestRecord, n_off: int, store_jobs: dict[int, TransferJob], finished: bool
     ) -> None:
         bpc = self._bpc
-        offered: list[tuple[int, int, OffloadKey]] = []
-        storable: list[int] = []
         chunk_level = rec.policy is OffloadPolicy.CHUNK_LEVEL
+        storable: list[int] = []
+        per_group: list[list[int]] = []  # offered chunk indices, per group
+        offer: list[OffloadKey] = []
         for g, gs in enumerate(rec.groups):
+            block_ids = gs.block_ids
             n = kernels.storable_chunks(
-                max(n_off, 0), self._tpc[g], len(gs.block_ids), bpc, len(gs.keys)
+                max(n_off, 0), self._tpc[g], len(block_ids), bpc, len(gs.keys)
             )
             storable.append(n)
             first = max(gs.cursor, gs.skip) if chunk_level else gs.cursor
-            block_ids = gs.block_ids
-            for c in range(first, n):
-                chunk = block_ids[c * bpc : (c + 1) * bpc]
-                if 0 in chunk:  # null or stale blocks: never stored (INV-SRC-VALID)
-                    continue
-                offered.append((g, c, gs.keys[c]))
-        if not offered:
+            # null or stale (zeroed) blocks are never stored (INV-SRC-VALID)
+            if bpc == 1:
+                chunks = [c for c in range(first, n) if block_ids[c]]
+            else:
+                chunks = [c for c in range(first, n) if 0 not in block_ids[c * bpc : (c + 1) * bpc]]
+            per_group.append(chunks)
+            keys_g = gs.keys
+            offer.extend([keys_g[c] for c in chunks])
+        if not offer:
             self._advance(rec, storable)
             return
-        out = self.manager.prepare_store([k for _, _, k in offered], rec.ctx)
+        out = self.manager.prepare_store(offer, rec.ctx)
         if out is None:
             self.counters.allocation_failures += 1
             return  # retried next step, cursors untouched
-        if not out.keys_to_store:
+        kept = out.keys_to_store
+        if not kept:
             self._advance(rec, storable)
             return
-        accepted = set(out.keys_to_store)
+        # the manager keeps the offered order; when it kept everything, no filtering is needed
+        accepted = None if len(kept) == len(offer) and list(kept) == offer else set(kept)
         src: list[int] = []
         sizes = [0] * self._n_groups
         starts = [0] * self._n_groups
         fenced: list[int] = []
         deferred: list[int] = []
         keys: list[OffloadKey] = []
-        for g, c, key in offered:
-            if key not in accepted:
+        for g, chunks in enumerate(per_group):
+            gs = rec.groups[g]
+            if accepted is not None:
+                keys_g = gs.keys
+                chunks = [c for c in chunks if keys_g[c] in accepted]
+            if not chunks:
                 continue
-            chunk = rec.groups[g].block_ids[c * bpc : (c + 1) * bpc]
-            if not sizes[g]:
-                starts[g] = c * bpc
-            sizes[g] += len(chunk)
-            src.extend(chunk)
-            (fenced if self._sliding[g] else deferred).extend(chunk)
-            keys.append(key)
+            block_ids = gs.block_ids
+            if bpc == 1:
+                blocks = [block_ids[c] for c in chunks]
+            else:
+                blocks = [b for c in chunks for b in block_ids[c * bpc : (c + 1) * bpc]]
+            starts[g] = chunks[0] * bpc
+            sizes[g] = len(blocks)
+            src.extend(blocks)
+            (fenced if self._sliding[g] else deferred).extend(blocks)
+            if accepted is not None:
+                keys_g = gs.keys
+                keys.extend([keys_g[c] for c in chunks])
+        if accepted is None:
+            keys = list(kept)
         job = self._new_job(rec, True, tuple(keys), tuple(src), tuple(fenced), tuple(deferred))
         if job.fenced:
             kernels.fence_add(self._fence, job.job_id, job.fenced)
