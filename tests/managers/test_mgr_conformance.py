@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -28,31 +29,21 @@ def _tier_counters(m: TieringOffloadingManager) -> Mapping[str, int]:
     return dataclasses.asdict(m.primary.counters())
 
 
-TestCPULRUConformance = make_manager_conformance(
-    lambda: CPUOffloadingManager(4, "lru"),
-    capacity=4,
-    events=True,
-    counters=_cpu_counters,
-    self_check=CPUOffloadingManager.check_invariants,
-).TestCase
+def _cpu_conformance(policy: str, capacity: int, **kw: Any) -> Any:
+    """The conformance TestCase for a CPU manager with ``policy`` and ``capacity`` slots."""
+    return make_manager_conformance(
+        lambda: CPUOffloadingManager(capacity, policy),
+        capacity=capacity,
+        events=True,
+        counters=_cpu_counters,
+        self_check=CPUOffloadingManager.check_invariants,
+        **kw,
+    ).TestCase
 
-TestCPUARCConformance = make_manager_conformance(
-    lambda: CPUOffloadingManager(4, "arc"),
-    capacity=4,
-    events=True,
-    counters=_cpu_counters,
-    self_check=CPUOffloadingManager.check_invariants,
-).TestCase
 
-TestCPUZeroCapacityConformance = make_manager_conformance(
-    lambda: CPUOffloadingManager(0, "lru"),
-    capacity=0,
-    events=True,
-    counters=_cpu_counters,
-    self_check=CPUOffloadingManager.check_invariants,
-    num_keys=4,
-    step_count=15,
-).TestCase
+TestCPULRUConformance = _cpu_conformance("lru", 4)
+TestCPUARCConformance = _cpu_conformance("arc", 4)
+TestCPUZeroCapacityConformance = _cpu_conformance("lru", 0, num_keys=4, step_count=15)
 
 
 def _tiering() -> TieringOffloadingManager:

@@ -126,29 +126,31 @@ def test_lookup_maximal_prefix_stops_at_miss(kind: str) -> None:
     assert h.admit("b") == (8, True)
 
 
-def test_lookup_pending_run_defers_or_is_recomputed(kind: str) -> None:
+def _scripted(
+    seeded: int, scripted: LookupResult, **cfg: object
+) -> tuple[Harness, RecordingManager, list[bytes]]:
+    """Request "b" (6 chunks) whose first ``seeded`` chunks are ready and whose next chunk
+    answers ``scripted``."""
     fake = RecordingManager()
-    h = Harness(fake, config())
+    h = Harness(fake, config(**cfg))  # type: ignore[arg-type]
     h.add("b", list(range(24)))
     h.sched.get_num_new_matched_tokens(h.reqs["b"], 0)
     keys = keys_of(h, "b")
-    seed(h, keys[:2])
-    fake.lookup_override[keys[2]] = LookupResult.HIT_PENDING
+    seed(h, keys[:seeded])
+    fake.lookup_override[keys[seeded]] = scripted
+    return h, fake, keys
+
+
+def test_lookup_pending_run_defers_or_is_recomputed(kind: str) -> None:
+    h, _, _ = _scripted(2, LookupResult.HIT_PENDING)
     assert h.sched.get_num_new_matched_tokens(h.reqs["b"], 0) == (None, False)
     # a budget of one chunk: the pending chunk is recomputed instead of waited for
-    h2 = Harness(fake, config(max_recompute_pending_tokens=4))
-    h2.add("b", list(range(24)))
+    h2, _, _ = _scripted(2, LookupResult.HIT_PENDING, max_recompute_pending_tokens=4)
     assert h2.sched.get_num_new_matched_tokens(h2.reqs["b"], 0) == (8, True)
 
 
 def test_lookup_retry_defers_and_counts(kind: str) -> None:
-    fake = RecordingManager()
-    h = Harness(fake, config())
-    h.add("b", list(range(24)))
-    h.sched.get_num_new_matched_tokens(h.reqs["b"], 0)
-    keys = keys_of(h, "b")
-    seed(h, keys[:1])
-    fake.lookup_override[keys[1]] = LookupResult.RETRY
+    h, fake, keys = _scripted(1, LookupResult.RETRY)
     assert h.sched.get_num_new_matched_tokens(h.reqs["b"], 0) == (None, False)
     assert h.sched.requests["b"].deferred_since == 0.0
     del fake.lookup_override[keys[1]]
