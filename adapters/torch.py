@@ -17,13 +17,16 @@ moves.
 
 Execution:
 
-* **CPU** (no CUDA, CI): a job runs inside ``submit``; ``poll`` reports it. Its copies are
-  planned on Python ints from base addresses taken once at construction (a few small torch
-  ops per job cost more than the arithmetic), pages that continue each other on both sides
-  are merged, and the C library's ``memmove`` runs them (it releases the GIL). Large jobs of
-  long copies are shared by ``torch.get_num_threads()`` persistent threads that claim
-  shrinking pieces of the copy list; short copies stay on the calling thread, where they do
-  not fight over the GIL.
+* **CPU** (no CUDA, CI): a job runs inside ``submit``; ``poll`` reports it (synchronous, so
+  a simulation replays exactly from its seed). Its copies are planned on Python ints from
+  base addresses taken once at construction (a few small torch ops per job cost more than the
+  arithmetic), and pages that continue each other on both sides are merged. The compiled
+  loop :func:`statecore.adapters._hostcopy.copy_pages` reads a piece's addresses and copies
+  all of it with the GIL released once; jobs of 1 MiB and more are shared by
+  ``torch.get_num_threads()`` persistent threads that claim shrinking pieces of the copy list.
+  Where the extension was not built (no C compiler at install; :func:`host_copy_impl` says
+  which), one ctypes ``memmove`` call per copy does the same more slowly: each call takes the
+  GIL back, so only large jobs of long copies are shared.
 * **CUDA**: one stream per direction, so completion is FIFO per direction; a store's stream
   first waits for the compute (current) stream; completion is a CUDA event per job;
   ``wait(job_ids)`` synchronises those events. The pool's regions are registered in place
@@ -85,7 +88,9 @@ __all__ = [
     "TorchTransferBackend",
     "backend_from_vllm",
     "canonical_kv_tensors",
+    "host_copy_impl",
     "memmove_runs",
+    "share_copies",
     "sim_backend",
 ]
 
@@ -94,13 +99,13 @@ _cuda: Any = torch.cuda  # partly untyped module
 
 CopyImpl = Literal["auto", "triton", "staging"]
 
-_PARALLEL_MIN_BYTES = 8 << 20  # staging bounce copies: below this, on the calling thread
-_PARALLEL_MIN_RUN = 32 << 10  # ... and when its copies are shorter than this on average
-# CPU jobs (measured on 2 cores: 32 KiB copies gain nothing from a second thread, 48 KiB
-# ones do; 4 MiB jobs of 64 KiB copies gain, 2 MiB ones lose):
+# Host jobs with the ctypes fallback (measured on 2 cores: 32 KiB copies gain nothing from a
+# second thread, 48 KiB ones do; 4 MiB jobs of 64 KiB copies gain, 2 MiB ones lose):
 _HOST_PARALLEL_MIN_BYTES = 4 << 20  # below this a CPU job is copied on the calling thread
 _HOST_PARALLEL_MIN_RUN = 40 << 10  # ... and when its copies are shorter than this on average
 _PIECE_BYTES = 256 << 10  # least bytes per piece that copy threads claim in a parallel host job
+# With the native copy loop (no GIL fight), a job is shared from this size on:
+_NATIVE_PARALLEL_MIN_BYTES = 1 << 20
 _REGISTER_FLAGS = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
@@ -153,48 +158,12 @@ def _merge_runs(
     )
 
 
-def _memmove_list(src: list[int], dst: list[int], size: list[int], lo: int, hi: int) -> None:
-    mm = ctypes.memmove
-    for i in range(lo, hi):
-        mm(dst[i], src[i], size[i])
-
-
-def memmove_runs(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    size: torch.Tensor,
-    executor: ThreadPoolExecutor | None = None,
-    parts: int = 1,
-) -> None:
-    """Copy ``size[i]`` bytes from host address ``src[i]`` to ``dst[i]`` for every i.
-
-    Adjacent copies that continue each other are merged first. With an executor and
-    ``parts > 1`` the copies are split into that many parts run concurrently (``memmove``
-    through ctypes releases the GIL). Addresses must have been validated by the caller.
-    """
-    s, d, z = _merge_runs(src, dst, size)
-    n = len(s)
-    # Short copies from several threads mostly fight over the GIL: split only long ones.
-    if executor is None or parts <= 1 or n < 2 * parts or sum(z) < _PARALLEL_MIN_RUN * n:
-        _memmove_list(s, d, z, 0, n)
-        return
-    bounds = [n * i // parts for i in range(parts + 1)]
-    futures = [
-        executor.submit(_memmove_list, s, d, z, bounds[i], bounds[i + 1]) for i in range(1, parts)
-    ]
-    _memmove_list(s, d, z, bounds[0], bounds[1])
-    for f in futures:
-        f.result()
-
-
 def _libc_memmove() -> Callable[[int, int, int], object]:
     """The C library's ``memmove`` with the cheapest argument and result conversions.
 
-    Each call releases the GIL for the copy and takes it back for the conversions; with two
-    copy threads, the time spent holding it decides how often one thread must sleep until
-    the other wakes it (tens of microseconds on a virtual machine), so it is kept short:
-    ``size_t`` arguments and no result (``ctypes.memmove`` returns the pointer as an int).
-    Falls back to ``ctypes.memmove`` where the C library cannot be loaded this way.
+    Used only where the native copy loop (:mod:`statecore.adapters._hostcopy`) was not
+    built. Each call releases the GIL for the copy and takes it back for the conversions, so
+    ``size_t`` arguments and no result keep the time spent holding it short.
     """
     try:
         fn = ctypes.CDLL(None).memmove
@@ -208,9 +177,93 @@ def _libc_memmove() -> Callable[[int, int, int], object]:
 _memmove = _libc_memmove()
 
 
-def _copy_lists(dst: list[int], src: list[int], size: list[int]) -> None:
-    """``size[i]`` bytes from ``src[i]`` to ``dst[i]`` for every i, on the calling thread."""
-    deque(map(_memmove, dst, src, size), 0)
+def _ctypes_copy_pages(
+    dst: list[int], src: list[int], size: list[int], start: int = 0, stop: int | None = None
+) -> int:
+    """Fallback of :func:`statecore.adapters._hostcopy.copy_pages`: one ctypes call per copy."""
+    if start == 0 and stop is None:
+        deque(map(_memmove, dst, src, size), 0)
+        return sum(size)
+    deque(map(_memmove, dst[start:stop], src[start:stop], size[start:stop]), 0)
+    return sum(size[start:stop])
+
+
+_native_copy_pages: Callable[..., int] | None
+try:  # the C loop: reads a piece's addresses, then copies all of it without the GIL
+    from ._hostcopy import copy_pages as _native_copy_pages
+except ImportError:  # pragma: no cover - the extension is optional (no compiler at install)
+    _native_copy_pages = None
+
+
+def host_copy_impl() -> Literal["native", "ctypes"]:
+    """Which host copy loop this installation runs: the compiled one, or the ctypes fallback.
+
+    ``"native"``: ``statecore.adapters._hostcopy`` was built at install time; a piece of a
+    job is copied with one release of the GIL, so copy threads run truly in parallel.
+    ``"ctypes"``: one ``memmove`` call per copy, each taking the GIL back; several threads
+    then mostly hand the GIL to each other, and large jobs are still shared but gain less.
+    """
+    return "native" if _native_copy_pages is not None else "ctypes"
+
+
+def _copy_pages(
+    dst: list[int], src: list[int], size: list[int], start: int = 0, stop: int | None = None
+) -> int:
+    """``size[i]`` bytes from ``src[i]`` to ``dst[i]`` for ``i`` in ``[start, stop)``."""
+    if _native_copy_pages is not None:
+        return _native_copy_pages(dst, src, size, start, stop)
+    return _ctypes_copy_pages(dst, src, size, start, stop)
+
+
+def memmove_runs(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    size: torch.Tensor,
+    executor: ThreadPoolExecutor | None = None,
+    parts: int = 1,
+) -> None:
+    """Copy ``size[i]`` bytes from host address ``src[i]`` to ``dst[i]`` for every i.
+
+    Adjacent copies that continue each other are merged first. With an executor and
+    ``parts > 1`` the copies are shared by that many threads. Addresses must have been
+    validated by the caller.
+    """
+    s, d, z = _merge_runs(src, dst, size)
+    share_copies(d, s, z, sum(z), executor, parts)
+
+
+def share_copies(
+    dst: list[int],
+    src: list[int],
+    size: list[int],
+    nbytes: int,
+    executor: ThreadPoolExecutor | None,
+    threads: int,
+) -> None:
+    """Run validated host copies, shared by ``threads`` threads when that pays.
+
+    The calling thread is one of them; ``executor`` runs the others. Small jobs stay on the
+    calling thread (handing work to another thread costs tens of microseconds). With the
+    ctypes fallback, jobs of short copies stay there too: each ``memmove`` call takes the GIL
+    back, so several threads mostly fight over it.
+    """
+    n = len(size)
+    if executor is None or threads <= 1 or n < 2:
+        _copy_pages(dst, src, size)
+        return
+    if _native_copy_pages is not None:
+        if nbytes < _NATIVE_PARALLEL_MIN_BYTES:
+            _copy_pages(dst, src, size)
+            return
+    elif nbytes < _HOST_PARALLEL_MIN_BYTES or nbytes < _HOST_PARALLEL_MIN_RUN * n:
+        _copy_pages(dst, src, size)
+        return
+    pieces = _pieces(n, nbytes, threads)
+    futures = [executor.submit(_drain_pieces, pieces, dst, src, size) for _ in range(threads - 1)]
+    _drain_pieces(pieces, dst, src, size)
+    for f in futures:
+        if not f.cancel():  # a helper that has not started yet has nothing left to do
+            f.result()
 
 
 def _pieces(n: int, nbytes: int, threads: int) -> deque[tuple[int, int]]:
@@ -245,7 +298,7 @@ def _drain_pieces(
             a, b = pop()
         except IndexError:
             return
-        deque(map(_memmove, dst[a:b], src[a:b], size[a:b]), 0)
+        _copy_pages(dst, src, size, a, b)
 
 
 def _runs(ids: Sequence[int], rows: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
@@ -652,24 +705,8 @@ class TorchTransferBackend:
     def _host_copy_lists(
         self, src: list[int], dst: list[int], size: list[int], nbytes: int
     ) -> None:
-        """Run validated host copies; large jobs of long copies are shared by the threads.
-
-        Short copies from several threads mostly fight over the GIL (each ``memmove`` call
-        takes it back), so those stay on the calling thread.
-        """
-        n = len(size)
-        ex = self._executor
-        if ex is None or nbytes < _HOST_PARALLEL_MIN_BYTES or nbytes < _HOST_PARALLEL_MIN_RUN * n:
-            _copy_lists(dst, src, size)
-            return
-        pieces = _pieces(n, nbytes, self.threads)
-        futures = [
-            ex.submit(_drain_pieces, pieces, dst, src, size) for _ in range(self.threads - 1)
-        ]
-        _drain_pieces(pieces, dst, src, size)
-        for f in futures:
-            if not f.cancel():  # a helper that has not started yet has nothing left to do
-                f.result()
+        """Run a job's validated host copies (shared by the copy threads when that pays)."""
+        share_copies(dst, src, size, nbytes, self._executor, self.threads)
 
     def _addresses(
         self, plan: _Plan, is_store: bool, device_side: bool = False
@@ -703,9 +740,7 @@ class TorchTransferBackend:
         return (gpu_addr, cpu_addr, size) if is_store else (cpu_addr, gpu_addr, size)
 
     def _host_copy(self, src: torch.Tensor, dst: torch.Tensor, size: torch.Tensor) -> None:
-        total = int(size.sum()) if size.numel() else 0
-        parallel = total >= _PARALLEL_MIN_BYTES
-        memmove_runs(src, dst, size, self._executor if parallel else None, self.threads)
+        memmove_runs(src, dst, size, self._executor, self.threads)
 
     # -- protocol -------------------------------------------------------------------------
     def submit(self, job_id: int, job: TransferJob, is_store: bool) -> None:

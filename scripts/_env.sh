@@ -4,7 +4,9 @@
 # Creates .venv with `python3 -m venv` when it is missing, installs torch 2.13.0 FIRST (pip
 # takes the local CPU build of that exact version; an unpinned torch would pull a CUDA build of
 # several GB), then the project in editable mode with its test, sim and docs extras.
-# A stamp file skips the installs when pyproject.toml has not changed since the last one.
+# The editable install compiles statecore.adapters._hostcopy (the torch adapter's CPU copy
+# loop) in place. A stamp file skips the installs when neither pyproject.toml nor that C file
+# has changed since the last one.
 
 set -euo pipefail
 
@@ -24,7 +26,8 @@ export PATH="$VENV/bin:$PATH"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 stamp="$VENV/.statecore-env"
-want="torch==$TORCH_VERSION extras=$EXTRAS $(sha256sum pyproject.toml | cut -d' ' -f1)"
+# pyproject.toml and the C source of the compiled copy loop decide what an install builds
+want="torch==$TORCH_VERSION extras=$EXTRAS $(cat pyproject.toml adapters/_hostcopy.c | sha256sum | cut -d' ' -f1)"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]] \
     || ! "$VENV/bin/python" -c "import statecore, torch" >/dev/null 2>&1; then
     echo "==> installing torch==$TORCH_VERSION (CPU build), then statecore[$EXTRAS]"

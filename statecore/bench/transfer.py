@@ -78,7 +78,9 @@ def main(argv: Sequence[str]) -> int:
         impls = ["triton", "staging"] if args.impl == "all" else [args.impl]
     else:
         impls = ["cpu"]
-        print(f"cpu threads={torch.get_num_threads()}")
+        from statecore.adapters.torch import host_copy_impl
+
+        print(f"cpu threads={torch.get_num_threads()}  host copy loop={host_copy_impl()}")
     print(
         f"{'block':>7} {'impl':>8} {'direction':>10} {'GB/s':>8} {'contig GB/s':>12} {'ratio':>6}"
     )

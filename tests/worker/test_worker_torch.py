@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -9,7 +10,13 @@ from worker_harness import Mapping, random_mapping, simple_mapping
 
 torch = pytest.importorskip("torch", reason="the torch adapter needs torch")
 
-from statecore.adapters.torch import TorchTransferBackend, memmove_runs  # noqa: E402
+import statecore.adapters.torch as torch_adapter  # noqa: E402
+from statecore.adapters.torch import (  # noqa: E402
+    TorchTransferBackend,
+    host_copy_impl,
+    memmove_runs,
+    share_copies,
+)
 
 from statecore.errors import ConfigError, SpecError  # noqa: E402
 from statecore.manager import CPULoadStoreSpec  # noqa: E402
@@ -19,6 +26,39 @@ from statecore.worker import OffloadingWorker, plan_block_copies  # noqa: E402
 
 NUM_BLOCKS = 40
 NUM_SLOTS = 30
+HOST_IMPLS = [
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(
+            host_copy_impl() != "native",
+            reason="statecore.adapters._hostcopy was not built (no C compiler at install)",
+        ),
+    ),
+    "ctypes",
+]
+
+
+def use_host_impl(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run host copies with ``impl`` and share even small test jobs between the threads."""
+    if impl == "ctypes":
+        monkeypatch.setattr(torch_adapter, "_native_copy_pages", None)
+    monkeypatch.setattr(torch_adapter, "_HOST_PARALLEL_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(torch_adapter, "_NATIVE_PARALLEL_MIN_BYTES", 1 << 20)
+    assert host_copy_impl() == impl
+
+
+def _spy_pieces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the number of pieces of every job that :func:`share_copies` splits."""
+    seen: list[int] = []
+    real = torch_adapter._pieces
+
+    def spy(n: int, nbytes: int, threads: int) -> object:
+        out = real(n, nbytes, threads)
+        seen.append(len(out))
+        return out
+
+    monkeypatch.setattr(torch_adapter, "_pieces", spy)
+    return seen
 
 
 class Setup:
@@ -317,15 +357,15 @@ def test_pool_regions_let_two_ranks_share_a_pool() -> None:
         TorchTransferBackend(ranks[0], pool, 1, pool_regions=[0, 4])
 
 
+@pytest.mark.parametrize("impl", HOST_IMPLS)
 @pytest.mark.parametrize("bpc", [1, 3])
 def test_consecutive_blocks_merge_and_parallel_pieces_byte_exact(
-    bpc: int, monkeypatch: pytest.MonkeyPatch
+    bpc: int, impl: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Runs of consecutive blocks into consecutive sub-rows (merged into fewer copies), a
     padded and an unpadded tensor of different page sizes, copied by both copy threads."""
-    import statecore.adapters.torch as torch_adapter
-
-    monkeypatch.setattr(torch_adapter, "_HOST_PARALLEL_MIN_BYTES", 1 << 20)  # small test tensors
+    use_host_impl(impl, monkeypatch)
+    shared = _spy_pieces(monkeypatch)
     pages = [64 << 10, 96 << 10]
     backing = torch.randint(0, 255, (60, pages[1] + 256), dtype=torch.uint8)
     caches = [
@@ -363,4 +403,75 @@ def test_consecutive_blocks_merge_and_parallel_pieces_byte_exact(
     assert torch.equal(backing[:, pages[1] :], pad)  # padding never written
     nbytes = len(g0) * pages[0] + len(g1) * (pages[0] + pages[1])
     assert {r.job_id: r.nbytes for r in be.poll()} == {1: nbytes, 2: nbytes}
+    assert len(shared) == 2 and min(shared) >= 2  # both jobs were shared between threads
     be.shutdown()
+
+
+@pytest.mark.parametrize("impl", HOST_IMPLS)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_share_copies_moves_scattered_ranges_byte_exact(
+    impl: str, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random scattered copies of mixed lengths, split into pieces claimed by the threads:
+    every destination range gets its source bytes and nothing else is written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    use_host_impl(impl, monkeypatch)
+    shared = _spy_pieces(monkeypatch)
+    rng = random.Random(threads)
+    sizes = [rng.choice([1, 7, 4096, 65536, 100_000]) for _ in range(80)]
+    src = torch.randint(0, 255, (sum(sizes),), dtype=torch.uint8)
+    dst = torch.zeros(sum(sizes) + 4096, dtype=torch.uint8)
+    offs = [sum(sizes[:i]) for i in range(len(sizes))]
+    order = list(range(len(sizes)))
+    rng.shuffle(order)  # destination: the same ranges, laid out in another order
+    dst_offs, at = {}, 0
+    for i in order:
+        dst_offs[i] = at
+        at += sizes[i]
+    s0, d0 = src.data_ptr(), dst.data_ptr()
+    srcs = [s0 + offs[i] for i in range(len(sizes))]
+    dsts = [d0 + dst_offs[i] for i in range(len(sizes))]
+    ex = ThreadPoolExecutor(threads - 1) if threads > 1 else None
+    share_copies(dsts, srcs, sizes, sum(sizes), ex, threads)
+    if ex is not None:
+        ex.shutdown()
+    for i, z in enumerate(sizes):
+        assert torch.equal(dst[dst_offs[i] : dst_offs[i] + z], src[offs[i] : offs[i] + z])
+    assert not dst[sum(sizes) :].any()  # the tail was never written
+    assert (len(shared) == 1 and shared[0] >= 2) if threads > 1 else not shared
+
+
+@pytest.mark.skipif(
+    host_copy_impl() != "native",
+    reason="statecore.adapters._hostcopy was not built (no C compiler at install)",
+)
+def test_native_copy_pages_ranges_and_errors() -> None:
+    from statecore.adapters._hostcopy import copy_pages
+
+    src = torch.arange(32, dtype=torch.uint8)
+    dst = torch.zeros(32, dtype=torch.uint8)
+    s0, d0 = src.data_ptr(), dst.data_ptr()
+    srcs, dsts, sizes = [s0, s0 + 8, s0 + 16], [d0 + 16, d0, d0 + 8], [8, 8, 8]
+    assert copy_pages(dsts, srcs, sizes, 1, 2) == 8  # only copy 1
+    assert dst[:8].tolist() == list(range(8, 16)) and not dst[8:].any()
+    assert copy_pages(tuple(dsts), tuple(srcs), tuple(sizes)) == 24
+    assert dst[:24].tolist() == [*range(8, 24), *range(8)]
+    before = dst.clone()
+    with pytest.raises(ValueError, match="differ in length"):
+        copy_pages(dsts, srcs, sizes[:2])
+    with pytest.raises(ValueError, match=r"range \[2, 4\)"):
+        copy_pages(dsts, srcs, sizes, 2, 4)
+    with pytest.raises(ValueError, match=r"size\[1\]"):
+        copy_pages(dsts, srcs, [8, -1, 8])
+    with pytest.raises(TypeError, match="dst must be a list or tuple"):
+        copy_pages(5, srcs, sizes)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="3 to 5"):
+        copy_pages(dsts, srcs)  # type: ignore[call-arg]
+    assert torch.equal(dst, before)  # a rejected call copies nothing
+
+
+@pytest.mark.skipif(not os.environ.get("CI"), reason="only CI guarantees a C compiler")
+def test_ci_installation_built_the_native_copy_loop() -> None:
+    """CI installs with a C compiler: a silent fallback there would hide a broken build."""
+    assert host_copy_impl() == "native"
