@@ -35,8 +35,10 @@ Execution:
 
   - ``"triton"``: one Triton kernel launch per job that copies every page straight between
     its GPU block and its final pinned host row (addresses computed on the host, vectorised,
-    and shipped as one small array). Needs Triton and a successful registration; a tiny
-    self-test runs at construction.
+    and shipped as one small array: :meth:`TorchTransferBackend.kernel_args`). The kernel
+    lives in :mod:`statecore.adapters._triton_copy`, imported on first use. Needs Triton and
+    a successful registration; a tiny self-test runs at construction. Without a GPU, the
+    tests run ``kernel_args`` and the kernel in Triton's interpreter on host addresses.
   - ``"staging"`` (fallback): GPU gather (``index_select``) into a staging buffer, one bulk
     copy to a pinned bounce buffer, and a host scatter into the pool rows when the job's
     event has completed (loads: host gather at submit, bulk copy, ``index_copy_`` on the
@@ -53,6 +55,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import importlib
 import logging
 import operator
 import time
@@ -76,22 +80,17 @@ from statecore.worker import (
     validate_ids,
 )
 
-try:  # Triton is optional (present on CUDA machines, absent in CI)
-    import triton  # type: ignore[import-not-found,import-untyped,unused-ignore]
-    import triton.language as tl  # type: ignore[import-not-found,import-untyped,unused-ignore]
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-
 __all__ = [
     "CopyImpl",
     "TorchTransferBackend",
     "backend_from_vllm",
     "canonical_kv_tensors",
+    "copy_word_bytes",
     "host_copy_impl",
     "memmove_runs",
     "share_copies",
     "sim_backend",
+    "triton_copy",
 ]
 
 log = logging.getLogger(__name__)
@@ -109,23 +108,25 @@ _NATIVE_PARALLEL_MIN_BYTES = 1 << 20
 _REGISTER_FLAGS = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
-if triton is not None:
+@functools.cache
+def triton_copy() -> Any | None:
+    """:mod:`statecore.adapters._triton_copy` (the Triton page-copy kernel), or ``None``.
 
-    @triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
-    def _copy_pages_kernel(  # type: ignore[no-untyped-def,unused-ignore]
-        addrs,  # int64[3, n]: source address, destination address, words to copy
-        n,
-        WORD: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        row = tl.program_id(0)
-        part = tl.program_id(1)
-        src = tl.load(addrs + row).to(tl.pointer_type(WORD))
-        dst = tl.load(addrs + n + row).to(tl.pointer_type(WORD))
-        words = tl.load(addrs + 2 * n + row)
-        offs = part * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < words
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+    Imported on first use, so the CPU path never pays for importing Triton.
+    """
+    try:
+        return importlib.import_module("statecore.adapters._triton_copy")
+    except ImportError:
+        return None
+
+
+def copy_word_bytes(values: Sequence[int]) -> int:
+    """The widest word (8 or 4 bytes) dividing every address and size in ``values``; 0 if none."""
+    if all(v % 8 == 0 for v in values):
+        return 8
+    if all(v % 4 == 0 for v in values):
+        return 4
+    return 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -504,6 +505,7 @@ class TorchTransferBackend:
         self._queues: dict[bool, deque[_Pending]] = {True: deque(), False: deque()}
         self._by_id: dict[int, _Pending] = {}
         self._closed = False
+        self._word_bytes = self._kernel_word_bytes()
         if self.is_cuda:
             try:
                 self._setup_cuda(copy_impl, register_pool)
@@ -524,17 +526,13 @@ class TorchTransferBackend:
             self._cpu_dev_base = torch.tensor(
                 [_device_pointer(c.data_ptr()) for c in self._cpu], dtype=torch.int64
             )
-        all_sizes = [
-            *self.page_bytes,
-            *self._gpu_stride,
-            *self._gpu_base.tolist(),
-            *self._cpu_dev_base.tolist(),
-        ]
-        usable = registered and triton is not None and all(x % 4 == 0 for x in all_sizes)
+        kernel = triton_copy()
+        self._word_bytes = self._kernel_word_bytes()
+        usable = registered and kernel is not None and self._word_bytes != 0
         if copy_impl == "triton" and not usable:
             raise ConfigError(
                 "copy_impl='triton' needs Triton, page sizes that are multiples of 4 bytes and "
-                f"a registered pool (triton={'yes' if triton is not None else 'no'}, "
+                f"a registered pool (triton={'yes' if kernel is not None else 'no'}, "
                 f"registered={registered})"
             )
         self.impl = "staging"
@@ -546,9 +544,18 @@ class TorchTransferBackend:
                 if copy_impl == "triton":
                     raise ConfigError(f"Triton copy self-test failed: {exc}") from exc
                 log.warning("Triton copy kernel unusable (%s); using staging copies", exc)
-        self._word, self._word_bytes = torch.int32, 4
-        if all(x % 8 == 0 for x in all_sizes):
-            self._word, self._word_bytes = torch.int64, 8
+
+    def _kernel_word_bytes(self) -> int:
+        """Word size of the Triton kernel's copies: every page size, block stride and base
+        address (the pool's as the GPU sees it) must be a multiple of it; 0 if not even 4."""
+        return copy_word_bytes(
+            [
+                *self.page_bytes,
+                *self._gpu_stride,
+                *self._gpu_base_i,
+                *(int(x) for x in self._cpu_dev_base.tolist()),
+            ]
+        )
 
     def _host_register(self, ptr: int, size: int) -> bool:
         cudart: Any = _cuda.cudart()
@@ -600,9 +607,8 @@ class TorchTransferBackend:
                     torch.full((n,), page // 4, dtype=torch.int64),
                 )
             ).to(self.device)
-            _copy_pages_kernel[(n, triton.cdiv(page // 4, 1024))](
-                addrs, n, WORD=tl.int32, BLOCK=1024
-            )
+            kernel: Any = triton_copy()
+            kernel.launch_copy_pages(addrs, n, page // 4, 4)
             torch.cuda.synchronize(self.device)
             want = src.view(n, page).cpu()
             got = host.view(n, page).index_select(0, perm)
@@ -770,10 +776,24 @@ class TorchTransferBackend:
         end = _cuda.Event(enable_timing=True)
         return stream, start, end
 
-    def _submit_triton(self, job_id: int, plan: _Plan, is_store: bool) -> None:
+    def kernel_args(self, plan: _Plan, is_store: bool) -> tuple[torch.Tensor, int, int]:
+        """The Triton kernel's arguments for ``plan``: ``(addrs, n, max_words)``.
+
+        ``addrs`` is an int64 host tensor ``[3, n]``: source address, destination address and
+        words (of ``self._word_bytes``) of each page copy; pool addresses are those the GPU
+        sees (the mapped registration). On a CPU backend they are host addresses, which is
+        how tests run the kernel in Triton's interpreter.
+        """
         src, dst, size = self._addresses(plan, is_store, device_side=True)
-        n = src.numel()
-        addrs = torch.stack((src, dst, size // self._word_bytes)).pin_memory()
+        wb = self._word_bytes
+        if wb == 0:
+            raise TransferError("page sizes or addresses are not multiples of 4 bytes")
+        max_words = max((self.page_bytes[t] for t in plan.tensors), default=0) // wb
+        return torch.stack((src, dst, size // wb)), src.numel(), max_words
+
+    def _submit_triton(self, job_id: int, plan: _Plan, is_store: bool) -> None:
+        addrs, n, max_words = self.kernel_args(plan, is_store)
+        addrs = addrs.pin_memory()
         stream, start, end = self._launch(is_store)
         keep: list[torch.Tensor] = [addrs]
         with torch.cuda.stream(stream):
@@ -781,12 +801,8 @@ class TorchTransferBackend:
             if n:
                 dev = addrs.to(self.device, non_blocking=True)
                 keep.append(dev)
-                words = max(self.page_bytes[t] for t in plan.tensors) // self._word_bytes
-                block = min(1024 if self._word_bytes == 8 else 2048, triton.next_power_of_2(words))
-                word_t = tl.int64 if self._word_bytes == 8 else tl.int32
-                _copy_pages_kernel[(n, triton.cdiv(words, block))](
-                    dev, n, WORD=word_t, BLOCK=block, num_warps=4
-                )
+                kernel: Any = triton_copy()
+                kernel.launch_copy_pages(dev, n, max_words, self._word_bytes)
             end.record(stream)
         self._track(_Pending(job_id, is_store, plan.nbytes, start, end, None, keep))
 
