@@ -27,6 +27,9 @@ Execution:
   Where the extension was not built (no C compiler at install; :func:`host_copy_impl` says
   which), one ctypes ``memmove`` call per copy does the same more slowly: each call takes the
   GIL back, so only large jobs of long copies are shared.
+* **CPU test modes** (``copy_impl="staging"`` or ``"triton"`` on CPU tensors): the CUDA
+  paths below, minus streams, pinning and registration, so CI runs their planning, queueing,
+  polling and byte movement without a GPU (``"triton"`` in Triton's interpreter).
 * **CUDA**: one stream per direction, so completion is FIFO per direction; a store's stream
   first waits for the compute (current) stream; completion is a CUDA event per job;
   ``wait(job_ids)`` synchronises those events. The pool's regions are registered in place
@@ -59,6 +62,7 @@ import functools
 import importlib
 import logging
 import operator
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -352,6 +356,29 @@ def _device_pointer(ptr: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+class _HostEvent:
+    """Stands in for a CUDA event in the CPU test modes, where a job's device-side work is
+    done by the time ``submit`` returns: recorded means complete."""
+
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def record(self, stream: object = None) -> None:
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        """Milliseconds from this event to ``end`` (as ``torch.cuda.Event.elapsed_time``)."""
+        return (end.t - self.t) * 1000.0
+
+
 @dataclass(slots=True)
 class _Pending:
     job_id: int
@@ -412,7 +439,11 @@ class TorchTransferBackend:
         group_tensors: for each KV-cache group (in group order), the indices of the canonical
             tensors it uses. Default: one group that uses every tensor.
         copy_impl: CUDA copy implementation, ``"auto"`` (Triton if usable, else staging),
-            ``"triton"`` or ``"staging"``. Ignored on the CPU.
+            ``"triton"`` or ``"staging"``. On the CPU ``"auto"`` copies directly (``impl``
+            ``"cpu"``); ``"staging"`` and ``"triton"`` are test modes that run the CUDA
+            paths' code on host memory (queued jobs, bounce buffers, the kernel's address
+            array) with events that complete at once; ``"triton"`` needs Triton's
+            interpreter (``TRITON_INTERPRET=1``).
         register_pool: pin the pool in place with ``cudaHostRegister`` (CUDA only).
         threads: host copy threads (default ``torch.get_num_threads()``).
         pool_regions: the pool region of each KV tensor (default: region ``i`` for tensor
@@ -512,6 +543,17 @@ class TorchTransferBackend:
             except BaseException:
                 self._unregister()
                 raise
+        elif copy_impl == "staging":
+            self.impl = "staging"
+        elif copy_impl == "triton":
+            if triton_copy() is None or os.environ.get("TRITON_INTERPRET") != "1":
+                raise ConfigError(
+                    "copy_impl='triton' on the CPU runs only in Triton's interpreter "
+                    "(TRITON_INTERPRET=1, set before Triton is first used)"
+                )
+            if self._word_bytes == 0:
+                raise ConfigError("copy_impl='triton' needs page sizes that are multiples of 4")
+            self.impl = "triton"
         log.info("TorchTransferBackend: device %s, copy implementation %s", self.device, self.impl)
 
     # -- CUDA setup -----------------------------------------------------------------------
@@ -753,7 +795,7 @@ class TorchTransferBackend:
         """Validate the job's specs, then start its copies (on the CPU: run them)."""
         if self._closed:
             raise TransferError(f"job {job_id}: backend is shut down")
-        if not self.is_cuda:
+        if self.impl == "cpu":
             src, dst, size, nbytes = self._host_plan(job_id, job, is_store)
             t0 = time.perf_counter()
             self._host_copy_lists(src, dst, size, nbytes)
@@ -767,6 +809,10 @@ class TorchTransferBackend:
             self._submit_staging(job_id, plan, is_store)
 
     def _launch(self, is_store: bool) -> tuple[Any, Any, Any]:
+        """(stream, start event, end event) for a queued job; on the CPU (the test modes)
+        no stream and :class:`_HostEvent` stand-ins."""
+        if not self.is_cuda:
+            return None, _HostEvent(), _HostEvent()
         stream = self._streams[is_store]
         # Stores read GPU blocks only after the compute that wrote them (upstream does this);
         # loads also wait, so a block freed and re-allocated is not overwritten while work
@@ -793,10 +839,10 @@ class TorchTransferBackend:
 
     def _submit_triton(self, job_id: int, plan: _Plan, is_store: bool) -> None:
         addrs, n, max_words = self.kernel_args(plan, is_store)
-        addrs = addrs.pin_memory()
+        addrs = self._pinned(addrs)
         stream, start, end = self._launch(is_store)
         keep: list[torch.Tensor] = [addrs]
-        with torch.cuda.stream(stream):
+        with self._on(stream):
             start.record(stream)
             if n:
                 dev = addrs.to(self.device, non_blocking=True)
@@ -808,7 +854,7 @@ class TorchTransferBackend:
 
     def _submit_staging(self, job_id: int, plan: _Plan, is_store: bool) -> None:
         total = plan.nbytes
-        bounce = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        bounce = torch.empty(total, dtype=torch.uint8, pin_memory=self.is_cuda)
         bounce_addr = bounce.data_ptr()
         stream, start, end = self._launch(is_store)
         # Host side of the bounce: page copies between bounce offsets and pool rows.
@@ -816,7 +862,7 @@ class TorchTransferBackend:
         if not is_store:
             self._host_copy(host_src, host_dst, host_size)
         keep: list[torch.Tensor] = [bounce]
-        with torch.cuda.stream(stream):
+        with self._on(stream):
             start.record(stream)
             staging = torch.empty(total, dtype=torch.uint8, device=self.device)
             keep.append(staging)
@@ -825,7 +871,7 @@ class TorchTransferBackend:
             for t, g in zip(plan.tensors, plan.gpu_rows, strict=True):
                 nb = g.numel() * self.page_bytes[t]
                 view = staging[off : off + nb].view(g.numel(), self.page_bytes[t])
-                g_pinned = g.pin_memory()
+                g_pinned = self._pinned(g)
                 gdev = g_pinned.to(self.device, non_blocking=True)
                 keep += (g_pinned, gdev)
                 parts.append((self._gpu[t], gdev, view))
@@ -861,6 +907,14 @@ class TorchTransferBackend:
         offs = torch.cumsum(size, 0) - size + bounce_addr
         return (offs, pool_addr, size) if is_store else (pool_addr, offs, size)
 
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in page-locked memory for an asynchronous upload (CUDA); ``t`` on the CPU."""
+        return t.pin_memory() if self.is_cuda else t
+
+    def _on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Make ``stream`` current (CUDA); nothing on the CPU."""
+        return torch.cuda.stream(stream) if self.is_cuda else contextlib.nullcontext()
+
     def _track(self, p: _Pending) -> None:
         self._queues[p.is_store].append(p)
         self._by_id[p.job_id] = p
@@ -879,30 +933,42 @@ class TorchTransferBackend:
 
     def poll(self) -> list[TransferResult]:
         """Jobs finished since the last poll (FIFO per direction)."""
-        for q in self._queues.values():
-            while q and q[0].end.query():
-                self._finish(q.popleft())
+        self._reap()
         out, self._done = self._done, []
         return out
 
+    def _reap(self) -> None:
+        """Finish (host side included) every queued job whose device work has completed."""
+        for q in self._queues.values():
+            while q and q[0].end.query():
+                self._finish(q.popleft())
+
     def wait(self, job_ids: Collection[int]) -> None:
-        """Block until those jobs' copies are done (unknown or finished ids are ignored)."""
+        """Block until those jobs are done (unknown or finished ids are ignored).
+
+        Done includes the host side: a staged store's scatter from the bounce buffer into
+        the pool rows has run when this returns, not only its GPU-side copies.
+        """
+        waited = False
         for job_id in job_ids:
             p = self._by_id.get(job_id)
             if p is not None:
                 p.end.synchronize()
+                waited = True
+        if waited:
+            self._reap()
 
     def shutdown(self) -> None:
         """Finish every transfer in flight and release the pool registration and threads."""
         if self._closed:
             return
         self._closed = True
+        for q in self._queues.values():
+            while q:
+                p = q.popleft()
+                p.end.synchronize()
+                self._finish(p)
         if self.is_cuda:
-            for q in self._queues.values():
-                while q:
-                    p = q.popleft()
-                    p.end.synchronize()
-                    self._finish(p)
             for s in self._streams.values():
                 s.synchronize()
             self._unregister()

@@ -89,7 +89,12 @@ class TransferBackend(Protocol):
         ...
 
     def wait(self, job_ids: Collection[int]) -> None:
-        """Block until those jobs are done; unknown or already finished ids are ignored."""
+        """Block until those jobs are done; unknown or already finished ids are ignored.
+
+        Done means every byte is where it belongs: the GPU blocks a store read may be
+        overwritten, and the CPU rows it wrote (host-side steps included) hold the data. A
+        failed job is done too; its result comes from the next :meth:`poll`.
+        """
         ...
 
     def shutdown(self) -> None:

@@ -26,6 +26,9 @@ from statecore.worker import OffloadingWorker, plan_block_copies  # noqa: E402
 
 NUM_BLOCKS = 40
 NUM_SLOTS = 30
+# CPU copy modes: "auto" copies directly; "staging" runs the CUDA staging path's code on host
+# memory (queued jobs, bounce buffer, host scatter at completion)
+CPU_IMPLS = ["auto", "staging"]
 HOST_IMPLS = [
     pytest.param(
         "native",
@@ -146,14 +149,19 @@ def check_roundtrip(s: Setup, seed: int) -> None:
         assert s.gpu_page(t, block) == data
 
 
+@pytest.mark.parametrize("impl", CPU_IMPLS)
 @pytest.mark.parametrize("bpc", [1, 3])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_cpu_random_roundtrip_byte_exact(bpc: int, seed: int) -> None:
-    check_roundtrip(Setup(bpc, seed=seed), seed)
+def test_cpu_random_roundtrip_byte_exact(bpc: int, seed: int, impl: str) -> None:
+    s = Setup(bpc, seed=seed, copy_impl=impl)
+    assert s.be.impl == ("cpu" if impl == "auto" else impl)
+    check_roundtrip(s, seed)
+    s.be.shutdown()
 
 
-def test_results_report_bytes_and_direction() -> None:
-    s = Setup(1)
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_results_report_bytes_and_direction(impl: str) -> None:
+    s = Setup(1, copy_impl=impl)
     mp = Mapping(
         GPULoadStoreSpec((3, 4, 5), (2, 1), (0, 0)),
         CPULoadStoreSpec((0, 1, 2)),
@@ -165,21 +173,25 @@ def test_results_report_bytes_and_direction() -> None:
     assert s.be.poll() == []
 
 
-def test_padded_block_stride_and_large_parallel_job() -> None:
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_padded_block_stride_and_large_parallel_job(impl: str) -> None:
     page = 256 << 10
     backing = torch.randint(0, 255, (48, page + 512), dtype=torch.uint8)
     cache = backing[:, :page]  # block stride > page: packed layout
     pool = CPUPool(48, [page])
-    be = TorchTransferBackend([cache], pool, 1, threads=2)
+    be = TorchTransferBackend([cache], pool, 1, threads=2, copy_impl=impl)  # type: ignore[arg-type]
     rng = random.Random(5)
     blocks = rng.sample(range(48), 40)
     slots = rng.sample(range(48), 40)  # 10 MiB: the threaded path
     be.submit(1, simple_mapping(blocks, slots).store(), True)
+    be.wait([1])
+    assert [(r.job_id, r.success) for r in be.poll()] == [(1, True)]
     for b, sl in zip(blocks, slots, strict=True):
         assert bytes(pool.row(0, sl)) == cache[b].numpy().tobytes()
     pad = backing[:, page:].clone()
     cache.zero_()
     be.submit(2, simple_mapping(blocks, slots).load(), False)
+    be.wait([2])
     for b, sl in zip(blocks, slots, strict=True):
         assert cache[b].numpy().tobytes() == bytes(pool.row(0, sl))
     assert torch.equal(backing[:, page:], pad)  # padding never written
@@ -229,13 +241,21 @@ def test_memmove_runs_merges_adjacent_copies() -> None:
         (TransferJob("r", CPULoadStoreSpec((1,)), CPULoadStoreSpec((1,))), "GPU side"),
     ],
 )
-def test_spec_errors_move_no_bytes(job: TransferJob, match: str) -> None:
-    s = Setup(1)
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_spec_errors_move_no_bytes(job: TransferJob, match: str, impl: str) -> None:
+    s = Setup(1, copy_impl=impl)
     before = s.snapshot()
     with pytest.raises(SpecError, match=match):
         s.be.submit(1, job, True)
     assert s.snapshot() == before
     assert s.be.poll() == []
+
+
+def test_cpu_triton_mode_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cache = torch.zeros((4, 16), dtype=torch.uint8)
+    with pytest.raises(ConfigError, match="interpreter"):
+        TorchTransferBackend([cache], CPUPool(2, [16]), 1, copy_impl="triton")
 
 
 def test_layout_mismatch_is_a_config_error() -> None:
@@ -250,10 +270,11 @@ def test_layout_mismatch_is_a_config_error() -> None:
         TorchTransferBackend([torch.zeros((16, 4), dtype=torch.uint8).t()], CPUPool(2, [16]), 1)
 
 
-def test_worker_over_torch_backend_flush_and_ranks() -> None:
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_worker_over_torch_backend_flush_and_ranks(impl: str) -> None:
     reports = []
     for rank in range(2):
-        s = Setup(3, seed=rank)
+        s = Setup(3, seed=rank, copy_impl=impl)
         w = OffloadingWorker(s.be, rank=rank)
         rng = random.Random(9)
         free = list(range(NUM_SLOTS))

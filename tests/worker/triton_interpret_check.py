@@ -3,9 +3,10 @@
 Executed by ``test_triton_kernel.py`` in a subprocess with ``TRITON_INTERPRET=1`` (the
 variable must be set before Triton compiles anything). Two identical CPU setups receive the
 same random jobs: one through the host copy path (itself checked byte for byte elsewhere),
-the other through :meth:`TorchTransferBackend.kernel_args` and the Triton kernel with host
-addresses. Every KV tensor (padding included) and every pool byte must end up equal. Prints
-``checked <jobs> jobs, <copies> page copies`` on success.
+the other through the backend's Triton path (``copy_impl="triton"``: the kernel's address
+array from :meth:`TorchTransferBackend.kernel_args`, the kernel on host addresses, queued
+completion). Every KV tensor (padding included), every pool byte and every result must end
+up equal. Prints ``checked <jobs> jobs, <copies> page copies`` on success.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ NUM_SLOTS = 30
 
 
 def make(
-    bpc: int, seed: int, page4: bool
+    bpc: int, seed: int, page4: bool, impl: str
 ) -> tuple[list[torch.Tensor], CPUPool, TorchTransferBackend]:
     gen = torch.Generator().manual_seed(seed)
     wide = 36 if page4 else 96  # 36-byte pages force 4-byte words
@@ -40,18 +41,25 @@ def make(
     for i in range(pool.num_regions):
         region = pool.region(i)
         region[:] = random.Random(seed * 10 + i).randbytes(len(region))
-    be = TorchTransferBackend(caches, pool, bpc, group_tensors=[[0, 1], [2], [3]], threads=1)
+    be = TorchTransferBackend(
+        caches,
+        pool,
+        bpc,
+        group_tensors=[[0, 1], [2], [3]],
+        threads=1,
+        copy_impl=impl,  # type: ignore[arg-type]
+    )
     return [backing, *caches[:3]], pool, be
 
 
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    kernel = triton_copy()
-    assert kernel is not None, "Triton is not importable"
+    assert triton_copy() is not None, "Triton is not importable"
     jobs = copies = 0
     for seed, bpc, page4 in [(1, 1, False), (2, 3, False), (3, 3, True), (4, 1, True)]:
-        ref_t, ref_pool, ref = make(bpc, seed, page4)
-        dut_t, dut_pool, dut = make(bpc, seed, page4)
+        ref_t, ref_pool, ref = make(bpc, seed, page4, "auto")
+        dut_t, dut_pool, dut = make(bpc, seed, page4, "triton")
+        assert (ref.impl, dut.impl) == ("cpu", "triton")
         assert dut._word_bytes == (4 if page4 else 8), dut._word_bytes
         rng = random.Random(seed)
         for job_id in range(6):
@@ -60,8 +68,12 @@ def main() -> None:
             is_store = job_id % 2 == 0
             job = mapping.store() if is_store else mapping.load()
             ref.submit(job_id, job, is_store)
-            addrs, n, max_words = dut.kernel_args(dut._plan(job_id, job, is_store), is_store)
-            kernel.launch_copy_pages(addrs, n, max_words, dut._word_bytes)
+            _, n, _ = dut.kernel_args(dut._plan(job_id, job, is_store), is_store)
+            dut.submit(job_id, job, is_store)  # plans again, launches the kernel, queues
+            dut.wait([job_id])
+            want = [(r.job_id, r.success, r.nbytes, r.is_store) for r in ref.poll()]
+            got = [(r.job_id, r.success, r.nbytes, r.is_store) for r in dut.poll()]
+            assert got == want, (got, want)
             jobs += 1
             copies += n
             for i, (a, b) in enumerate(zip(ref_t, dut_t, strict=True)):
