@@ -291,6 +291,53 @@ def test_worker_over_torch_backend_flush_and_ranks(impl: str) -> None:
     assert reports[0].aggregate(reports[1]).completed == {1: 2}
 
 
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_injected_failures_over_torch_backend_ranks(impl: str) -> None:
+    """Three ranks over real bytes; rank 2 fails load 1 and rank 1 fails store 3. Failed
+    jobs report failure, move nothing on that rank, and the other jobs' bytes are exact."""
+    from statecore.worker import FaultyBackend, aggregate
+
+    reports = []
+    setups = []
+    for rank in range(3):
+        s = Setup(3, seed=rank, copy_impl=impl)
+        setups.append(s)
+        rng = random.Random(4)
+        free = list(range(NUM_SLOTS))
+        load = random_mapping(rng, 2, NUM_BLOCKS, free, 3, max_blocks=4)
+        stores = {j: random_mapping(rng, 2, NUM_BLOCKS, free, 3, max_blocks=4) for j in (2, 3)}
+        inner = FaultyBackend(s.be, fail_job=lambda j, r=rank: (r, j) in {(2, 1), (1, 3)})
+        w = OffloadingWorker(inner, rank=rank)
+        gpu_before = [c.clone() for c in s.caches]
+        pool_before = s.snapshot()
+        m = ConnectorMetadata(
+            load_jobs={1: load.load()}, store_jobs={j: mp.store() for j, mp in stores.items()}
+        )
+        w.start_step(m)
+        w.end_step(m)
+        w.start_step(ConnectorMetadata(jobs_to_flush=frozenset({2, 3})))
+        reports.append(w.build_worker_metadata())
+        w.shutdown()
+        for group, block, slot, sub in s.plan(load):  # load: pool rows into GPU blocks
+            for t in s.groups[group]:
+                want = s.cpu_page(t, slot, sub)
+                if rank == 2:  # failed here: the GPU block keeps its old bytes
+                    want = gpu_before[t][block].contiguous().view(torch.uint8).numpy().tobytes()
+                assert s.gpu_page(t, block) == want
+        for j, mp in stores.items():
+            for group, block, slot, sub in s.plan(mp):
+                for t in s.groups[group]:
+                    if (rank, j) == (1, 3):  # failed here: the CPU row is untouched
+                        p = s.pages[t]
+                        old = pool_before[slot][sum(s.pages[:t]) * 3 :][sub * p : (sub + 1) * p]
+                        assert s.cpu_page(t, slot, sub) == old
+                    else:
+                        assert s.cpu_page(t, slot, sub) == s.gpu_page(t, block)
+    total = aggregate(reports)
+    assert total.completed == {1: 2, 2: 3, 3: 2}
+    assert total.failed == {1: 1, 3: 1}
+
+
 # -- CUDA (run on the device machine) ----------------------------------------------------------
 
 
