@@ -113,8 +113,117 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(copy_blocks_doc,
+"copy_blocks(dst_base, dst_stride, dst_index, src_base, src_stride, src_index, nbytes,\n"
+"            start=0, stop=None, /) -> tuple[int, int]\n"
+"\n"
+"For every i in range(start, stop): copy nbytes bytes from host address\n"
+"src_base + src_index[i] * src_stride to dst_base + dst_index[i] * dst_stride.\n"
+"dst_index and src_index are lists or tuples of non-negative ints of equal length.\n"
+"Where both strides equal nbytes, copies whose indices go up by one on both sides are\n"
+"merged into one memmove.  The GIL is released while the bytes move.  Returns\n"
+"(bytes copied, memmove calls made).\n"
+"\n"
+"The addresses are trusted: the caller must have checked every index.");
+
+static int
+arg_size(PyObject *obj, size_t *out, const char *what)
+{
+    size_t v = PyLong_AsSize_t(obj);
+    if (v == (size_t)-1 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_ValueError,
+                     "copy_blocks: %s must be a non-negative int that fits in size_t", what);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static PyObject *
+copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs < 7 || nargs > 9) {
+        PyErr_Format(PyExc_TypeError,
+                     "copy_blocks expects 7 to 9 positional arguments, got %zd", nargs);
+        return NULL;
+    }
+    size_t dst_base, dst_stride, src_base, src_stride, nbytes;
+    if (arg_size(args[0], &dst_base, "dst_base") < 0
+        || arg_size(args[1], &dst_stride, "dst_stride") < 0
+        || arg_size(args[3], &src_base, "src_base") < 0
+        || arg_size(args[4], &src_stride, "src_stride") < 0
+        || arg_size(args[6], &nbytes, "nbytes") < 0) {
+        return NULL;
+    }
+    PyObject *dst = PySequence_Fast(args[2], "copy_blocks: dst_index must be a list or tuple");
+    if (dst == NULL) return NULL;
+    PyObject *src = PySequence_Fast(args[5], "copy_blocks: src_index must be a list or tuple");
+    if (src == NULL) { Py_DECREF(dst); return NULL; }
+
+    PyObject *result = NULL;
+    size_t *buf = NULL;
+    size_t stack[2 * STACK_COPIES];
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(dst);
+    if (PySequence_Fast_GET_SIZE(src) != n) {
+        PyErr_Format(PyExc_ValueError,
+                     "copy_blocks: dst_index and src_index differ in length (%zd, %zd)",
+                     n, PySequence_Fast_GET_SIZE(src));
+        goto done;
+    }
+    Py_ssize_t lo = 0, hi = n;
+    if (nargs > 7) {
+        lo = PyLong_AsSsize_t(args[7]);
+        if (lo == -1 && PyErr_Occurred()) goto done;
+    }
+    if (nargs > 8 && args[8] != Py_None) {
+        hi = PyLong_AsSsize_t(args[8]);
+        if (hi == -1 && PyErr_Occurred()) goto done;
+    }
+    if (lo < 0 || hi > n || lo > hi) {
+        PyErr_Format(PyExc_ValueError,
+                     "copy_blocks: range [%zd, %zd) is not inside the %zd copies", lo, hi, n);
+        goto done;
+    }
+    Py_ssize_t count = hi - lo;
+    if (count <= STACK_COPIES) {
+        buf = stack;
+    } else {
+        buf = (size_t *)PyMem_RawMalloc(2 * (size_t)count * sizeof(size_t));
+        if (buf == NULL) { PyErr_NoMemory(); goto done; }
+    }
+    size_t *d = buf, *s = buf + count;
+    if (read_ints(dst, lo, hi, d, "dst_index") < 0 || read_ints(src, lo, hi, s, "src_index") < 0) {
+        goto done;
+    }
+    int mergeable = dst_stride == nbytes && src_stride == nbytes;
+    size_t total = 0, calls = 0;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t i = 0;
+    while (i < count) {
+        Py_ssize_t j = i + 1;
+        if (mergeable) {
+            while (j < count && d[j] == d[j - 1] + 1 && s[j] == s[j - 1] + 1) j++;
+        }
+        size_t len = (size_t)(j - i) * nbytes;
+        memmove((void *)(uintptr_t)(dst_base + d[i] * dst_stride),
+                (const void *)(uintptr_t)(src_base + s[i] * src_stride), len);
+        total += len;
+        calls++;
+        i = j;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(nn)", (Py_ssize_t)total, (Py_ssize_t)calls);
+done:
+    if (buf != NULL && buf != stack) PyMem_RawFree(buf);
+    Py_DECREF(dst);
+    Py_DECREF(src);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_pages", (PyCFunction)(void (*)(void))copy_pages, METH_FASTCALL, copy_pages_doc},
+    {"copy_blocks", (PyCFunction)(void (*)(void))copy_blocks, METH_FASTCALL, copy_blocks_doc},
     {NULL, NULL, 0, NULL},
 };
 

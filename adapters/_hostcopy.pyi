@@ -15,3 +15,23 @@ def copy_pages(
     The GIL is released while the bytes move; returns the bytes copied. The addresses are
     trusted: the caller must have validated every range.
     """
+
+def copy_blocks(
+    dst_base: int,
+    dst_stride: int,
+    dst_index: Sequence[int],
+    src_base: int,
+    src_stride: int,
+    src_index: Sequence[int],
+    nbytes: int,
+    start: int = 0,
+    stop: int | None = None,
+    /,
+) -> tuple[int, int]:
+    """Copy ``nbytes`` from ``src_base + src_index[i] * src_stride`` to
+    ``dst_base + dst_index[i] * dst_stride`` for ``i`` in ``[start, stop)``.
+
+    Where both strides equal ``nbytes``, pages whose indices go up by one on both sides are
+    merged into one ``memmove``. The GIL is released while the bytes move; returns
+    ``(bytes copied, memmove calls)``. The caller must have validated every index.
+    """

@@ -18,15 +18,16 @@ moves.
 Execution:
 
 * **CPU** (no CUDA, CI): a job runs inside ``submit``; ``poll`` reports it (synchronous, so
-  a simulation replays exactly from its seed). Its copies are planned on Python ints from
-  base addresses taken once at construction (a few small torch ops per job cost more than the
-  arithmetic), and pages that continue each other on both sides are merged. The compiled
-  loop :func:`statecore.adapters._hostcopy.copy_pages` reads a piece's addresses and copies
-  all of it with the GIL released once; jobs of 1 MiB and more are shared by
-  ``torch.get_num_threads()`` persistent threads that claim shrinking pieces of the copy list.
-  Where the extension was not built (no C compiler at install; :func:`host_copy_impl` says
-  which), one ctypes ``memmove`` call per copy does the same more slowly: each call takes the
-  GIL back, so only large jobs of long copies are shared.
+  a simulation replays exactly from its seed). A job is planned as *segments*, one per group
+  span and tensor: the GPU block ids and CPU sub-rows (slices of the spec's tuples) with the
+  bases and strides that make them addresses, taken once at construction. The compiled loop
+  :func:`statecore.adapters._hostcopy.copy_blocks` computes the addresses, merges pages that
+  continue each other on both sides, and copies a whole piece with the GIL released once;
+  jobs of 1 MiB and more are shared by ``torch.get_num_threads()`` persistent threads that
+  claim pieces of the segments. Where the extension was not built (no C compiler at install;
+  :func:`host_copy_impl` says which), Python computes the addresses and one ctypes
+  ``memmove`` per run does the same more slowly: each call takes the GIL back, so only large
+  jobs of long copies are shared.
 * **CPU test modes** (``copy_impl="staging"`` or ``"triton"`` on CPU tensors): the CUDA
   paths below, minus streams, pinning and registration, so CI runs their planning, queueing,
   polling and byte movement without a GPU (``"triton"`` in Triton's interpreter).
@@ -193,11 +194,46 @@ def _ctypes_copy_pages(
     return sum(size[start:stop])
 
 
+# One copy run of a CPU job, the arguments of copy_blocks before (start, stop):
+# (dst_base, dst_stride, dst_index, src_base, src_stride, src_index, page_bytes)
+_Segment = tuple[int, int, Sequence[int], int, int, Sequence[int], int]
+
+
+def _ctypes_copy_blocks(
+    dst_base: int,
+    dst_stride: int,
+    dst_index: Sequence[int],
+    src_base: int,
+    src_stride: int,
+    src_index: Sequence[int],
+    nbytes: int,
+    start: int = 0,
+    stop: int | None = None,
+) -> tuple[int, int]:
+    """Fallback of :func:`statecore.adapters._hostcopy.copy_blocks`: addresses computed in
+    Python, one ctypes call per merged run."""
+    di, si = dst_index[start:stop], src_index[start:stop]
+    if not di:
+        return 0, 0
+    if dst_stride == nbytes == src_stride and 1 in map(operator.sub, di[1:], di):
+        first_d, first_s, lengths = _runs(di, si)
+        sizes = [k * nbytes for k in lengths]
+    else:
+        first_d, first_s, sizes = list(di), list(si), [nbytes] * len(di)
+    dst = [dst_base + d * dst_stride for d in first_d]
+    src = [src_base + x * src_stride for x in first_s]
+    deque(map(_memmove, dst, src, sizes), 0)
+    return len(di) * nbytes, len(sizes)
+
+
 _native_copy_pages: Callable[..., int] | None
-try:  # the C loop: reads a piece's addresses, then copies all of it without the GIL
+_native_copy_blocks: Callable[..., tuple[int, int]] | None
+try:  # the C loops: read a piece's indices, then copy all of it without the GIL
+    from ._hostcopy import copy_blocks as _native_copy_blocks
     from ._hostcopy import copy_pages as _native_copy_pages
 except ImportError:  # pragma: no cover - the extension is optional (no compiler at install)
     _native_copy_pages = None
+    _native_copy_blocks = None
 
 
 def host_copy_impl() -> Literal["native", "ctypes"]:
@@ -208,7 +244,7 @@ def host_copy_impl() -> Literal["native", "ctypes"]:
     ``"ctypes"``: one ``memmove`` call per copy, each taking the GIL back; several threads
     then mostly hand the GIL to each other, and large jobs are still shared but gain less.
     """
-    return "native" if _native_copy_pages is not None else "ctypes"
+    return "native" if _native_copy_blocks is not None else "ctypes"
 
 
 def _copy_pages(
@@ -218,6 +254,42 @@ def _copy_pages(
     if _native_copy_pages is not None:
         return _native_copy_pages(dst, src, size, start, stop)
     return _ctypes_copy_pages(dst, src, size, start, stop)
+
+
+def _copy_blocks(seg: _Segment, start: int = 0, stop: int | None = None) -> tuple[int, int]:
+    """Copy pages ``[start, stop)`` of a segment; returns (bytes, memmove calls)."""
+    if _native_copy_blocks is not None:
+        return _native_copy_blocks(*seg, start, stop)
+    return _ctypes_copy_blocks(*seg, start, stop)
+
+
+def _segment_pieces(
+    segments: Sequence[_Segment], nbytes: int, threads: int
+) -> deque[tuple[_Segment, int, int]]:
+    """Cut a job's segments into pieces ``(segment, a, b)`` for ``threads`` threads to claim.
+
+    About four pieces per thread (at least ``_PIECE_BYTES`` each), so a thread that starts
+    late or copies slowly claims fewer and the threads finish together.
+    """
+    target = max(_PIECE_BYTES, nbytes // (4 * threads))
+    out: deque[tuple[_Segment, int, int]] = deque()
+    for seg in segments:
+        n = len(seg[2])
+        per = max(1, target // max(1, seg[6]))
+        for a in range(0, n, per):
+            out.append((seg, a, min(n, a + per)))
+    return out
+
+
+def _drain_segment_pieces(pieces: deque[tuple[_Segment, int, int]]) -> None:
+    """Claim pieces from ``pieces`` (``popleft`` is atomic) and copy them until none is left."""
+    pop = pieces.popleft
+    while True:
+        try:
+            seg, a, b = pop()
+        except IndexError:
+            return
+        _copy_blocks(seg, a, b)
 
 
 def memmove_runs(
@@ -708,19 +780,18 @@ class TorchTransferBackend:
 
     def _host_plan(
         self, job_id: int, job: TransferJob, is_store: bool
-    ) -> tuple[list[int], list[int], list[int], int]:
-        """``(src, dst, size, nbytes)`` of a CPU job's copies, as Python int lists.
+    ) -> tuple[list[_Segment], int, int]:
+        """``(segments, nbytes, pages)`` of a CPU job: one segment per group span and tensor.
 
-        Pages that continue each other on both sides (consecutive GPU blocks of an unpadded
-        tensor into consecutive CPU sub-rows) are merged into one copy; the check for any
-        consecutive GPU blocks is a C-level scan, so scattered jobs pay almost nothing for it.
+        A segment names its pages by index (GPU block ids, CPU sub-rows) with the bases and
+        strides that turn them into addresses; the copy loop computes the addresses and
+        merges pages that continue each other on both sides. Per page, Python only slices
+        the spec's tuples (and, with ``blocks_per_chunk > 1``, lists the sub-rows).
         """
         gpu, cpu, spans = self._validated(job_id, job, is_store)
         bpc = self.bpc
-        gpu_addr: list[int] = []
-        cpu_addr: list[int] = []
-        size: list[int] = []
-        nbytes = 0
+        segments: list[_Segment] = []
+        nbytes = pages = 0
         for sp in spans:
             nb = sp.num_blocks
             if nb == 0:
@@ -732,29 +803,40 @@ class TorchTransferBackend:
                 if bpc == 1
                 else [c * bpc + k for c in chunks for k in range(bpc)][sp.skip : sp.skip + nb]
             )
-            runs = _runs(ids, rows) if 1 in map(operator.sub, ids[1:], ids) else None
             for t in self.group_tensors[sp.group]:
                 gbase, gstride = self._gpu_base_i[t], self._gpu_stride[t]
                 cbase, page = self._cpu_base_i[t], self.page_bytes[t]
                 nbytes += nb * page
-                if runs is not None and gstride == page:
-                    first_ids, first_rows, lengths = runs
-                    gpu_addr += [gbase + g * page for g in first_ids]
-                    cpu_addr += [cbase + r * page for r in first_rows]
-                    size += [n * page for n in lengths]
+                pages += nb
+                if is_store:
+                    segments.append((cbase, page, rows, gbase, gstride, ids, page))
                 else:
-                    gpu_addr += [gbase + g * gstride for g in ids]
-                    cpu_addr += [cbase + r * page for r in rows]
-                    size += [page] * nb
-        if is_store:
-            return gpu_addr, cpu_addr, size, nbytes
-        return cpu_addr, gpu_addr, size, nbytes
+                    segments.append((gbase, gstride, ids, cbase, page, rows, page))
+        return segments, nbytes, pages
 
-    def _host_copy_lists(
-        self, src: list[int], dst: list[int], size: list[int], nbytes: int
-    ) -> None:
-        """Run a job's validated host copies (shared by the copy threads when that pays)."""
-        share_copies(dst, src, size, nbytes, self._executor, self.threads)
+    def _host_copy_segments(self, segments: list[_Segment], nbytes: int, pages: int) -> None:
+        """Run a job's validated segments; large jobs are shared by the copy threads.
+
+        With the ctypes fallback, jobs of short pages stay on the calling thread: each
+        ``memmove`` call takes the GIL back, so several threads mostly fight over it.
+        """
+        ex, threads = self._executor, self.threads
+        if ex is None or threads <= 1 or pages < 2:
+            share = False
+        elif _native_copy_blocks is not None:
+            share = nbytes >= _NATIVE_PARALLEL_MIN_BYTES
+        else:
+            share = nbytes >= _HOST_PARALLEL_MIN_BYTES and nbytes >= _HOST_PARALLEL_MIN_RUN * pages
+        if not share or ex is None:
+            for seg in segments:
+                _copy_blocks(seg)
+            return
+        pieces = _segment_pieces(segments, nbytes, threads)
+        futures = [ex.submit(_drain_segment_pieces, pieces) for _ in range(threads - 1)]
+        _drain_segment_pieces(pieces)
+        for f in futures:
+            if not f.cancel():  # a helper that has not started yet has nothing left to do
+                f.result()
 
     def _addresses(
         self, plan: _Plan, is_store: bool, device_side: bool = False
@@ -796,9 +878,9 @@ class TorchTransferBackend:
         if self._closed:
             raise TransferError(f"job {job_id}: backend is shut down")
         if self.impl == "cpu":
-            src, dst, size, nbytes = self._host_plan(job_id, job, is_store)
+            segments, nbytes, pages = self._host_plan(job_id, job, is_store)
             t0 = time.perf_counter()
-            self._host_copy_lists(src, dst, size, nbytes)
+            self._host_copy_segments(segments, nbytes, pages)
             dt = time.perf_counter() - t0
             self._done.append(TransferResult(job_id, True, nbytes, dt, is_store))
             return

@@ -45,23 +45,40 @@ def use_host_impl(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run host copies with ``impl`` and share even small test jobs between the threads."""
     if impl == "ctypes":
         monkeypatch.setattr(torch_adapter, "_native_copy_pages", None)
+        monkeypatch.setattr(torch_adapter, "_native_copy_blocks", None)
     monkeypatch.setattr(torch_adapter, "_HOST_PARALLEL_MIN_BYTES", 1 << 20)
     monkeypatch.setattr(torch_adapter, "_NATIVE_PARALLEL_MIN_BYTES", 1 << 20)
     assert host_copy_impl() == impl
 
 
-def _spy_pieces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Record the number of pieces of every job that :func:`share_copies` splits."""
+def _spy_pieces(monkeypatch: pytest.MonkeyPatch, name: str = "_pieces") -> list[int]:
+    """Record the number of pieces of every job that is split for the copy threads
+    (``_pieces``: address lists; ``_segment_pieces``: a CPU job's segments)."""
     seen: list[int] = []
-    real = torch_adapter._pieces
+    real = getattr(torch_adapter, name)
 
-    def spy(n: int, nbytes: int, threads: int) -> object:
-        out = real(n, nbytes, threads)
+    def spy(*args: object) -> object:
+        out = real(*args)
         seen.append(len(out))
         return out
 
-    monkeypatch.setattr(torch_adapter, "_pieces", spy)
+    monkeypatch.setattr(torch_adapter, name, spy)
     return seen
+
+
+def _count_copy_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Accumulate ``[pages' bytes, memmove calls]`` over every segment copy."""
+    total = [0, 0]
+    real = torch_adapter._copy_blocks
+
+    def spy(*args: object) -> tuple[int, int]:
+        nbytes, calls = real(*args)  # type: ignore[arg-type]
+        total[0] += nbytes
+        total[1] += calls
+        return nbytes, calls
+
+    monkeypatch.setattr(torch_adapter, "_copy_blocks", spy)
+    return total
 
 
 class Setup:
@@ -433,7 +450,8 @@ def test_consecutive_blocks_merge_and_parallel_pieces_byte_exact(
     """Runs of consecutive blocks into consecutive sub-rows (merged into fewer copies), a
     padded and an unpadded tensor of different page sizes, copied by both copy threads."""
     use_host_impl(impl, monkeypatch)
-    shared = _spy_pieces(monkeypatch)
+    shared = _spy_pieces(monkeypatch, "_segment_pieces")
+    copied = _count_copy_calls(monkeypatch)
     pages = [64 << 10, 96 << 10]
     backing = torch.randint(0, 255, (60, pages[1] + 256), dtype=torch.uint8)
     caches = [
@@ -450,9 +468,10 @@ def test_consecutive_blocks_merge_and_parallel_pieces_byte_exact(
     slots = [*range(5, 5 + n0), *random.Random(3).sample(range(5 + n0, 40), n1)]
     gspec = GPULoadStoreSpec((*g0, *g1), (len(g0), len(g1)), (0, 1))
     job = TransferJob("r", gspec, CPULoadStoreSpec(tuple(slots)))
-    src, _, _, _ = be._host_plan(1, job, True)
-    assert len(src) < len(g0) + 2 * len(g1)  # some pages were merged
     be.submit(1, job, True)
+    nbytes = len(g0) * pages[0] + len(g1) * (pages[0] + pages[1])
+    assert copied[0] == nbytes
+    assert copied[1] < len(g0) + 2 * len(g1)  # some pages were merged into one memmove
     plan = plan_block_copies(gspec.block_ids, gspec.group_sizes, (0, 1), tuple(slots), bpc)
 
     def cpu_page(t: int, slot: int, sub: int) -> bytes:
@@ -469,7 +488,6 @@ def test_consecutive_blocks_merge_and_parallel_pieces_byte_exact(
     for (t, b), data in want.items():
         assert torch.equal(caches[t][b], data)
     assert torch.equal(backing[:, pages[1] :], pad)  # padding never written
-    nbytes = len(g0) * pages[0] + len(g1) * (pages[0] + pages[1])
     assert {r.job_id: r.nbytes for r in be.poll()} == {1: nbytes, 2: nbytes}
     assert len(shared) == 2 and min(shared) >= 2  # both jobs were shared between threads
     be.shutdown()
@@ -537,6 +555,74 @@ def test_native_copy_pages_ranges_and_errors() -> None:
     with pytest.raises(TypeError, match="3 to 5"):
         copy_pages(dsts, srcs)  # type: ignore[call-arg]
     assert torch.equal(dst, before)  # a rejected call copies nothing
+
+
+@pytest.mark.skipif(
+    host_copy_impl() != "native",
+    reason="statecore.adapters._hostcopy was not built (no C compiler at install)",
+)
+def test_native_copy_blocks_strides_merges_and_errors() -> None:
+    from statecore.adapters._hostcopy import copy_blocks
+
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    s0, d0 = src.data_ptr(), dst.data_ptr()
+    # 4-byte pages, source stride 8 (padded): never merged
+    assert copy_blocks(d0, 4, [0, 1, 2], s0, 8, [1, 2, 3], 4) == (12, 3)
+    assert dst[:12].tolist() == [*range(8, 12), *range(16, 20), *range(24, 28)]
+    dst.zero_()
+    # both strides == page: indices 2,3,4 -> 5,6,7 merge; 9 -> 0 stands alone
+    assert copy_blocks(d0, 4, [5, 6, 7, 0], s0, 4, [2, 3, 4, 9], 4) == (16, 2)
+    assert dst[20:32].tolist() == list(range(8, 20)) and dst[:4].tolist() == list(range(36, 40))
+    dst.zero_()
+    assert copy_blocks(d0, 4, (5, 6, 7, 0), s0, 4, (2, 3, 4, 9), 4, 1, 3) == (8, 1)
+    assert dst[24:32].tolist() == list(range(12, 20)) and int(dst.sum()) == sum(range(12, 20))
+    before = dst.clone()
+    with pytest.raises(ValueError, match="differ in length"):
+        copy_blocks(d0, 4, [0, 1], s0, 4, [0], 4)
+    with pytest.raises(ValueError, match=r"range \[1, 3\)"):
+        copy_blocks(d0, 4, [0, 1], s0, 4, [0, 1], 4, 1, 3)
+    with pytest.raises(ValueError, match=r"src_index\[1\]"):
+        copy_blocks(d0, 4, [0, 1], s0, 4, [0, -1], 4)
+    with pytest.raises(ValueError, match="nbytes"):
+        copy_blocks(d0, 4, [0], s0, 4, [0], -4)
+    with pytest.raises(TypeError, match="7 to 9"):
+        copy_blocks(d0, 4, [0], s0, 4, [0])  # type: ignore[call-arg]
+    assert torch.equal(dst, before)  # a rejected call copies nothing
+
+
+@pytest.mark.skipif(
+    host_copy_impl() != "native",
+    reason="statecore.adapters._hostcopy was not built (no C compiler at install)",
+)
+@pytest.mark.parametrize("seed", range(4))
+def test_copy_blocks_fallback_matches_native(seed: int) -> None:
+    """The ctypes fallback and the C loop copy the same bytes with the same merged runs."""
+    from statecore.adapters._hostcopy import copy_blocks
+
+    rng = random.Random(seed)
+    page = rng.choice([4, 12, 64])
+    stride = page if seed % 2 == 0 else page + 4
+    n = 40
+    src = torch.randint(0, 255, (n * stride,), dtype=torch.uint8)
+    outs = [torch.zeros(n * page, dtype=torch.uint8) for _ in range(2)]
+    si = rng.sample(range(n), 24)
+    di = rng.sample(range(n), 24)
+    si[3:9] = range(10, 16)  # a run on both sides
+    di[3:9] = range(30, 36)
+    si = list(dict.fromkeys(si))[:20]  # keep indices distinct
+    di = list(dict.fromkeys(di))[: len(si)]
+    si = si[: len(di)]
+    lo, hi = rng.randint(0, 3), len(si) - rng.randint(0, 3)
+    got = [
+        fn(out.data_ptr(), page, di, src.data_ptr(), stride, si, page, lo, hi)
+        for fn, out in zip((copy_blocks, torch_adapter._ctypes_copy_blocks), outs, strict=True)
+    ]
+    assert got[0] == got[1]
+    assert torch.equal(outs[0], outs[1])
+    for i in range(lo, hi):
+        a, b = di[i] * page, si[i] * stride
+        assert torch.equal(outs[0][a : a + page], src[b : b + page])
 
 
 @pytest.mark.skipif(not os.environ.get("CI"), reason="only CI guarantees a C compiler")
