@@ -54,7 +54,8 @@ def test_page_examples_run(page: str, tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_examples_are_found() -> None:
     # the guides are the pages whose examples matter most: they must have some
-    for page in ("guides/connector.md", "guides/conformance.md", "guides/simulator.md"):
+    guides = ("connector", "conformance", "simulator", "transfers")
+    for page in (f"guides/{g}.md" for g in guides):
         assert page in PAGES_WITH_CODE, f"{page} has no python example"
 
 
