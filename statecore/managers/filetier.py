@@ -21,7 +21,12 @@ with the suffix ``.chunk``.
 * **Size limit.** With ``max_bytes`` the least recently used files (stores, promotions and
   touches count as uses) are deleted once the total exceeds it; files being loaded are kept.
 
-A single process owns a directory at a time.
+* **One owner.** A tier takes an exclusive advisory lock (``flock``) on the file
+  ``.statecore.lock`` in its directory; a second tier on the same directory, in this process
+  or another, gets a :class:`~statecore.errors.ConfigError` naming the holder's process id
+  (two owners would delete each other's temporary files and disagree about the index). The
+  lock goes with :meth:`FileTier.shutdown`, the tier object, or the process. Where ``fcntl``
+  is missing (not POSIX) no lock is taken.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import contextlib
 import os
 import struct
 import uuid
+import weakref
 import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
@@ -53,7 +59,42 @@ from statecore.manager import (
 from statecore.managers.tiers import JobResult
 from statecore.pool import CPUPool
 
-__all__ = ["FileTier", "InlineExecutor"]
+_fcntl: Any
+try:
+    import fcntl as _fcntl
+except ImportError:  # pragma: no cover - not POSIX: no directory lock
+    _fcntl = None
+
+__all__ = ["LOCK_NAME", "FileTier", "InlineExecutor"]
+
+LOCK_NAME = ".statecore.lock"
+
+
+def _lock_directory(directory: Path) -> int | None:
+    """An exclusive advisory lock on ``directory`` (the descriptor holding it), or ``None``
+    where ``fcntl`` is missing. Raises :class:`ConfigError` when another tier holds it."""
+    if _fcntl is None:  # pragma: no cover - not POSIX
+        return None
+    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        _fcntl.flock(fd, _fcntl.LOCK_EX | _fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(
+            f"FileTier: directory {directory} is in use by another FileTier (process "
+            f"{holder}); one tier owns a directory at a time"
+        ) from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _unlock_directory(fd: int) -> None:
+    """Release a lock taken by :func:`_lock_directory` (closing the descriptor releases it)."""
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
 
 _MAGIC = b"SCKV"
 _VERSION = 1
@@ -92,6 +133,10 @@ class _FileJob:
     future: Future[list[tuple[str, int]]]
 
 
+def _nothing() -> None:
+    return None
+
+
 class FileTier:
     """A secondary tier keeping chunks as files under ``directory`` (module docstring).
 
@@ -126,6 +171,10 @@ class FileTier:
             raise ConfigError(f"FileTier: workers must be >= 1, got {workers}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        lock = _lock_directory(self.directory)
+        self._unlock: Callable[[], object] = (
+            weakref.finalize(self, _unlock_directory, lock) if lock is not None else _nothing
+        )
         self.pool = pool
         self.max_bytes = max_bytes
         self.fsync = fsync
@@ -419,7 +468,8 @@ class FileTier:
         return stats
 
     def shutdown(self) -> None:
-        """Wait for running jobs; stop the default executor."""
+        """Wait for running jobs; stop the default executor; release the directory."""
         self.drain()
         if self._own_executor:
             self._executor.shutdown(wait=True)
+        self._unlock()

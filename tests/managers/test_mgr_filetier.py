@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from statecore.errors import ConfigError
 from statecore.keys import OffloadKey, make_offload_key
 from statecore.manager import CPULoadStoreSpec, LookupResult, Medium, ReqContext, ScheduleEndContext
 from statecore.managers import (
@@ -15,6 +16,7 @@ from statecore.managers import (
     InlineExecutor,
     TieringOffloadingManager,
 )
+from statecore.managers.filetier import LOCK_NAME
 from statecore.pool import CPUPool
 
 END = ScheduleEndContext()
@@ -68,7 +70,7 @@ def test_restart_loads_the_same_bytes(tmp_path: Path) -> None:
     m, pool, tier = build(tmp_path)
     store_bytes(m, pool, 1, 2, 3)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        k(i).hex() + ".chunk" for i in (1, 2, 3)
+        [LOCK_NAME, *(k(i).hex() + ".chunk" for i in (1, 2, 3))]
     )
     assert tier.get_stats()["files"] == 3
     m.shutdown()
@@ -152,6 +154,7 @@ def test_restart_cleans_temp_files_ignores_strangers_and_applies_limit(tmp_path:
     (tmp_path / "notes.txt").write_bytes(b"x")
     (tmp_path / "zz.chunk").write_bytes(b"x")  # not hex: ignored
     os.utime(tmp_path / (k(2).hex() + ".chunk"), ns=(1, 1))  # k2 is the oldest file
+    m.shutdown()
     _, _, tier = build(tmp_path, max_bytes=1)
     assert not (tmp_path / ".abc.123.tmp").exists()
     assert (tmp_path / "notes.txt").exists()
@@ -191,7 +194,42 @@ def test_thread_pool_executor(tmp_path: Path) -> None:
 def test_write_error_is_a_failed_job(tmp_path: Path) -> None:
     pool = CPUPool(1, ROWS)
     tier = FileTier(tmp_path / "d", pool, executor=InlineExecutor())
+    (tmp_path / "d" / LOCK_NAME).unlink()
     (tmp_path / "d").rmdir()  # the directory vanished: the write fails
     tier.submit_store(1, [k(1)], [0])
     assert tier.get_finished()[0].success is False
     assert tier.get_stats()["write_errors"] == 1 and k(1) not in tier
+
+
+def test_one_tier_owns_a_directory(tmp_path: Path) -> None:
+    """A second tier on a directory in use is refused, naming the holder, in this process and
+    in another; the directory is free again after shutdown or when the tier is collected."""
+    import gc
+    import subprocess
+    import sys
+
+    pool = CPUPool(1, ROWS)
+    tier = FileTier(tmp_path, pool, executor=InlineExecutor())
+    with pytest.raises(ConfigError, match=rf"in use by another FileTier \(process {os.getpid()}\)"):
+        FileTier(tmp_path, pool, executor=InlineExecutor())
+    probe = (
+        "import sys\n"
+        "from statecore.errors import ConfigError\n"
+        "from statecore.managers import FileTier\n"
+        "from statecore.pool import CPUPool\n"
+        "try:\n"
+        "    FileTier(sys.argv[1], CPUPool(1, [8]))\n"
+        "except ConfigError as exc:\n"
+        "    print(exc)\n"
+        "    sys.exit(3)\n"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert other.returncode == 3, other.stdout + other.stderr
+    assert f"process {os.getpid()}" in other.stdout
+    tier.shutdown()
+    again = FileTier(tmp_path, pool, executor=InlineExecutor())  # released by shutdown
+    del again
+    gc.collect()
+    FileTier(tmp_path, pool, executor=InlineExecutor()).shutdown()  # released with the object
