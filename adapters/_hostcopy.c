@@ -1,14 +1,15 @@
 /*
  * statecore.adapters._hostcopy: batched host memory copies that run without the GIL.
  *
- * The torch adapter's CPU path plans a job as three lists of Python ints (source address,
- * destination address, byte count).  Copying them one ctypes call at a time re-takes the GIL
- * after every copy, so two copy threads spend their time handing it to each other.  Here the
- * addresses of a whole piece are read into C arrays while the GIL is held, and then the GIL
- * is released once for all the copies of that piece.
+ * The torch adapter's CPU path plans a job as segments: two index lists (GPU block ids, CPU
+ * sub-rows) with the base address and stride of each side.  Copying page by page through
+ * ctypes re-takes the GIL after every page, so two copy threads spend their time handing it
+ * to each other.  Here the indices of a whole piece are read into C arrays while the GIL is
+ * held, then the GIL is released once while the addresses are computed, runs that continue
+ * each other are merged, and the bytes move.
  *
- * The caller owns the addresses: they must have been validated (every range inside a live
- * buffer that stays alive for the call).  Nothing here checks them.
+ * The caller owns the addresses: every index must have been validated (every range inside a
+ * live buffer that stays alive for the call).  Nothing here checks them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,90 +28,13 @@ read_ints(PyObject *seq, Py_ssize_t lo, Py_ssize_t hi, size_t *out, const char *
         size_t v = PyLong_AsSize_t(items[i]);
         if (v == (size_t)-1 && PyErr_Occurred()) {
             PyErr_Format(PyExc_ValueError,
-                         "copy_pages: %s[%zd] is not a non-negative int that fits in size_t",
+                         "copy_blocks: %s[%zd] is not a non-negative int that fits in size_t",
                          what, i);
             return -1;
         }
         out[i - lo] = v;
     }
     return 0;
-}
-
-PyDoc_STRVAR(copy_pages_doc,
-"copy_pages(dst, src, size, start=0, stop=None, /) -> int\n"
-"\n"
-"For every i in range(start, stop): copy size[i] bytes from host address src[i] to host\n"
-"address dst[i] (memmove semantics).  dst, src and size are lists or tuples of ints of\n"
-"equal length.  The GIL is released while the bytes move.  Returns the bytes copied.\n"
-"\n"
-"The addresses are trusted: the caller must have checked every range.");
-
-static PyObject *
-copy_pages(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)module;
-    if (nargs < 3 || nargs > 5) {
-        PyErr_Format(PyExc_TypeError,
-                     "copy_pages expects 3 to 5 positional arguments, got %zd", nargs);
-        return NULL;
-    }
-    PyObject *dst = PySequence_Fast(args[0], "copy_pages: dst must be a list or tuple");
-    if (dst == NULL) return NULL;
-    PyObject *src = PySequence_Fast(args[1], "copy_pages: src must be a list or tuple");
-    if (src == NULL) { Py_DECREF(dst); return NULL; }
-    PyObject *size = PySequence_Fast(args[2], "copy_pages: size must be a list or tuple");
-    if (size == NULL) { Py_DECREF(dst); Py_DECREF(src); return NULL; }
-
-    PyObject *result = NULL;
-    size_t *buf = NULL;
-    size_t stack[3 * STACK_COPIES];
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(size);
-    if (PySequence_Fast_GET_SIZE(dst) != n || PySequence_Fast_GET_SIZE(src) != n) {
-        PyErr_Format(PyExc_ValueError,
-                     "copy_pages: dst, src and size differ in length (%zd, %zd, %zd)",
-                     PySequence_Fast_GET_SIZE(dst), PySequence_Fast_GET_SIZE(src), n);
-        goto done;
-    }
-    Py_ssize_t lo = 0, hi = n;
-    if (nargs > 3) {
-        lo = PyLong_AsSsize_t(args[3]);
-        if (lo == -1 && PyErr_Occurred()) goto done;
-    }
-    if (nargs > 4 && args[4] != Py_None) {
-        hi = PyLong_AsSsize_t(args[4]);
-        if (hi == -1 && PyErr_Occurred()) goto done;
-    }
-    if (lo < 0 || hi > n || lo > hi) {
-        PyErr_Format(PyExc_ValueError,
-                     "copy_pages: range [%zd, %zd) is not inside the %zd copies", lo, hi, n);
-        goto done;
-    }
-    Py_ssize_t count = hi - lo;
-    if (count <= STACK_COPIES) {
-        buf = stack;
-    } else {
-        buf = (size_t *)PyMem_RawMalloc(3 * (size_t)count * sizeof(size_t));
-        if (buf == NULL) { PyErr_NoMemory(); goto done; }
-    }
-    size_t *d = buf, *s = buf + count, *z = buf + 2 * count;
-    if (read_ints(dst, lo, hi, d, "dst") < 0 || read_ints(src, lo, hi, s, "src") < 0
-        || read_ints(size, lo, hi, z, "size") < 0) {
-        goto done;
-    }
-    size_t total = 0;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++) {
-        memmove((void *)(uintptr_t)d[i], (const void *)(uintptr_t)s[i], z[i]);
-        total += z[i];
-    }
-    Py_END_ALLOW_THREADS
-    result = PyLong_FromSize_t(total);
-done:
-    if (buf != NULL && buf != stack) PyMem_RawFree(buf);
-    Py_DECREF(dst);
-    Py_DECREF(src);
-    Py_DECREF(size);
-    return result;
 }
 
 PyDoc_STRVAR(copy_blocks_doc,
@@ -222,7 +146,6 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"copy_pages", (PyCFunction)(void (*)(void))copy_pages, METH_FASTCALL, copy_pages_doc},
     {"copy_blocks", (PyCFunction)(void (*)(void))copy_blocks, METH_FASTCALL, copy_blocks_doc},
     {NULL, NULL, 0, NULL},
 };

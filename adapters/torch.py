@@ -92,8 +92,7 @@ __all__ = [
     "canonical_kv_tensors",
     "copy_word_bytes",
     "host_copy_impl",
-    "memmove_runs",
-    "share_copies",
+    "run_segments",
     "sim_backend",
     "triton_copy",
 ]
@@ -139,31 +138,6 @@ def copy_word_bytes(values: Sequence[int]) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _merge_runs(
-    src: torch.Tensor, dst: torch.Tensor, size: torch.Tensor
-) -> tuple[list[int], list[int], list[int]]:
-    """Merge consecutive copies that continue each other on both sides (vectorised)."""
-    n = src.numel()
-    if n == 0:
-        return [], [], []
-    brk = torch.ones(n, dtype=torch.bool)
-    if n > 1:
-        nxt_src = src[:-1] + size[:-1]
-        nxt_dst = dst[:-1] + size[:-1]
-        brk[1:] = (src[1:] != nxt_src) | (dst[1:] != nxt_dst)
-    starts = brk.nonzero().flatten()
-    cs = torch.cumsum(size, 0)
-    ends = torch.cat((starts[1:], torch.tensor([n]))) - 1
-    # (index_select: advanced indexing with a tensor is far slower on some CPU builds)
-    first_size = size.index_select(0, starts)
-    run_bytes = cs.index_select(0, ends) - cs.index_select(0, starts) + first_size
-    return (
-        src.index_select(0, starts).tolist(),
-        dst.index_select(0, starts).tolist(),
-        run_bytes.tolist(),
-    )
-
-
 def _libc_memmove() -> Callable[[int, int, int], object]:
     """The C library's ``memmove`` with the cheapest argument and result conversions.
 
@@ -181,17 +155,6 @@ def _libc_memmove() -> Callable[[int, int, int], object]:
 
 
 _memmove = _libc_memmove()
-
-
-def _ctypes_copy_pages(
-    dst: list[int], src: list[int], size: list[int], start: int = 0, stop: int | None = None
-) -> int:
-    """Fallback of :func:`statecore.adapters._hostcopy.copy_pages`: one ctypes call per copy."""
-    if start == 0 and stop is None:
-        deque(map(_memmove, dst, src, size), 0)
-        return sum(size)
-    deque(map(_memmove, dst[start:stop], src[start:stop], size[start:stop]), 0)
-    return sum(size[start:stop])
 
 
 # One copy run of a CPU job, the arguments of copy_blocks before (start, stop):
@@ -226,13 +189,10 @@ def _ctypes_copy_blocks(
     return len(di) * nbytes, len(sizes)
 
 
-_native_copy_pages: Callable[..., int] | None
 _native_copy_blocks: Callable[..., tuple[int, int]] | None
-try:  # the C loops: read a piece's indices, then copy all of it without the GIL
+try:  # the C loop: reads a piece's indices, then copies all of it without the GIL
     from ._hostcopy import copy_blocks as _native_copy_blocks
-    from ._hostcopy import copy_pages as _native_copy_pages
 except ImportError:  # pragma: no cover - the extension is optional (no compiler at install)
-    _native_copy_pages = None
     _native_copy_blocks = None
 
 
@@ -245,15 +205,6 @@ def host_copy_impl() -> Literal["native", "ctypes"]:
     then mostly hand the GIL to each other, and large jobs are still shared but gain less.
     """
     return "native" if _native_copy_blocks is not None else "ctypes"
-
-
-def _copy_pages(
-    dst: list[int], src: list[int], size: list[int], start: int = 0, stop: int | None = None
-) -> int:
-    """``size[i]`` bytes from ``src[i]`` to ``dst[i]`` for ``i`` in ``[start, stop)``."""
-    if _native_copy_pages is not None:
-        return _native_copy_pages(dst, src, size, start, stop)
-    return _ctypes_copy_pages(dst, src, size, start, stop)
 
 
 def _copy_blocks(seg: _Segment, start: int = 0, stop: int | None = None) -> tuple[int, int]:
@@ -281,6 +232,38 @@ def _segment_pieces(
     return out
 
 
+def run_segments(
+    segments: Sequence[_Segment],
+    nbytes: int,
+    pages: int,
+    executor: ThreadPoolExecutor | None,
+    threads: int,
+) -> None:
+    """Run validated host copy segments; large jobs are shared by ``threads`` threads.
+
+    The calling thread is one of them; ``executor`` runs the others. Small jobs stay on the
+    calling thread (handing work to another thread costs tens of microseconds). With the
+    ctypes fallback, jobs of short pages stay there too: each ``memmove`` call takes the GIL
+    back, so several threads mostly fight over it.
+    """
+    if executor is None or threads <= 1 or pages < 2:
+        share = False
+    elif _native_copy_blocks is not None:
+        share = nbytes >= _NATIVE_PARALLEL_MIN_BYTES
+    else:
+        share = nbytes >= _HOST_PARALLEL_MIN_BYTES and nbytes >= _HOST_PARALLEL_MIN_RUN * pages
+    if not share or executor is None:
+        for seg in segments:
+            _copy_blocks(seg)
+        return
+    pieces = _segment_pieces(segments, nbytes, threads)
+    futures = [executor.submit(_drain_segment_pieces, pieces) for _ in range(threads - 1)]
+    _drain_segment_pieces(pieces)
+    for f in futures:
+        if not f.cancel():  # a helper that has not started yet has nothing left to do
+            f.result()
+
+
 def _drain_segment_pieces(pieces: deque[tuple[_Segment, int, int]]) -> None:
     """Claim pieces from ``pieces`` (``popleft`` is atomic) and copy them until none is left."""
     pop = pieces.popleft
@@ -290,92 +273,6 @@ def _drain_segment_pieces(pieces: deque[tuple[_Segment, int, int]]) -> None:
         except IndexError:
             return
         _copy_blocks(seg, a, b)
-
-
-def memmove_runs(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    size: torch.Tensor,
-    executor: ThreadPoolExecutor | None = None,
-    parts: int = 1,
-) -> None:
-    """Copy ``size[i]`` bytes from host address ``src[i]`` to ``dst[i]`` for every i.
-
-    Adjacent copies that continue each other are merged first. With an executor and
-    ``parts > 1`` the copies are shared by that many threads. Addresses must have been
-    validated by the caller.
-    """
-    s, d, z = _merge_runs(src, dst, size)
-    share_copies(d, s, z, sum(z), executor, parts)
-
-
-def share_copies(
-    dst: list[int],
-    src: list[int],
-    size: list[int],
-    nbytes: int,
-    executor: ThreadPoolExecutor | None,
-    threads: int,
-) -> None:
-    """Run validated host copies, shared by ``threads`` threads when that pays.
-
-    The calling thread is one of them; ``executor`` runs the others. Small jobs stay on the
-    calling thread (handing work to another thread costs tens of microseconds). With the
-    ctypes fallback, jobs of short copies stay there too: each ``memmove`` call takes the GIL
-    back, so several threads mostly fight over it.
-    """
-    n = len(size)
-    if executor is None or threads <= 1 or n < 2:
-        _copy_pages(dst, src, size)
-        return
-    if _native_copy_pages is not None:
-        if nbytes < _NATIVE_PARALLEL_MIN_BYTES:
-            _copy_pages(dst, src, size)
-            return
-    elif nbytes < _HOST_PARALLEL_MIN_BYTES or nbytes < _HOST_PARALLEL_MIN_RUN * n:
-        _copy_pages(dst, src, size)
-        return
-    pieces = _pieces(n, nbytes, threads)
-    futures = [executor.submit(_drain_pieces, pieces, dst, src, size) for _ in range(threads - 1)]
-    _drain_pieces(pieces, dst, src, size)
-    for f in futures:
-        if not f.cancel():  # a helper that has not started yet has nothing left to do
-            f.result()
-
-
-def _pieces(n: int, nbytes: int, threads: int) -> deque[tuple[int, int]]:
-    """Split copies ``0..n`` into shrinking pieces ``[a, b)`` for ``threads`` threads to claim.
-
-    Each piece is a ``1 / (2 * threads)`` share of what is left, but at least about
-    ``_PIECE_BYTES``: few claims while there is much to do, and small ones at the end so the
-    threads finish together.
-    """
-    least = max(1, n * _PIECE_BYTES // max(1, nbytes))
-    out: deque[tuple[int, int]] = deque()
-    a = 0
-    while a < n:
-        b = min(n, a + max(least, (n - a) // (2 * threads)))
-        out.append((a, b))
-        a = b
-    return out
-
-
-def _drain_pieces(
-    pieces: deque[tuple[int, int]], dst: list[int], src: list[int], size: list[int]
-) -> None:
-    """Claim pieces ``[a, b)`` of a copy list from ``pieces`` and copy them until none is left.
-
-    Several threads share ``pieces`` (``deque.popleft`` is atomic): a thread that starts
-    late, or copies slowly, simply claims fewer pieces, so the work stays balanced without a
-    static split.
-    """
-    pop = pieces.popleft
-    while True:
-        try:
-            a, b = pop()
-        except IndexError:
-            return
-        _copy_pages(dst, src, size, a, b)
 
 
 def _runs(ids: Sequence[int], rows: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
@@ -814,30 +711,6 @@ class TorchTransferBackend:
                     segments.append((gbase, gstride, ids, cbase, page, rows, page))
         return segments, nbytes, pages
 
-    def _host_copy_segments(self, segments: list[_Segment], nbytes: int, pages: int) -> None:
-        """Run a job's validated segments; large jobs are shared by the copy threads.
-
-        With the ctypes fallback, jobs of short pages stay on the calling thread: each
-        ``memmove`` call takes the GIL back, so several threads mostly fight over it.
-        """
-        ex, threads = self._executor, self.threads
-        if ex is None or threads <= 1 or pages < 2:
-            share = False
-        elif _native_copy_blocks is not None:
-            share = nbytes >= _NATIVE_PARALLEL_MIN_BYTES
-        else:
-            share = nbytes >= _HOST_PARALLEL_MIN_BYTES and nbytes >= _HOST_PARALLEL_MIN_RUN * pages
-        if not share or ex is None:
-            for seg in segments:
-                _copy_blocks(seg)
-            return
-        pieces = _segment_pieces(segments, nbytes, threads)
-        futures = [ex.submit(_drain_segment_pieces, pieces) for _ in range(threads - 1)]
-        _drain_segment_pieces(pieces)
-        for f in futures:
-            if not f.cancel():  # a helper that has not started yet has nothing left to do
-                f.result()
-
     def _addresses(
         self, plan: _Plan, is_store: bool, device_side: bool = False
     ) -> tuple[torch.Tensor, ...]:
@@ -869,9 +742,6 @@ class TorchTransferBackend:
         )
         return (gpu_addr, cpu_addr, size) if is_store else (cpu_addr, gpu_addr, size)
 
-    def _host_copy(self, src: torch.Tensor, dst: torch.Tensor, size: torch.Tensor) -> None:
-        memmove_runs(src, dst, size, self._executor, self.threads)
-
     # -- protocol -------------------------------------------------------------------------
     def submit(self, job_id: int, job: TransferJob, is_store: bool) -> None:
         """Validate the job's specs, then start its copies (on the CPU: run them)."""
@@ -880,7 +750,7 @@ class TorchTransferBackend:
         if self.impl == "cpu":
             segments, nbytes, pages = self._host_plan(job_id, job, is_store)
             t0 = time.perf_counter()
-            self._host_copy_segments(segments, nbytes, pages)
+            run_segments(segments, nbytes, pages, self._executor, self.threads)
             dt = time.perf_counter() - t0
             self._done.append(TransferResult(job_id, True, nbytes, dt, is_store))
             return
@@ -940,9 +810,9 @@ class TorchTransferBackend:
         bounce_addr = bounce.data_ptr()
         stream, start, end = self._launch(is_store)
         # Host side of the bounce: page copies between bounce offsets and pool rows.
-        host_src, host_dst, host_size = self._bounce_addresses(plan, bounce_addr, is_store)
+        host = self._bounce_segments(plan, bounce_addr, is_store)
         if not is_store:
-            self._host_copy(host_src, host_dst, host_size)
+            run_segments(*host, self._executor, self.threads)
         keep: list[torch.Tensor] = [bounce]
         with self._on(stream):
             start.record(stream)
@@ -967,27 +837,26 @@ class TorchTransferBackend:
                 for gview, gdev, view in parts:
                     gview.index_copy_(0, gdev, view)
             end.record(stream)
-        on_done = (lambda: self._host_copy(host_src, host_dst, host_size)) if is_store else None
+        on_done = (lambda: run_segments(*host, self._executor, self.threads)) if is_store else None
         self._track(_Pending(job_id, is_store, plan.nbytes, start, end, on_done, keep))
 
-    def _bounce_addresses(
+    def _bounce_segments(
         self, plan: _Plan, bounce_addr: int, is_store: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cpu_addr = [
-            self._cpu_base[t] + c * self._page_t[t]
-            for t, c in zip(plan.tensors, plan.cpu_rows, strict=True)
-        ]
-        sizes = [
-            self._page_t[t].expand(c.numel())
-            for t, c in zip(plan.tensors, plan.cpu_rows, strict=True)
-        ]
-        if not cpu_addr:
-            z = torch.empty(0, dtype=torch.int64)
-            return z, z, z
-        size = torch.cat(sizes)
-        pool_addr = torch.cat(cpu_addr)
-        offs = torch.cumsum(size, 0) - size + bounce_addr
-        return (offs, pool_addr, size) if is_store else (pool_addr, offs, size)
+    ) -> tuple[list[_Segment], int, int]:
+        """Host side of a staged job: ``(segments, nbytes, pages)`` between the pool rows and
+        the bounce buffer, which holds the plan's pages tensor after tensor, in plan order."""
+        segments: list[_Segment] = []
+        off = pages = 0
+        for t, rows_t in zip(plan.tensors, plan.cpu_rows, strict=True):
+            k, page = rows_t.numel(), self.page_bytes[t]
+            rows, seq, base = rows_t.tolist(), range(k), bounce_addr + off
+            if is_store:  # bounce -> pool rows
+                segments.append((self._cpu_base_i[t], page, rows, base, page, seq, page))
+            else:  # pool rows -> bounce
+                segments.append((base, page, seq, self._cpu_base_i[t], page, rows, page))
+            off += k * page
+            pages += k
+        return segments, off, pages
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` in page-locked memory for an asynchronous upload (CUDA); ``t`` on the CPU."""

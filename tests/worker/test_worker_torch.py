@@ -14,8 +14,7 @@ import statecore.adapters.torch as torch_adapter  # noqa: E402
 from statecore.adapters.torch import (  # noqa: E402
     TorchTransferBackend,
     host_copy_impl,
-    memmove_runs,
-    share_copies,
+    run_segments,
 )
 
 from statecore.errors import ConfigError, SpecError  # noqa: E402
@@ -44,7 +43,6 @@ HOST_IMPLS = [
 def use_host_impl(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run host copies with ``impl`` and share even small test jobs between the threads."""
     if impl == "ctypes":
-        monkeypatch.setattr(torch_adapter, "_native_copy_pages", None)
         monkeypatch.setattr(torch_adapter, "_native_copy_blocks", None)
     monkeypatch.setattr(torch_adapter, "_HOST_PARALLEL_MIN_BYTES", 1 << 20)
     monkeypatch.setattr(torch_adapter, "_NATIVE_PARALLEL_MIN_BYTES", 1 << 20)
@@ -213,19 +211,6 @@ def test_padded_block_stride_and_large_parallel_job(impl: str) -> None:
         assert cache[b].numpy().tobytes() == bytes(pool.row(0, sl))
     assert torch.equal(backing[:, page:], pad)  # padding never written
     be.shutdown()
-
-
-def test_memmove_runs_merges_adjacent_copies() -> None:
-    src = torch.arange(64, dtype=torch.uint8)
-    dst = torch.zeros(64, dtype=torch.uint8)
-    s0, d0 = src.data_ptr(), dst.data_ptr()
-    srcs = torch.tensor([s0, s0 + 8, s0 + 32, s0 + 16], dtype=torch.int64)
-    dsts = torch.tensor([d0 + 40, d0 + 48, d0, d0 + 8], dtype=torch.int64)
-    memmove_runs(srcs, dsts, torch.full((4,), 8, dtype=torch.int64))
-    assert dst[40:56].tolist() == list(range(16))
-    assert dst[0:8].tolist() == list(range(32, 40))
-    assert dst[8:16].tolist() == list(range(16, 24))
-    assert dst[16:40].tolist() == [0] * 24
 
 
 @pytest.mark.parametrize(
@@ -495,66 +480,43 @@ def test_consecutive_blocks_merge_and_parallel_pieces_byte_exact(
 
 @pytest.mark.parametrize("impl", HOST_IMPLS)
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_share_copies_moves_scattered_ranges_byte_exact(
+def test_run_segments_moves_scattered_pages_byte_exact(
     impl: str, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Random scattered copies of mixed lengths, split into pieces claimed by the threads:
-    every destination range gets its source bytes and nothing else is written."""
+    """Segments of several page sizes (one with a padded source stride), scattered on both
+    sides, cut into pieces claimed by the threads: every destination page gets its source
+    bytes and nothing else is written."""
     from concurrent.futures import ThreadPoolExecutor
 
     use_host_impl(impl, monkeypatch)
-    shared = _spy_pieces(monkeypatch)
+    shared = _spy_pieces(monkeypatch, "_segment_pieces")
     rng = random.Random(threads)
-    sizes = [rng.choice([1, 7, 4096, 65536, 100_000]) for _ in range(80)]
-    src = torch.randint(0, 255, (sum(sizes),), dtype=torch.uint8)
-    dst = torch.zeros(sum(sizes) + 4096, dtype=torch.uint8)
-    offs = [sum(sizes[:i]) for i in range(len(sizes))]
-    order = list(range(len(sizes)))
-    rng.shuffle(order)  # destination: the same ranges, laid out in another order
-    dst_offs, at = {}, 0
-    for i in order:
-        dst_offs[i] = at
-        at += sizes[i]
-    s0, d0 = src.data_ptr(), dst.data_ptr()
-    srcs = [s0 + offs[i] for i in range(len(sizes))]
-    dsts = [d0 + dst_offs[i] for i in range(len(sizes))]
+    n = 48
+    segments, expected, nbytes, pages = [], [], 0, 0
+    buffers = []
+    for page, pad in ((4096, 0), (65536, 0), (100_000, 8), (7, 1)):
+        src = torch.randint(0, 255, (n, page + pad), dtype=torch.uint8)
+        dst = torch.zeros((n, page), dtype=torch.uint8)
+        buffers += [src, dst]
+        # distinct indices; positions 5..9 are a run on both sides (40..44 -> 0..4)
+        si = rng.sample(range(40), 25)
+        di = rng.sample(range(5, n), 25)
+        si[5:5], di[5:5] = range(40, 45), range(0, 5)
+        seg = (dst.data_ptr(), page, di, src.data_ptr(), page + pad, si, page)
+        segments.append(seg)
+        expected.append((src, dst, si, di, page))
+        nbytes += 30 * page
+        pages += 30
     ex = ThreadPoolExecutor(threads - 1) if threads > 1 else None
-    share_copies(dsts, srcs, sizes, sum(sizes), ex, threads)
+    run_segments(segments, nbytes, pages, ex, threads)
     if ex is not None:
         ex.shutdown()
-    for i, z in enumerate(sizes):
-        assert torch.equal(dst[dst_offs[i] : dst_offs[i] + z], src[offs[i] : offs[i] + z])
-    assert not dst[sum(sizes) :].any()  # the tail was never written
+    for src, dst, si, di, page in expected:
+        for s_i, d_i in zip(si, di, strict=True):
+            assert torch.equal(dst[d_i], src[s_i, :page])
+        untouched = sorted(set(range(n)) - set(di))
+        assert not dst[untouched].any()
     assert (len(shared) == 1 and shared[0] >= 2) if threads > 1 else not shared
-
-
-@pytest.mark.skipif(
-    host_copy_impl() != "native",
-    reason="statecore.adapters._hostcopy was not built (no C compiler at install)",
-)
-def test_native_copy_pages_ranges_and_errors() -> None:
-    from statecore.adapters._hostcopy import copy_pages
-
-    src = torch.arange(32, dtype=torch.uint8)
-    dst = torch.zeros(32, dtype=torch.uint8)
-    s0, d0 = src.data_ptr(), dst.data_ptr()
-    srcs, dsts, sizes = [s0, s0 + 8, s0 + 16], [d0 + 16, d0, d0 + 8], [8, 8, 8]
-    assert copy_pages(dsts, srcs, sizes, 1, 2) == 8  # only copy 1
-    assert dst[:8].tolist() == list(range(8, 16)) and not dst[8:].any()
-    assert copy_pages(tuple(dsts), tuple(srcs), tuple(sizes)) == 24
-    assert dst[:24].tolist() == [*range(8, 24), *range(8)]
-    before = dst.clone()
-    with pytest.raises(ValueError, match="differ in length"):
-        copy_pages(dsts, srcs, sizes[:2])
-    with pytest.raises(ValueError, match=r"range \[2, 4\)"):
-        copy_pages(dsts, srcs, sizes, 2, 4)
-    with pytest.raises(ValueError, match=r"size\[1\]"):
-        copy_pages(dsts, srcs, [8, -1, 8])
-    with pytest.raises(TypeError, match="dst must be a list or tuple"):
-        copy_pages(5, srcs, sizes)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="3 to 5"):
-        copy_pages(dsts, srcs)  # type: ignore[call-arg]
-    assert torch.equal(dst, before)  # a rejected call copies nothing
 
 
 @pytest.mark.skipif(
