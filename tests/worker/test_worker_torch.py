@@ -28,16 +28,11 @@ NUM_SLOTS = 30
 # CPU copy modes: "auto" copies directly; "staging" runs the CUDA staging path's code on host
 # memory (queued jobs, bounce buffer, host scatter at completion)
 CPU_IMPLS = ["auto", "staging"]
-HOST_IMPLS = [
-    pytest.param(
-        "native",
-        marks=pytest.mark.skipif(
-            host_copy_impl() != "native",
-            reason="statecore.adapters._hostcopy was not built (no C compiler at install)",
-        ),
-    ),
-    "ctypes",
-]
+needs_native = pytest.mark.skipif(
+    host_copy_impl() != "native",
+    reason="statecore.adapters._hostcopy was not built (no C compiler at install)",
+)
+HOST_IMPLS = [pytest.param("native", marks=needs_native), "ctypes"]
 
 
 def use_host_impl(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -519,10 +514,7 @@ def test_run_segments_moves_scattered_pages_byte_exact(
     assert (len(shared) == 1 and shared[0] >= 2) if threads > 1 else not shared
 
 
-@pytest.mark.skipif(
-    host_copy_impl() != "native",
-    reason="statecore.adapters._hostcopy was not built (no C compiler at install)",
-)
+@needs_native
 def test_native_copy_blocks_strides_merges_and_errors() -> None:
     from statecore.adapters._hostcopy import copy_blocks
 
@@ -553,10 +545,7 @@ def test_native_copy_blocks_strides_merges_and_errors() -> None:
     assert torch.equal(dst, before)  # a rejected call copies nothing
 
 
-@pytest.mark.skipif(
-    host_copy_impl() != "native",
-    reason="statecore.adapters._hostcopy was not built (no C compiler at install)",
-)
+@needs_native
 @pytest.mark.parametrize("seed", range(4))
 def test_copy_blocks_fallback_matches_native(seed: int) -> None:
     """The ctypes fallback and the C loop copy the same bytes with the same merged runs."""
