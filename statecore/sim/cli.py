@@ -46,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checked", action="store_true", help="checked mode (invariants after every call)"
     )
+    p.add_argument(
+        "--copy-impl",
+        choices=("auto", "staging"),
+        default=d.copy_impl,
+        help="torch adapter copy mode: auto (direct CPU copies) or staging (the CUDA staging "
+        "path's code on CPU: queued jobs, bounce buffers, store scatter at completion)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of hit rate and in-flight jobs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -112,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stall_check_interval_s=min(base.stall_check_interval_s, args.stall_timeout),
         tiering=args.tiering,
         checked=args.checked,
+        copy_impl=args.copy_impl,
     )
     from statecore.sim.run import simulate
 

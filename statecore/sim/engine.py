@@ -76,6 +76,9 @@ class SimConfig:
         drain_steps: at most this many steps to drain at the end; 0 derives it.
         tiering: put a file tier (in a temporary directory) behind the CPU tier.
         checked: run the scheduler in checked mode (lifecycle machines beside the tables).
+        copy_impl: the torch adapter's copy mode on the CPU tensors: ``"auto"`` (direct
+            copies) or ``"staging"`` (the CUDA staging path's code: queued jobs, bounce
+            buffers, the host scatter of a store when it completes).
     """
 
     seed: int = 0
@@ -99,6 +102,7 @@ class SimConfig:
     drain_steps: int = 0
     tiering: bool = False
     checked: bool = False
+    copy_impl: str = "auto"
 
     def live_bound(self) -> int:
         """INV-LIVE: steps a request may stay deferred or waiting on one load."""

@@ -85,8 +85,11 @@ class RankStackImpl:
         return self.delayed.pending() + len(self.worker.deferred)
 
 
-def _make_backend(kv: KVCache, rank: int, pool: CPUPool, regions: range, bpc: int) -> Any:
-    """The torch adapter over this rank's KV tensors and pool regions.
+def _make_backend(
+    kv: KVCache, rank: int, pool: CPUPool, regions: range, bpc: int, copy_impl: str = "auto"
+) -> Any:
+    """The torch adapter over this rank's KV tensors and pool regions (``copy_impl``: its
+    copy mode, see :class:`~statecore.sim.engine.SimConfig`).
 
     Falls back to the pure-Python :class:`~statecore.worker.MemoryBackend` over the same
     memory when the adapter cannot be imported (``STATECORE_SIM_BACKEND=memory`` forces it).
@@ -98,7 +101,12 @@ def _make_backend(kv: KVCache, rank: int, pool: CPUPool, regions: range, bpc: in
             adapter = None
         if adapter is not None:
             return adapter.TorchTransferBackend(
-                kv.tensors[rank], pool, bpc, pool_regions=list(regions), threads=1
+                kv.tensors[rank],
+                pool,
+                bpc,
+                pool_regions=list(regions),
+                threads=1,
+                copy_impl=copy_impl,
             )
     from statecore.worker import MemoryBackend
 
@@ -141,7 +149,9 @@ class SimStack:
         f = cfg.faults
         for r in range(cfg.num_workers):
             regions = range(r * cfg.num_tensors, (r + 1) * cfg.num_tensors)
-            inner = _make_backend(self.kv, r, self.pool, regions, cfg.blocks_per_chunk)
+            inner = _make_backend(
+                self.kv, r, self.pool, regions, cfg.blocks_per_chunk, cfg.copy_impl
+            )
             delayed = DelayedBackend(
                 inner, random.Random(root.getrandbits(64)), f.delay_store, f.max_store_delay
             )

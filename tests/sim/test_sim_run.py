@@ -51,6 +51,14 @@ def test_checked_mode_and_several_workers() -> None:
     assert rep.ok, rep.format_text()
 
 
+def test_staging_copy_mode_run_is_clean() -> None:
+    """The torch adapter's staging path (queued jobs, bounce buffers, a store's scatter into
+    the pool at completion) under the default faults: every loaded byte checked."""
+    rep = simulate(_small(seed=6, copy_impl="staging"))
+    assert rep.ok, rep.format_text()
+    assert rep.tokens["loaded"] > 0 and rep.faults["delay_store"].observed > 0
+
+
 def test_no_faults_run_has_no_failures() -> None:
     rep = simulate(_small(seed=2, faults=SimFaults.preset("none")))
     assert rep.ok, rep.format_text()
