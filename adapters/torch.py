@@ -57,6 +57,7 @@ Factories: :func:`sim_backend` (one simulated rank over its regions of a shared 
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import functools
@@ -360,13 +361,20 @@ class _Pending:
 
 
 @dataclass(slots=True)
-class _Plan:
-    """A job's page copies: per canonical tensor, GPU rows and CPU sub-rows (CPU tensors)."""
+class _Span:
+    """One KV-cache group's pages of a job: GPU block ids and CPU sub-rows, co-indexed."""
 
-    tensors: list[int]
-    gpu_rows: list[torch.Tensor]
-    cpu_rows: list[torch.Tensor]
-    nbytes: int
+    group: int
+    ids: Sequence[int]
+    rows: Sequence[int]
+
+
+def _int64_tensor(values: Sequence[int]) -> torch.Tensor:
+    """A CPU int64 tensor of ``values`` (through ``array``: about 3x faster than
+    ``torch.tensor`` on a sequence of Python ints)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
 def _block_view(t: torch.Tensor, idx: int) -> tuple[torch.Tensor, int, int]:
@@ -485,11 +493,8 @@ class TorchTransferBackend:
             _region_view(pool, regions[i], pool.num_slots * blocks_per_chunk, self.page_bytes[i])
             for i in range(len(gpu_caches))
         ]
-        self._cpu_base = torch.tensor([c.data_ptr() for c in self._cpu], dtype=torch.int64)
-        self._cpu_dev_base = self._cpu_base  # device-side address of each region (CUDA)
-        self._gpu_base = torch.tensor([v.data_ptr() for v in self._gpu], dtype=torch.int64)
-        self._gpu_stride_t = torch.tensor(self._gpu_stride, dtype=torch.int64)
-        self._page_t = torch.tensor(self.page_bytes, dtype=torch.int64)
+        # each region's address as the device sees it (CUDA: set again after registration)
+        self._cpu_dev_base = torch.tensor([c.data_ptr() for c in self._cpu], dtype=torch.int64)
         # Host copies plan on Python ints: small torch ops cost more than the arithmetic.
         self._gpu_base_i = [v.data_ptr() for v in self._gpu]
         self._cpu_base_i = [c.data_ptr() for c in self._cpu]
@@ -523,7 +528,23 @@ class TorchTransferBackend:
             if self._word_bytes == 0:
                 raise ConfigError("copy_impl='triton' needs page sizes that are multiples of 4")
             self.impl = "triton"
+        self._build_group_tables()
         log.info("TorchTransferBackend: device %s, copy implementation %s", self.device, self.impl)
+
+    def _build_group_tables(self) -> None:
+        """Per KV-cache group, its tensors' bases, strides and page sizes as int64 vectors:
+        a span's addresses are then one broadcast over the group's tensors (the Triton
+        path), not a few torch ops per tensor."""
+        cpu_dev = self._cpu_dev_base.tolist()
+
+        def vec(values: Sequence[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).unsqueeze(1)
+
+        self._group_bytes = [sum(self.page_bytes[t] for t in ts) for ts in self.group_tensors]
+        self._grp_gbase = [vec([self._gpu_base_i[t] for t in ts]) for ts in self.group_tensors]
+        self._grp_gstride = [vec([self._gpu_stride[t] for t in ts]) for ts in self.group_tensors]
+        self._grp_cbase = [vec([int(cpu_dev[t]) for t in ts]) for ts in self.group_tensors]
+        self._grp_page = [vec([self.page_bytes[t] for t in ts]) for ts in self.group_tensors]
 
     # -- CUDA setup -----------------------------------------------------------------------
     def _setup_cuda(self, copy_impl: CopyImpl, register_pool: bool) -> None:
@@ -649,49 +670,18 @@ class TorchTransferBackend:
         validate_ids(gpu.block_ids, cpu.slots, self.num_gpu_blocks, self.pool.num_slots)
         return gpu, cpu, spans
 
-    def _plan(self, job_id: int, job: TransferJob, is_store: bool) -> _Plan:
-        gpu, cpu, spans = self._validated(job_id, job, is_store)
-        block_ids = torch.tensor(gpu.block_ids, dtype=torch.int64)
-        slots = torch.tensor(cpu.slots, dtype=torch.int64)
-        per_tensor: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        nbytes = 0
-        for sp in spans:
-            if sp.num_blocks == 0:
-                continue
-            gidx = block_ids[sp.first_block : sp.first_block + sp.num_blocks]
-            pos = torch.arange(sp.skip, sp.skip + sp.num_blocks, dtype=torch.int64)
-            cidx = slots.index_select(0, sp.first_chunk + pos // self.bpc) * self.bpc
-            cidx += pos % self.bpc
-            for t in self.group_tensors[sp.group]:
-                g_list, c_list = per_tensor.setdefault(t, ([], []))
-                g_list.append(gidx)
-                c_list.append(cidx)
-                nbytes += sp.num_blocks * self.page_bytes[t]
-        tensors = sorted(per_tensor)
-        return _Plan(
-            tensors,
-            [torch.cat(per_tensor[t][0]) for t in tensors],
-            [torch.cat(per_tensor[t][1]) for t in tensors],
-            nbytes,
-        )
+    def _spans(self, job_id: int, job: TransferJob, is_store: bool) -> list[_Span]:
+        """The job's pages per group (validated; groups without pages or tensors left out).
 
-    def _host_plan(
-        self, job_id: int, job: TransferJob, is_store: bool
-    ) -> tuple[list[_Segment], int, int]:
-        """``(segments, nbytes, pages)`` of a CPU job: one segment per group span and tensor.
-
-        A segment names its pages by index (GPU block ids, CPU sub-rows) with the bases and
-        strides that turn them into addresses; the copy loop computes the addresses and
-        merges pages that continue each other on both sides. Per page, Python only slices
-        the spec's tuples (and, with ``blocks_per_chunk > 1``, lists the sub-rows).
+        Per page, Python only slices the spec's tuples (and, with ``blocks_per_chunk > 1``,
+        lists the sub-rows).
         """
         gpu, cpu, spans = self._validated(job_id, job, is_store)
         bpc = self.bpc
-        segments: list[_Segment] = []
-        nbytes = pages = 0
+        out: list[_Span] = []
         for sp in spans:
             nb = sp.num_blocks
-            if nb == 0:
+            if nb == 0 or not self.group_tensors[sp.group]:
                 continue
             ids = gpu.block_ids[sp.first_block : sp.first_block + nb]
             chunks = cpu.slots[sp.first_chunk : sp.first_chunk + sp.num_chunks]
@@ -700,6 +690,25 @@ class TorchTransferBackend:
                 if bpc == 1
                 else [c * bpc + k for c in chunks for k in range(bpc)][sp.skip : sp.skip + nb]
             )
+            out.append(_Span(sp.group, ids, rows))
+        return out
+
+    def _nbytes(self, spans: Sequence[_Span]) -> int:
+        return sum(len(sp.ids) * self._group_bytes[sp.group] for sp in spans)
+
+    def _host_plan(
+        self, job_id: int, job: TransferJob, is_store: bool
+    ) -> tuple[list[_Segment], int, int]:
+        """``(segments, nbytes, pages)`` of a CPU job: one segment per group span and tensor.
+
+        A segment names its pages by index (GPU block ids, CPU sub-rows) with the bases and
+        strides that turn them into addresses; the copy loop computes the addresses and
+        merges pages that continue each other on both sides.
+        """
+        segments: list[_Segment] = []
+        nbytes = pages = 0
+        for sp in self._spans(job_id, job, is_store):
+            ids, rows, nb = sp.ids, sp.rows, len(sp.ids)
             for t in self.group_tensors[sp.group]:
                 gbase, gstride = self._gpu_base_i[t], self._gpu_stride[t]
                 cbase, page = self._cpu_base_i[t], self.page_bytes[t]
@@ -710,37 +719,6 @@ class TorchTransferBackend:
                 else:
                     segments.append((gbase, gstride, ids, cbase, page, rows, page))
         return segments, nbytes, pages
-
-    def _addresses(
-        self, plan: _Plan, is_store: bool, device_side: bool = False
-    ) -> tuple[torch.Tensor, ...]:
-        """(src, dst, size) int64 address arrays of every page copy of ``plan``.
-
-        ``device_side``: pool addresses as the GPU sees them (mapped registered memory).
-        """
-        cpu_base = self._cpu_dev_base if device_side else self._cpu_base
-        if not plan.tensors:
-            z = torch.empty(0, dtype=torch.int64)
-            return z, z, z
-        gpu_addr = torch.cat(
-            [
-                self._gpu_base[t] + g * self._gpu_stride_t[t]
-                for t, g in zip(plan.tensors, plan.gpu_rows, strict=True)
-            ]
-        )
-        cpu_addr = torch.cat(
-            [
-                cpu_base[t] + c * self._page_t[t]
-                for t, c in zip(plan.tensors, plan.cpu_rows, strict=True)
-            ]
-        )
-        size = torch.cat(
-            [
-                self._page_t[t].expand(g.numel())
-                for t, g in zip(plan.tensors, plan.gpu_rows, strict=True)
-            ]
-        )
-        return (gpu_addr, cpu_addr, size) if is_store else (cpu_addr, gpu_addr, size)
 
     # -- protocol -------------------------------------------------------------------------
     def submit(self, job_id: int, job: TransferJob, is_store: bool) -> None:
@@ -754,11 +732,11 @@ class TorchTransferBackend:
             dt = time.perf_counter() - t0
             self._done.append(TransferResult(job_id, True, nbytes, dt, is_store))
             return
-        plan = self._plan(job_id, job, is_store)
+        spans = self._spans(job_id, job, is_store)
         if self.impl == "triton":
-            self._submit_triton(job_id, plan, is_store)
+            self._submit_triton(job_id, spans, is_store)
         else:
-            self._submit_staging(job_id, plan, is_store)
+            self._submit_staging(job_id, spans, is_store)
 
     def _launch(self, is_store: bool) -> tuple[Any, Any, Any]:
         """(stream, start event, end event) for a queued job; on the CPU (the test modes)
@@ -774,23 +752,46 @@ class TorchTransferBackend:
         end = _cuda.Event(enable_timing=True)
         return stream, start, end
 
-    def kernel_args(self, plan: _Plan, is_store: bool) -> tuple[torch.Tensor, int, int]:
-        """The Triton kernel's arguments for ``plan``: ``(addrs, n, max_words)``.
+    def kernel_args(
+        self, job_id: int, job: TransferJob, is_store: bool
+    ) -> tuple[torch.Tensor, int, int]:
+        """The Triton kernel's arguments for a job: ``(addrs, n, max_words)``.
 
         ``addrs`` is an int64 host tensor ``[3, n]``: source address, destination address and
         words (of ``self._word_bytes``) of each page copy; pool addresses are those the GPU
-        sees (the mapped registration). On a CPU backend they are host addresses, which is
-        how tests run the kernel in Triton's interpreter.
+        sees (the mapped registration). Built with one broadcast per group span over the
+        group's tensors. On a CPU backend the addresses are host addresses, which is how
+        tests run the kernel in Triton's interpreter. Raises :class:`SpecError` like
+        :meth:`submit`.
         """
-        src, dst, size = self._addresses(plan, is_store, device_side=True)
+        return self._kernel_table(self._spans(job_id, job, is_store), is_store)
+
+    def _kernel_table(
+        self, spans: Sequence[_Span], is_store: bool
+    ) -> tuple[torch.Tensor, int, int]:
         wb = self._word_bytes
         if wb == 0:
             raise TransferError("page sizes or addresses are not multiples of 4 bytes")
-        max_words = max((self.page_bytes[t] for t in plan.tensors), default=0) // wb
-        return torch.stack((src, dst, size // wb)), src.numel(), max_words
+        gpu_parts: list[torch.Tensor] = []
+        cpu_parts: list[torch.Tensor] = []
+        word_parts: list[torch.Tensor] = []
+        max_page = 0
+        for sp in spans:
+            g = sp.group
+            ids, rows = _int64_tensor(sp.ids), _int64_tensor(sp.rows)
+            pages = self._grp_page[g]  # (tensors, 1)
+            gpu_parts.append(torch.addcmul(self._grp_gbase[g], ids, self._grp_gstride[g]).ravel())
+            cpu_parts.append(torch.addcmul(self._grp_cbase[g], rows, pages).ravel())
+            word_parts.append((pages // wb).expand(-1, ids.numel()).ravel())
+            max_page = max(max_page, max(self.page_bytes[t] for t in self.group_tensors[g]))
+        if not gpu_parts:
+            return torch.empty((3, 0), dtype=torch.int64), 0, 0
+        gpu_addr, cpu_addr = torch.cat(gpu_parts), torch.cat(cpu_parts)
+        src, dst = (gpu_addr, cpu_addr) if is_store else (cpu_addr, gpu_addr)
+        return torch.stack((src, dst, torch.cat(word_parts))), gpu_addr.numel(), max_page // wb
 
-    def _submit_triton(self, job_id: int, plan: _Plan, is_store: bool) -> None:
-        addrs, n, max_words = self.kernel_args(plan, is_store)
+    def _submit_triton(self, job_id: int, spans: list[_Span], is_store: bool) -> None:
+        addrs, n, max_words = self._kernel_table(spans, is_store)
         addrs = self._pinned(addrs)
         stream, start, end = self._launch(is_store)
         keep: list[torch.Tensor] = [addrs]
@@ -802,61 +803,62 @@ class TorchTransferBackend:
                 kernel: Any = triton_copy()
                 kernel.launch_copy_pages(dev, n, max_words, self._word_bytes)
             end.record(stream)
-        self._track(_Pending(job_id, is_store, plan.nbytes, start, end, None, keep))
+        self._track(_Pending(job_id, is_store, self._nbytes(spans), start, end, None, keep))
 
-    def _submit_staging(self, job_id: int, plan: _Plan, is_store: bool) -> None:
-        total = plan.nbytes
+    def _submit_staging(self, job_id: int, spans: list[_Span], is_store: bool) -> None:
+        """Staged copies. The bounce buffer (pinned) and the GPU staging buffer hold the
+        job's pages span after span, and within a span tensor after tensor; each span's
+        block ids go to the GPU once, for all of its group's tensors."""
+        total = self._nbytes(spans)
         bounce = torch.empty(total, dtype=torch.uint8, pin_memory=self.is_cuda)
         bounce_addr = bounce.data_ptr()
         stream, start, end = self._launch(is_store)
-        # Host side of the bounce: page copies between bounce offsets and pool rows.
-        host = self._bounce_segments(plan, bounce_addr, is_store)
+        # Host side: pool rows <-> bounce, one segment per span and tensor.
+        segments: list[_Segment] = []
+        layout: list[tuple[int, int, int, int]] = []  # (span index, tensor, offset, pages)
+        off = pages = 0
+        for i, sp in enumerate(spans):
+            k, rows, seq = len(sp.ids), sp.rows, range(len(sp.ids))
+            for t in self.group_tensors[sp.group]:
+                page, base = self.page_bytes[t], bounce_addr + off
+                if is_store:  # bounce -> pool rows, when the job's event has completed
+                    segments.append((self._cpu_base_i[t], page, rows, base, page, seq, page))
+                else:  # pool rows -> bounce, now
+                    segments.append((base, page, seq, self._cpu_base_i[t], page, rows, page))
+                layout.append((i, t, off, k))
+                off += k * page
+                pages += k
         if not is_store:
-            run_segments(*host, self._executor, self.threads)
+            run_segments(segments, total, pages, self._executor, self.threads)
         keep: list[torch.Tensor] = [bounce]
         with self._on(stream):
             start.record(stream)
             staging = torch.empty(total, dtype=torch.uint8, device=self.device)
             keep.append(staging)
-            off = 0
-            parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-            for t, g in zip(plan.tensors, plan.gpu_rows, strict=True):
-                nb = g.numel() * self.page_bytes[t]
-                view = staging[off : off + nb].view(g.numel(), self.page_bytes[t])
-                g_pinned = self._pinned(g)
-                gdev = g_pinned.to(self.device, non_blocking=True)
-                keep += (g_pinned, gdev)
-                parts.append((self._gpu[t], gdev, view))
-                off += nb
+            index: list[torch.Tensor] = []
+            for sp in spans:
+                ids = self._pinned(_int64_tensor(sp.ids))
+                index.append(ids.to(self.device, non_blocking=True))
+                keep += (ids, index[-1])
+            views = [
+                (self._gpu[t], index[i], staging[o : o + k * self.page_bytes[t]].view(k, -1))
+                for i, t, o, k in layout
+            ]
             if is_store:
-                for gview, gdev, view in parts:
-                    torch.index_select(gview, 0, gdev, out=view)
+                for gview, idx, view in views:
+                    torch.index_select(gview, 0, idx, out=view)
                 bounce.copy_(staging, non_blocking=True)
             elif total:
                 staging.copy_(bounce, non_blocking=True)
-                for gview, gdev, view in parts:
-                    gview.index_copy_(0, gdev, view)
+                for gview, idx, view in views:
+                    gview.index_copy_(0, idx, view)
             end.record(stream)
-        on_done = (lambda: run_segments(*host, self._executor, self.threads)) if is_store else None
-        self._track(_Pending(job_id, is_store, plan.nbytes, start, end, on_done, keep))
-
-    def _bounce_segments(
-        self, plan: _Plan, bounce_addr: int, is_store: bool
-    ) -> tuple[list[_Segment], int, int]:
-        """Host side of a staged job: ``(segments, nbytes, pages)`` between the pool rows and
-        the bounce buffer, which holds the plan's pages tensor after tensor, in plan order."""
-        segments: list[_Segment] = []
-        off = pages = 0
-        for t, rows_t in zip(plan.tensors, plan.cpu_rows, strict=True):
-            k, page = rows_t.numel(), self.page_bytes[t]
-            rows, seq, base = rows_t.tolist(), range(k), bounce_addr + off
-            if is_store:  # bounce -> pool rows
-                segments.append((self._cpu_base_i[t], page, rows, base, page, seq, page))
-            else:  # pool rows -> bounce
-                segments.append((base, page, seq, self._cpu_base_i[t], page, rows, page))
-            off += k * page
-            pages += k
-        return segments, off, pages
+        on_done = (
+            (lambda: run_segments(segments, total, pages, self._executor, self.threads))
+            if is_store
+            else None
+        )
+        self._track(_Pending(job_id, is_store, total, start, end, on_done, keep))
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` in page-locked memory for an asynchronous upload (CUDA); ``t`` on the CPU."""

@@ -68,7 +68,7 @@ def main() -> None:
             is_store = job_id % 2 == 0
             job = mapping.store() if is_store else mapping.load()
             ref.submit(job_id, job, is_store)
-            _, n, _ = dut.kernel_args(dut._plan(job_id, job, is_store), is_store)
+            _, n, _ = dut.kernel_args(job_id, job, is_store)
             dut.submit(job_id, job, is_store)  # plans again, launches the kernel, queues
             dut.wait([job_id])
             want = [(r.job_id, r.success, r.nbytes, r.is_store) for r in ref.poll()]
