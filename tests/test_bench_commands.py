@@ -1,0 +1,35 @@
+"""The benchmark commands run and print their tables (tiny sizes; no timing is asserted)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from statecore.cli import main
+
+
+def test_bench_transfer_cpu_prints_every_size_direction_and_planning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("torch", reason="the transfer benchmark needs torch")
+    argv = ["bench", "transfer", "--device", "cpu", "--total-mib", "1", "--repeat", "1"]
+    assert main([*argv, "--block-kib", "4,64", "--job-mib", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"host copy loop=(native|ctypes)", out)
+    rows = re.findall(r"^\s+(\d+)K\s+cpu\s+(store|load)\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M)
+    assert sorted(rows) == [("4", "load"), ("4", "store"), ("64", "load"), ("64", "store")]
+    assert "MISMATCH" not in out
+    planning = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+\d+\s+\d+$", out, re.M)
+    assert [(int(t), int(b)) for t, b, _ in planning] == [(32, 16), (64, 16), (1, 1024)]
+
+
+def test_bench_dispatch_prints_table_and_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "dispatch", "--events", "200", "--machine-events", "20"]) == 0
+    out = capsys.readouterr().out.lower()
+    assert "table" in out and "machine" in out
+
+
+def test_bench_without_a_known_name_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "nope"]) == 2
+    assert "bench transfer" in capsys.readouterr().err
