@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from statecore._generated import checkout_docs_dir, report_stale, stale_files, write_files
 from statecore.lifecycle import machines
 from statecore.lifecycle.diagrams import LIFECYCLES, Lifecycle
 from statecore.lifecycle.table import CompiledLifecycle, TransitionInfo
@@ -747,35 +748,17 @@ def rendered_pages() -> dict[str, str]:
 
 def default_docs_dir() -> Path:
     """``docs/`` of the source checkout, else of the current directory."""
-    root = _source_root()
-    if (root / "pyproject.toml").is_file() and (root / "docs").is_dir():
-        return root / "docs"
-    return Path.cwd() / "docs"
+    return checkout_docs_dir()
 
 
 def check(docs_dir: Path, pages: dict[str, str] | None = None) -> list[Path]:
     """The generated pages under ``docs_dir`` that are missing or stale."""
-    stale = []
-    for rel, text in (pages if pages is not None else rendered_pages()).items():
-        path = docs_dir / rel
-        try:
-            current = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            current = None
-        if current != text:
-            stale.append(path)
-    return stale
+    return stale_files(docs_dir, pages if pages is not None else rendered_pages())
 
 
 def write(docs_dir: Path, pages: dict[str, str] | None = None) -> list[Path]:
     """Write every generated page under ``docs_dir``; return the paths written."""
-    written = []
-    for rel, text in (pages if pages is not None else rendered_pages()).items():
-        path = docs_dir / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        written.append(path)
-    return written
+    return write_files(docs_dir, pages if pages is not None else rendered_pages())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -801,14 +784,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(pages[args.print], end="")
         return 0
     if args.check:
-        stale = check(docs_dir, pages)
-        if stale:
-            print("statecore docs: stale or missing (run `statecore docs`):")
-            for path in stale:
-                print(f"  {path}")
-            return 1
-        print(f"statecore docs: {len(pages)} pages up to date in {docs_dir}")
-        return 0
+        return report_stale("statecore docs", check(docs_dir, pages), len(pages), "pages", docs_dir)
     for path in write(docs_dir, pages):
         print(f"wrote {path}")
     return 0

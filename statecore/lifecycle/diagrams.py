@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from statecore._generated import checkout_docs_dir, report_stale, stale_files, write_files
 from statecore.lifecycle import JOB, REQUEST
 from statecore.lifecycle.table import CompiledLifecycle, TransitionInfo
 
@@ -231,36 +232,19 @@ def rendered_files(lifecycles: Sequence[Lifecycle] = LIFECYCLES) -> dict[str, st
 
 def default_out_dir() -> Path:
     """``docs/diagrams`` of the source checkout, else of the current directory."""
-    root = Path(__file__).resolve().parents[2]
-    if (root / "pyproject.toml").is_file() and (root / "docs").is_dir():
-        return root / "docs" / "diagrams"
-    return Path.cwd() / "docs" / "diagrams"
+    return checkout_docs_dir() / "diagrams"
 
 
 def check(out_dir: Path, lifecycles: Sequence[Lifecycle] = LIFECYCLES) -> list[Path]:
     """The files under ``out_dir`` that are missing or differ from what would be generated."""
-    stale = []
-    for name, text in rendered_files(lifecycles).items():
-        path = out_dir / name
-        try:
-            current = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            current = None
-        if current != text:
-            stale.append(path)
-    return stale
+    return stale_files(out_dir, rendered_files(lifecycles))
 
 
 def write(
     out_dir: Path, lifecycles: Sequence[Lifecycle] = LIFECYCLES, svg: bool = True
 ) -> list[Path]:
     """Write every file; SVG too when ``svg`` and Graphviz ``dot`` is on PATH. Returns paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, text in rendered_files(lifecycles).items():
-        path = out_dir / name
-        path.write_text(text, encoding="utf-8")
-        written.append(path)
+    written = write_files(out_dir, rendered_files(lifecycles))
     dot = shutil.which("dot") if svg else None
     if dot is not None:
         for life in lifecycles:
@@ -300,14 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(render_table_text(life) for life in LIFECYCLES), end="")
         return 0
     if args.check:
-        stale = check(out_dir)
-        if stale:
-            print("statecore diagrams: stale or missing (run `statecore diagrams`):")
-            for path in stale:
-                print(f"  {path}")
-            return 1
-        print(f"statecore diagrams: {len(rendered_files())} files up to date in {out_dir}")
-        return 0
+        files = rendered_files()
+        return report_stale("statecore diagrams", check(out_dir), len(files), "files", out_dir)
     for path in write(out_dir, svg=not args.no_svg):
         print(f"wrote {path}")
     if shutil.which("dot") is None and not args.no_svg:
