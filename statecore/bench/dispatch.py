@@ -22,7 +22,6 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from statecore.lifecycle import (
     J_PARTIAL,
@@ -34,7 +33,9 @@ from statecore.lifecycle import (
     RE_LOOKUP,
     REQUEST,
     JobLifecycle,
+    LifecycleEffects,
     RequestLifecycle,
+    effects_class,
 )
 
 __all__ = ["JobRecord", "NullOwner", "RequestRecord", "main", "measure"]
@@ -43,34 +44,17 @@ TARGET_US = 1.0
 """The budget for one table event, in microseconds."""
 
 
-class NullOwner:
-    """A lifecycle owner whose hooks do nothing (isolates dispatch cost)."""
+def _no_op(hook: str) -> Callable[..., None]:
+    def no_op(self: object, record: object, *args: object) -> None:
+        return None
 
-    __slots__ = ()
+    no_op.__name__ = hook
+    return no_op
 
-    def complete_job(self, job: Any, success: bool) -> None:
-        """No-op."""
 
-    def stall_job(self, job: Any) -> None:
-        """No-op."""
-
-    def forget_stalled(self, job: Any) -> None:
-        """No-op."""
-
-    def flush_request(self, req: Any) -> None:
-        """No-op."""
-
-    def on_finish(self, req: Any) -> None:
-        """No-op."""
-
-    def notify_finished(self, req: Any) -> None:
-        """No-op."""
-
-    def release_request(self, req: Any) -> None:
-        """No-op."""
-
-    def rewind_request(self, req: Any) -> None:
-        """No-op."""
+NullOwner = effects_class(
+    "NullOwner", _no_op, "A lifecycle owner whose hooks do nothing (isolates dispatch cost)."
+)
 
 
 class JobRecord:
@@ -78,7 +62,7 @@ class JobRecord:
 
     __slots__ = ("_shadow", "_sm", "failed", "job_id", "owner", "pending", "state")
 
-    def __init__(self, job_id: int, owner: NullOwner, pending: int) -> None:
+    def __init__(self, job_id: int, owner: LifecycleEffects, pending: int) -> None:
         self.job_id = job_id
         self.owner = owner
         self.pending = pending
@@ -91,7 +75,7 @@ class RequestRecord:
 
     __slots__ = ("_shadow", "_sm", "jobs", "owner", "req_id", "state")
 
-    def __init__(self, req_id: str, owner: NullOwner) -> None:
+    def __init__(self, req_id: str, owner: LifecycleEffects) -> None:
         self.req_id = req_id
         self.owner = owner
         self.jobs: set[int] = set()

@@ -7,7 +7,13 @@ read from the compiled tables, never written by hand.
 
 from __future__ import annotations
 
-from statecore.lifecycle.machines import JobLifecycle, LifecycleEffects, RequestLifecycle
+from statecore.lifecycle.machines import (
+    EFFECT_HOOKS,
+    JobLifecycle,
+    LifecycleEffects,
+    RequestLifecycle,
+    effects_class,
+)
 from statecore.lifecycle.table import (
     CompiledLifecycle,
     TransitionInfo,
@@ -16,6 +22,7 @@ from statecore.lifecycle.table import (
 )
 
 __all__ = [
+    "EFFECT_HOOKS",
     "JOB",
     "REQUEST",
     "CompiledLifecycle",
@@ -25,6 +32,7 @@ __all__ = [
     "TransitionInfo",
     "checked_mode",
     "compile_lifecycle",
+    "effects_class",
 ]
 
 REQUEST: CompiledLifecycle = compile_lifecycle(RequestLifecycle, "request", "req_id")

@@ -22,11 +22,18 @@ Transitions are named after the call or report that triggers them:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from statemachine import State, StateMachine
 
-__all__ = ["JobLifecycle", "LifecycleEffects", "RequestLifecycle"]
+__all__ = [
+    "EFFECT_HOOKS",
+    "JobLifecycle",
+    "LifecycleEffects",
+    "RequestLifecycle",
+    "effects_class",
+]
 
 
 class LifecycleEffects(Protocol):
@@ -55,6 +62,27 @@ class LifecycleEffects(Protocol):
 
     def rewind_request(self, req: Any) -> None:
         """After a reset: forget its jobs and rewind its store cursors to chunk 0."""
+
+
+EFFECT_HOOKS: tuple[str, ...] = tuple(
+    name for name, value in vars(LifecycleEffects).items() if callable(value) and name[0] != "_"
+)
+"""The hook names of :class:`LifecycleEffects`, in declaration order (read from it)."""
+
+
+def effects_class(
+    name: str, hook: Callable[[str], Callable[..., None]], doc: str = ""
+) -> type[Any]:
+    """A class implementing every :class:`LifecycleEffects` hook as ``hook(hook_name)``.
+
+    For owners whose hooks all do the same thing (nothing, or record the call): built from
+    :data:`EFFECT_HOOKS`, so they cannot fall behind the protocol. ``hook(hook_name)`` returns
+    the method, called as ``method(self, record, *args)``.
+    """
+    body: dict[str, Any] = {h: hook(h) for h in EFFECT_HOOKS}
+    body["__slots__"] = ()
+    body["__doc__"] = doc
+    return type(name, (), body)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,45 +14,27 @@ from typing import Any
 from statemachine.exceptions import TransitionNotAllowed
 
 from statecore.errors import LifecycleError
-from statecore.lifecycle import JOB, REQUEST, CompiledLifecycle, TransitionInfo
+from statecore.lifecycle import JOB, REQUEST, CompiledLifecycle, TransitionInfo, effects_class
 
 # ---------------------------------------------------------------------------------------------
 # Records and owners
 
 
-class RecordingOwner:
-    """A lifecycle owner that records every hook call as ``(hook, entity id, *args)``."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-
-    def _log(self, hook: str, rec: Any, *args: Any) -> None:
+def _recorder(hook: str) -> Callable[..., None]:
+    def record(self: RecordingOwner, rec: Any, *args: Any) -> None:
         ident = getattr(rec, "req_id", None) or getattr(rec, "job_id", None)
         self.calls.append((hook, ident, *args))
 
-    def complete_job(self, job: Any, success: bool) -> None:
-        self._log("complete_job", job, success)
+    return record
 
-    def stall_job(self, job: Any) -> None:
-        self._log("stall_job", job)
 
-    def forget_stalled(self, job: Any) -> None:
-        self._log("forget_stalled", job)
+class RecordingOwner(effects_class("_RecordingHooks", _recorder)):  # type: ignore[misc]
+    """A lifecycle owner that records every hook call as ``(hook, entity id, *args)``."""
 
-    def flush_request(self, req: Any) -> None:
-        self._log("flush_request", req)
+    __slots__ = ("calls",)
 
-    def on_finish(self, req: Any) -> None:
-        self._log("on_finish", req)
-
-    def notify_finished(self, req: Any) -> None:
-        self._log("notify_finished", req)
-
-    def release_request(self, req: Any) -> None:
-        self._log("release_request", req)
-
-    def rewind_request(self, req: Any) -> None:
-        self._log("rewind_request", req)
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
 
 
 class ReqRec:
