@@ -43,6 +43,30 @@ def test_output_is_deterministic(tmp_path: Path) -> None:
         assert (DIAGRAMS / name).read_text(encoding="utf-8") == text
 
 
+def test_svg_goes_through_dot_and_is_skipped_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With a stand-in ``dot`` on PATH each lifecycle's DOT text is piped to ``dot -Tsvg`` and
+    its output written; without ``dot`` no SVG is written and the command says so."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "dot"
+    cat = shutil.which("cat")
+    fake.write_text(f'#!/bin/sh\necho "<svg args=\\"$*\\">"; {cat}; echo "</svg>"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    out = tmp_path / "out"
+    diagrams.write(out)
+    for name, lc in LIFECYCLES.items():
+        svg = (out / f"{name}.svg").read_text(encoding="utf-8")
+        assert svg == f'<svg args="-Tsvg">\n{diagrams.render_dot(lc)}</svg>\n'
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    bare = tmp_path / "bare"
+    assert diagrams.main(["--out", str(bare)]) == 0
+    assert not list(bare.glob("*.svg"))
+    assert "Graphviz `dot` not found" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` is not installed")
 def test_svg_rendered_when_graphviz_present(tmp_path: Path) -> None:
     diagrams.write(tmp_path)
