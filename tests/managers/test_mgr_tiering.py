@@ -45,6 +45,13 @@ def store(m: TieringOffloadingManager, ctx: ReqContext, *ids: int, success: bool
     m.complete_store(out.keys_to_store, ctx, success)
 
 
+def settle(m: TieringOffloadingManager) -> None:
+    """End two scheduler steps: the tiers are polled at most once per step, so by then every
+    cascade or promotion an immediate tier ran has been submitted and its result collected."""
+    m.on_schedule_end(END)
+    m.on_schedule_end(END)
+
+
 def test_cascade_pins_primary_until_each_tier_reports() -> None:
     pool = CPUPool(4, [8])
     a, b = MemoryTier(pool, hold=True, name="a"), MemoryTier(pool, hold=True, name="b")
@@ -174,8 +181,7 @@ def test_partial_promotion_success() -> None:
     ctx = ReqContext("r")
     m.lookup(k(1), ctx)
     m.lookup(k(2), ctx)
-    m.on_schedule_end(END)
-    m.on_schedule_end(END)
+    settle(m)
     assert primary.is_ready(k(1)) and primary.ref_count(k(2)) is None
 
 
@@ -229,16 +235,14 @@ def test_request_level_tier_cascades_warm_keys() -> None:
     first = ReqContext("first")
     assert m.on_new_request(first).policy is OffloadPolicy.REQUEST_LEVEL
     store(m, first, 1)
-    m.on_schedule_end(END)
-    m.on_schedule_end(END)
+    settle(m)
     whole.data.clear()  # pretend the whole-request tier lost it
     ctx = ReqContext("second")
     m.on_new_request(ctx)
     out = m.prepare_store([k(1)], ctx)  # fully warm: nothing new in the primary
     assert out is not None and out.keys_to_store == ()
     assert primary.ref_count(k(1)) == 1  # pinned for the request-level cascade only
-    m.on_schedule_end(END)
-    m.on_schedule_end(END)
+    settle(m)
     assert k(1) in whole.data and primary.ref_count(k(1)) == 0
     chunk_only = TieringOffloadingManager(CPUOffloadingManager(2), [MemoryTier()])
     assert chunk_only.on_new_request(ctx).policy is OffloadPolicy.CHUNK_LEVEL
@@ -249,8 +253,7 @@ def test_complete_load_touches_only_primary_and_touch_reaches_all() -> None:
     m, primary = stack(4, tier)
     ctx = ReqContext("r")
     store(m, ctx, 1)
-    m.on_schedule_end(END)
-    m.on_schedule_end(END)
+    settle(m)
     m.prepare_load([k(1)], ctx)
     m.complete_load([k(1)], ctx)
     assert primary.ref_count(k(1)) == 0 and tier.touched == []
@@ -297,8 +300,7 @@ def test_events_and_shutdown() -> None:
     m, _ = stack(2, tier)
     ctx = ReqContext("r")
     store(m, ctx, 1)
-    m.on_schedule_end(END)
-    m.on_schedule_end(END)
+    settle(m)
     media = [(e.medium, e.removed) for e in m.take_events()]
     assert media == [(Medium.CPU, False), (Medium.STORAGE, False)]
     tier.hold = True
@@ -319,8 +321,7 @@ def test_promotion_never_evicts_a_key_that_hit_this_step() -> None:
     m, primary = stack(1, tier)
     ctx = ReqContext("r")
     store(m, ctx, 1)
-    m.on_schedule_end(END)
-    m.on_schedule_end(END)
+    settle(m)
     tier.put(k(2))
     assert m.lookup(k(1), ctx) is LookupResult.HIT
     assert m.lookup(k(2), ctx) is LookupResult.MISS  # the only slot holds a key that hit
@@ -427,8 +428,7 @@ def test_reset_quarantines_pinned_slots_and_failed_promotions_do_not_quarantine(
     m, primary = stack(2, tier)
     ctx = ReqContext("r")
     store(m, ctx, 1)
-    m.on_schedule_end(END)
-    m.on_schedule_end(END)
+    settle(m)
     m.prepare_load([k(1)], ctx)  # a GPU load reading slot 0 is in flight at the reset
     m.reset_cache()
     assert primary.is_quarantined(0) and not primary.is_quarantined(1)

@@ -225,3 +225,29 @@ def config(
         num_workers=workers,
         **kw,  # type: ignore[arg-type]
     )
+
+
+def prefill(h: Harness, rid: str, tokens: int | None = None) -> dict[int, object]:
+    """Admit and compute the whole prompt of ``rid`` in one step; return its store jobs."""
+    hits, _ = h.admit(rid)
+    assert hits is not None
+    req = h.reqs[rid]
+    req.num_computed_tokens += hits
+    n = req.num_tokens - req.num_computed_tokens if tokens is None else tokens
+    meta = h.step([h.schedule(rid, n)], new=[rid])
+    return dict(meta.store_jobs)
+
+
+def offloaded(h: Harness, rid: str, tokens: list[int]) -> None:
+    """Add ``rid``, compute its whole prompt and complete its store jobs on every worker."""
+    h.add(rid, tokens)
+    h.report(list(prefill(h, rid)))
+
+
+def admit_with_load(h: Harness, rid: str, tokens: list[int], hits: int) -> int:
+    """Add ``rid``, admit it expecting ``hits`` loadable tokens, and return its load job
+    (submitted in the next step, not yet reported)."""
+    h.add(rid, tokens)
+    assert h.admit(rid) == (hits, True)
+    (load,) = h.step().load_jobs
+    return load

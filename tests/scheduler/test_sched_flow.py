@@ -8,7 +8,7 @@ scheduler in checked mode (invariants after every call) and the lifecycles in ch
 from __future__ import annotations
 
 import pytest
-from sched_harness import Harness, config, make_manager
+from sched_harness import Harness, admit_with_load, config, make_manager, offloaded, prefill
 from statecore.specs.fakes import RecordingManager
 
 from statecore import (
@@ -21,17 +21,6 @@ from statecore import (
     SchedulerConfig,
     make_offload_key,
 )
-
-
-def prefill(h: Harness, rid: str, tokens: int | None = None) -> dict[int, object]:
-    """Admit and compute the whole prompt of ``rid`` in one step; return its store jobs."""
-    hits, _ = h.admit(rid)
-    assert hits is not None
-    req = h.reqs[rid]
-    req.num_computed_tokens += hits
-    n = req.num_tokens - req.num_computed_tokens if tokens is None else tokens
-    meta = h.step([h.schedule(rid, n)], new=[rid])
-    return dict(meta.store_jobs)
 
 
 def seed(h: Harness, keys: list[bytes]) -> None:
@@ -160,9 +149,7 @@ def test_lookup_retry_defers_and_counts(kind: str) -> None:
 
 def test_lookup_defers_while_another_request_loads_the_chunks(kind: str) -> None:
     h = Harness(make_manager(kind), config())
-    h.add("a", list(range(16)))
-    (job,) = prefill(h, "a")
-    h.report([job])
+    offloaded(h, "a", list(range(16)))
     h.add("b", list(range(16)) + [7, 7, 7, 7])
     h.add("c", list(range(16)) + [8, 8, 8, 8])
     assert h.admit("b") == (16, True)
@@ -174,9 +161,7 @@ def test_lookup_defers_while_another_request_loads_the_chunks(kind: str) -> None
 
 def test_lookup_without_prefix_caching_does_not_defer(kind: str) -> None:
     h = Harness(make_manager(kind), config(enable_prefix_caching=False))
-    h.add("a", list(range(16)))
-    (job,) = prefill(h, "a")
-    h.report([job])
+    offloaded(h, "a", list(range(16)))
     h.add("b", list(range(16)) + [7])
     h.add("c", list(range(16)) + [8])
     assert h.admit("b") == (16, True)
@@ -185,9 +170,7 @@ def test_lookup_without_prefix_caching_does_not_defer(kind: str) -> None:
 
 def test_lookup_respects_max_load_tokens_and_skip_flag(kind: str) -> None:
     h = Harness(make_manager(kind), config())
-    h.add("a", list(range(16)))
-    (job,) = prefill(h, "a")
-    h.report([job])
+    offloaded(h, "a", list(range(16)))
     b = h.add("b", list(range(16)) + [1])
     b.kv_transfer_params = {"max_load_tokens": 6}
     h.sched.requests["b"].max_load_tokens = 6
@@ -242,9 +225,7 @@ def test_sliding_window_lookup_prefix_fallback(kind: str) -> None:
 
 def test_load_job_layout_with_local_prefix_and_sub_block_skip(kind: str) -> None:
     h = Harness(make_manager(kind), config(tokens_per_block=4, blocks_per_chunk=2))
-    h.add("a", list(range(24)))
-    (job,) = prefill(h, "a")
-    h.report([job])
+    offloaded(h, "a", list(range(24)))
     h.add("b", list(range(24)) + [5])
     # 4 tokens computed locally (one GPU block): the first chunk is entered at sub-block 1
     assert h.admit("b", num_computed=4) == (20, True)
@@ -321,12 +302,8 @@ def test_prompt_only_and_max_offload_tokens(kind: str) -> None:
 def test_request_level_policy_reoffers_hits() -> None:
     fake = RecordingManager(policy=OffloadPolicy.REQUEST_LEVEL)
     h = Harness(fake, config())
-    h.add("a", list(range(8)))
-    (job,) = prefill(h, "a")
-    h.report([job])
-    h.add("b", list(range(12)) + [1])
-    assert h.admit("b") == (8, True)
-    (load,) = h.step().load_jobs
+    offloaded(h, "a", list(range(8)))
+    load = admit_with_load(h, "b", list(range(12)) + [1], 8)
     h.report([load])
     h.reqs["b"].num_computed_tokens = 8
     h.step([h.schedule("b", 5)])
@@ -336,12 +313,8 @@ def test_request_level_policy_reoffers_hits() -> None:
 
 def test_chunk_level_policy_skips_hits(kind: str) -> None:
     h = Harness(make_manager(kind), config())
-    h.add("a", list(range(8)))
-    (job,) = prefill(h, "a")
-    h.report([job])
-    h.add("b", list(range(12)) + [1])
-    assert h.admit("b") == (8, True)
-    (load,) = h.step().load_jobs
+    offloaded(h, "a", list(range(8)))
+    load = admit_with_load(h, "b", list(range(12)) + [1], 8)
     h.report([load])
     h.reqs["b"].num_computed_tokens = 8
     stores = h.step([h.schedule("b", 5)]).store_jobs
@@ -393,9 +366,7 @@ def test_one_load_or_many_stores_is_a_guard(kind: str) -> None:
 
 def test_stores_wait_while_loading(kind: str) -> None:
     h = Harness(make_manager(kind), config())
-    h.add("a", list(range(16)))
-    (job,) = prefill(h, "a")
-    h.report([job])
+    offloaded(h, "a", list(range(16)))
     b = h.add("b", list(range(16)) + [4, 4, 4, 4, 4])
     assert h.admit("b") == (16, True)
     # even if the engine scheduled it, no store is built while its load is in flight

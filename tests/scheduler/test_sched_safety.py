@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sched_harness import Harness, config, finished_order, make_manager
+from sched_harness import Harness, config, finished_order, make_manager, offloaded, prefill
 from statecore.specs.fakes import RecordingManager
-from test_sched_flow import prefill
 
 from statecore import (
     InvariantViolation,
@@ -191,9 +190,7 @@ def test_seed_004_reset_with_store_in_flight(kind: str) -> None:
 
 def test_reset_finalises_finished_requests_and_releases_loads(kind: str) -> None:
     h = Harness(make_manager(kind), config())
-    h.add("a", list(range(16)))
-    (job_id,) = prefill(h, "a")
-    h.report([job_id])
+    offloaded(h, "a", list(range(16)))
     h.add("b", list(range(16)) + [1])
     assert h.admit("b") == (16, True)
     h.add("c", list(range(50, 54)))
@@ -264,9 +261,7 @@ def test_stall_check_runs_at_most_once_per_interval(kind: str) -> None:
 
 def test_stalled_load_is_reported_for_recompute_and_ledger_expires(kind: str) -> None:
     h = Harness(make_manager(kind), config(workers=2))
-    h.add("a", list(range(8)))
-    (job_id,) = prefill(h, "a")
-    h.report([job_id])
+    offloaded(h, "a", list(range(8)))
     h.add("b", list(range(8)) + [1])
     h.admit("b")
     (load,) = h.step().load_jobs
@@ -300,9 +295,7 @@ def test_worker_failure_discards_store(kind: str) -> None:
 
 def test_worker_failure_of_load_reports_blocks_for_recompute(kind: str) -> None:
     h = Harness(make_manager(kind), config())
-    h.add("a", list(range(8)))
-    (job_id,) = prefill(h, "a")
-    h.report([job_id])
+    offloaded(h, "a", list(range(8)))
     h.add("b", list(range(8)) + [1])
     h.admit("b")
     (load,) = h.step().load_jobs
@@ -389,9 +382,7 @@ def test_load_into_a_block_a_store_still_reads_flushes_the_store_first(kind: str
     h = Harness(make_manager(kind), config())
     h.add("a", list(range(16)))
     (store_a,) = prefill(h, "a")
-    h.add("x", list(range(100, 108)))
-    (store_x,) = prefill(h, "x")
-    h.report([store_x])
+    offloaded(h, "x", list(range(100, 108)))
     h.finish("a")
     h.step(finished=["a"])  # a's blocks are freed at once; its store keeps them fenced
     b = h.add("b", list(range(100, 108)) + [1])
