@@ -20,7 +20,7 @@ PEP 316 contract (``pre:``/``post:`` lines) that CrossHair checks::
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -75,6 +75,17 @@ def lru_select_victims(
     return None
 
 
+def _next_eligible(
+    it: Iterator[K], idle: AbstractSet[K], protected: AbstractSet[K], taken: AbstractSet[K]
+) -> K | None:
+    """Advance ``it`` to its next key that is idle, not protected and not taken; ``None``
+    when it is exhausted (ARC victim selection scans each list once, forward only)."""
+    for key in it:
+        if key in idle and key not in protected and key not in taken:
+            return key
+    return None
+
+
 def arc_select_victims(
     t1: Iterable[K],
     t2: Iterable[K],
@@ -114,19 +125,11 @@ def arc_select_victims(
     limit = int(target)
     while len(out) < n:
         if c1 is None and not done1:
-            for key in it1:
-                if key in idle and key not in protected and key not in taken:
-                    c1 = key
-                    break
-            else:
-                done1 = True
+            c1 = _next_eligible(it1, idle, protected, taken)
+            done1 = c1 is None
         if c2 is None and not done2:
-            for key in it2:
-                if key in idle and key not in protected and key not in taken:
-                    c2 = key
-                    break
-            else:
-                done2 = True
+            c2 = _next_eligible(it2, idle, protected, taken)
+            done2 = c2 is None
         prefer_t1 = virtual_t1 >= limit
         if c1 is not None and (prefer_t1 or c2 is None):
             out.append((c1, 1))
