@@ -1,0 +1,181 @@
+"""The catalogue of seeded mutants: deliberate bugs that the verifiers must find.
+
+Each entry of :data:`MUTANTS` re-introduces one bug class (a historical bug, or a bug the
+verifier was extended to see) at the code site judged most likely to regress. Tools use the
+catalogue to show that they have teeth: ``tests/mutants/test_mutants.py`` runs the simulator
+and the whole-stack fuzzer against each, and any other checker may do the same.
+
+Interface (stable; other tools import it). ``tests/`` is not a package: put ``tests/mutants``
+on ``sys.path`` (pytest does so for the test modules beside this file) and import
+``catalogue``::
+
+    sys.path.insert(0, "tests/mutants")
+    from catalogue import MUTANTS, Mutant
+
+    for name, mutant in MUTANTS.items():
+        mutant.description   # one line: what the mutant breaks
+        mutant.bug_class     # the issue item / seed / bug class it re-introduces
+        with mutant.apply():  # the real code is patched inside the block ...
+            run_my_checker()  # ... and restored on exit, also when the block raises
+
+``apply()`` patches attributes of real modules and classes (``setattr``) and restores the
+originals on exit, innermost first; it needs no pytest fixture, so a command-line tool can use
+it too. It is not re-entrant for the same mutant and is not thread-safe (it patches shared
+module state). ``Mutant.patches`` lists the ``(owner, attribute name, replacement)`` triples,
+for tools that want to report what changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from statecore import kernels
+from statecore.keys import OffloadKey
+from statecore.manager import ReqContext
+from statecore.managers.cpu import CPUOffloadingManager
+from statecore.scheduler import OffloadingScheduler
+from statecore.wire import ConnectorMetadata
+
+__all__ = ["MUTANTS", "Mutant", "patched"]
+
+
+@contextlib.contextmanager
+def patched(patches: Sequence[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Set every ``(owner, name, value)`` for the duration of the block, then restore."""
+    saved: list[tuple[Any, str, bool, Any]] = []
+    try:
+        for owner, name, value in patches:
+            had = name in vars(owner)
+            saved.append((owner, name, had, vars(owner).get(name)))
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, had, old in reversed(saved):
+            if had:
+                setattr(owner, name, old)
+            else:
+                delattr(owner, name)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One seeded bug.
+
+    Attributes:
+        name: the catalogue key.
+        description: one line: what the mutant breaks.
+        bug_class: the issue item, seed or bug class it re-introduces.
+        patches: ``(owner, attribute name, replacement)`` triples that :meth:`apply` sets.
+    """
+
+    name: str
+    description: str
+    bug_class: str
+    patches: tuple[tuple[Any, str, Any], ...]
+
+    def apply(self) -> contextlib.AbstractContextManager[None]:
+        """A context manager: the mutant is live inside the block, undone on exit."""
+        return patched(self.patches)
+
+
+# -- the mutations ------------------------------------------------------------------------------
+
+
+def _rewind_keeping_jobs(self: OffloadingScheduler, req: Any) -> None:
+    for gs in req.groups:  # seed 004: the per-request in-flight set is NOT cleared
+        gs.cursor = 0
+        gs.skip = 0
+
+
+def _apply_quorum_one(pending: int, ok: int, bad: int) -> tuple[int, int, int, int]:
+    acc_bad = min(bad, pending)
+    acc_ok = min(ok, pending - acc_bad)
+    return 0, acc_ok, acc_bad, 0  # the first worker's report completes the job
+
+
+_real_classify = kernels.classify_report
+
+
+def _classify_raising(
+    job_id: int, stale_threshold: int, next_job_id: int, live: bool, stalled: bool
+) -> kernels.ReportKind:
+    if stalled and not live:
+        raise KeyError(job_id)  # upstream before stall handling: a late report crashes
+    return _real_classify(job_id, stale_threshold, next_job_id, live, stalled)
+
+
+def _fence_add_noop(index: dict[int, set[int]], job_id: int, blocks: Any) -> None:
+    return None  # the fence index is never consulted: nothing is ever in it
+
+
+_real_complete_store = CPUOffloadingManager.complete_store
+
+
+def _complete_store_always_ok(
+    self: CPUOffloadingManager,
+    keys: Sequence[OffloadKey],
+    ctx: ReqContext,
+    success: bool = True,
+) -> None:
+    _real_complete_store(self, keys, ctx, True)  # failed/stalled stores become loadable
+
+
+_real_build = OffloadingScheduler.build_connector_meta
+
+
+def _build_without_flushes(self: OffloadingScheduler, output: Any) -> ConnectorMetadata:
+    meta = _real_build(self, output)  # the workers are never told to wait for reused blocks
+    return dataclasses.replace(meta, jobs_to_flush=frozenset())
+
+
+def _mutant(
+    name: str, description: str, bug_class: str, *patches: tuple[Any, str, Any]
+) -> tuple[str, Mutant]:
+    return name, Mutant(name, description, bug_class, tuple(patches))
+
+
+MUTANTS: dict[str, Mutant] = dict(
+    [
+        _mutant(
+            "jobs_to_flush_dropped",
+            "build_connector_meta never tells the workers to flush jobs on reused blocks",
+            "INV-FENCE: fenced stores not flushed before their blocks are rewritten",
+            (OffloadingScheduler, "build_connector_meta", _build_without_flushes),
+        ),
+        _mutant(
+            "reset_keeps_request_job_sets",
+            "reset_cache rewinds store cursors but keeps each request's in-flight job set",
+            "seed 004: reset leaves requests waiting on discarded jobs",
+            (OffloadingScheduler, "rewind_request", _rewind_keeping_jobs),
+        ),
+        _mutant(
+            "quorum_of_one",
+            "the first worker's report completes a job",
+            "INV-QUORUM: a job completes before every worker finished",
+            (kernels, "apply_report", _apply_quorum_one),
+        ),
+        _mutant(
+            "late_report_after_stall_raises",
+            "a report for a stalled job raises KeyError into the engine",
+            "seed 000: late reports after a stall crash the scheduler",
+            (kernels, "classify_report", _classify_raising),
+        ),
+        _mutant(
+            "fence_index_not_consulted",
+            "store sources are never entered in the fence index",
+            "INV-FENCE: reuse of a block under an in-flight store is not flushed",
+            (kernels, "fence_add", _fence_add_noop),
+        ),
+        _mutant(
+            "complete_store_always_success",
+            "the CPU manager marks failed and stalled stores loadable",
+            "INV-FAIL-STATE: a failed store's garbage is served as a hit",
+            (CPUOffloadingManager, "complete_store", _complete_store_always_ok),
+        ),
+    ]
+)
+"""Every seeded mutant by name (see the module docstring for the interface)."""
