@@ -12,6 +12,12 @@ set -euo pipefail
 
 # shellcheck source=scripts/_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+# shellcheck source=scripts/_system.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_system.sh"
+# the Redis tier's tests run a real server (tests/managers/test_mgr_redistier.py; under CI they
+# fail rather than skip without one)
+ensure_debian_packages redis-server:redis-server ||
+    echo "warning: redis-server is missing and could not be installed" >&2
 
 # Modules with PEP 316 contracts (`pre:`/`post:` docstring lines) for CrossHair: the scheduler's
 # kernels, the worker's block mapping, the eviction policies. A listed module that is missing is

@@ -26,8 +26,9 @@ Principles:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from statecore.keys import OffloadKey
 from statecore.manager import (
@@ -43,6 +44,7 @@ from statecore.manager import (
 )
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.managers.tiers import JobResult, SecondaryTier
+from statecore.pool import CPUPool
 
 __all__ = ["TieringOffloadingManager"]
 
@@ -100,6 +102,20 @@ class TieringOffloadingManager(OffloadingManager):
             "promotions_dropped": 0,
             "unknown_job_results": 0,
         }
+
+    @classmethod
+    def from_config(
+        cls,
+        primary: CPUOffloadingManager,
+        pool: CPUPool,
+        tiers: Sequence[Mapping[str, Any]],
+        layout: Any = None,
+    ) -> TieringOffloadingManager:
+        """A manager whose secondary tiers are described by plain dicts (``{"kind": "file",
+        ...}``, ``{"kind": "redis", ...}``; see :mod:`statecore.managers.tierconfig`)."""
+        from statecore.managers.tierconfig import build_tier
+
+        return cls(primary, [build_tier(spec, pool, layout) for spec in tiers])
 
     # -- introspection --------------------------------------------------------------------------
 

@@ -1,0 +1,611 @@
+"""A secondary tier on a Redis or Valkey server (or cluster), shared by many engine instances.
+
+Every engine instance (each with its own scheduler, CPU tier and pool) that points at the same
+server and has the same *layout* reads the chunks the others stored: a prefix computed on one
+instance is promoted into another instance's CPU tier instead of being recomputed.
+
+**Keys and values.** A chunk is one string value under the key
+``<prefix>:<fingerprint hex>:`` followed by the chunk's :class:`~statecore.keys.OffloadKey`
+bytes. The fingerprint (16 bytes of BLAKE2b) covers the :class:`TierLayout` (model, dtype,
+block shape, ``blocks_per_chunk``) and the pool's row sizes, so engines whose bytes are not
+interchangeable never read each other's values. The value (big-endian) is a header
+``magic "SCRD" | version (1) | checksum kind (1) | fingerprint (16) | key length (2) |
+payload length (8) | checksum (8)``, the key, then the payload: the slot's row of every pool
+region, concatenated. The checksum is XXH3-64 when the ``xxhash`` package is installed (it
+runs at memory speed), CRC-32 otherwise; the kind byte says which, and a reader that cannot
+compute a value's kind treats the value as foreign.
+
+**Reads never return wrong bytes.** A promotion GETs the value, checks the header, the length,
+the fingerprint, the key and the checksum, and only then copies the payload into the primary
+slot. A missing value (never stored, expired, evicted by the server's ``maxmemory`` policy) is
+a miss: the job fails for that key, the tiering manager drops the write-pending slot and the
+engine recomputes. A corrupt, truncated or foreign value fails the same way and is deleted.
+
+**One value wins whole.** A store is one ``SET``: two instances storing the same key at once
+leave one of the two values, never a mix (the server applies each command atomically).
+
+**Lookups.** Whether a key is on the server is known only by asking it, which takes a round
+trip; the scheduler's lookup must not wait for it. An unknown key answers ``RETRY`` and is
+queued; the queued keys are asked in one pipelined ``EXISTS`` batch at the end of the engine
+step, and the answers (kept for ``lookup_ttl_steps`` steps) serve the next lookups. A batch
+that fails (server down, timeout) answers ``MISS`` for its keys, so no request waits for a
+server that does not answer. Keys this instance stored successfully are known present; a
+promotion that finds a key missing makes it known absent.
+
+**Batched, pipelined, off the scheduler's path.** Each store or promotion job is one
+pipeline (split at ``max_batch_bytes``) run on an executor (a thread pool by default,
+``workers`` threads, each job on one pooled connection); the scheduler thread only builds the
+job and collects results in :meth:`RedisTier.get_finished`. Every command has the socket
+timeout ``timeout_s``: a server slower than that fails the job (``success=False``), which the
+tiering manager turns into a recompute, exactly like a failed file read. Keep ``timeout_s``
+below the scheduler's ``stall_timeout_s``. Connections are re-established by the client on
+the next job, so the tier recovers by itself when the server is back; no retries are made
+inside a job (a retry would only delay the recompute).
+
+**Cluster.** With ``cluster=True`` the client is ``redis.cluster.RedisCluster``: keys spread
+over the hash slots of every primary, and a pipeline is split per node by the client.
+
+The tier's index lives only in the server; what this object keeps (the lookup answers, the
+keys being stored) is changed only by the thread that calls :meth:`RedisTier.get_finished`,
+:meth:`RedisTier.lookup` and the ``submit_*`` methods (the scheduler's thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import struct
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any
+
+from statecore.errors import ConfigError
+from statecore.keys import OffloadKey
+from statecore.manager import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadPolicy,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from statecore.managers.tiers import JobResult
+from statecore.pool import CPUPool
+
+_xxhash: Any
+try:
+    import xxhash as _xxhash
+except ImportError:  # pragma: no cover - depends on the environment
+    _xxhash = None
+
+__all__ = [
+    "CHECKSUM_CRC32",
+    "CHECKSUM_XXH3",
+    "HEADER",
+    "RedisTier",
+    "RedisTierConfig",
+    "TierLayout",
+    "decode_value",
+    "encode_value",
+]
+
+_MAGIC = b"SCRD"
+_VERSION = 1
+HEADER = struct.Struct(">4sBB16sHQQ")
+"""The value header (module docstring)."""
+CHECKSUM_CRC32 = 1
+"""Checksum kind: CRC-32 (zlib)."""
+CHECKSUM_XXH3 = 2
+"""Checksum kind: XXH3-64 (the ``xxhash`` package)."""
+
+# Outcome codes of one key in a worker function.
+_OK = "ok"
+_MISSING = "missing"
+_CORRUPT = "corrupt"
+_FOREIGN = "foreign"
+_REJECTED = "rejected"
+_IO_ERROR = "io-error"
+
+
+@dataclass(frozen=True, slots=True)
+class TierLayout:
+    """What makes two engines' chunk bytes interchangeable (part of the key namespace).
+
+    Attributes:
+        model: the model's name or path (and revision, if it matters).
+        dtype: the KV-cache dtype, e.g. ``"bfloat16"``.
+        block_shape: the shape of one GPU block of one KV tensor, e.g.
+            ``(2, block_size, num_kv_heads, head_dim)``.
+        blocks_per_chunk: GPU blocks per chunk.
+    """
+
+    model: str
+    dtype: str
+    block_shape: tuple[int, ...]
+    blocks_per_chunk: int
+
+    def fingerprint(self, row_bytes: Sequence[int]) -> bytes:
+        """16 bytes naming this layout together with the pool's row sizes."""
+        text = "|".join(
+            (
+                "statecore-layout-v1",
+                self.model,
+                self.dtype,
+                ",".join(str(int(d)) for d in self.block_shape),
+                str(int(self.blocks_per_chunk)),
+                ",".join(str(int(r)) for r in row_bytes),
+            )
+        )
+        return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTierConfig:
+    """How to reach the server and how the tier behaves (see the module docstring).
+
+    Attributes:
+        url: ``redis://host:port/db`` (``rediss://`` for TLS); for a cluster, any node.
+        layout: the engine's layout (part of every key).
+        cluster: use the Redis Cluster / Valkey cluster-mode client.
+        prefix: first part of every key.
+        ttl_s: expiry of each stored value in seconds (``None``: none; the server's
+            ``maxmemory`` policy evicts).
+        timeout_s: socket connect and read timeout of every command; a slower server fails
+            the job. Keep it below the scheduler's ``stall_timeout_s``.
+        workers: threads of the default executor (concurrent jobs).
+        max_batch_bytes: a job's pipeline is sent in batches of about this many value bytes.
+        lookup_ttl_steps: engine steps a lookup answer is trusted.
+        max_known_keys: at most this many lookup answers are kept (oldest dropped first).
+    """
+
+    url: str = "redis://127.0.0.1:6379/0"
+    layout: TierLayout = TierLayout("unnamed", "unknown", (), 1)
+    cluster: bool = False
+    prefix: str = "statecore"
+    ttl_s: float | None = None
+    timeout_s: float = 5.0
+    workers: int = 4
+    max_batch_bytes: int = 64 << 20
+    lookup_ttl_steps: int = 32
+    max_known_keys: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not self.url:
+            raise ConfigError("RedisTierConfig.url: a server URL is needed")
+        if self.ttl_s is not None and not self.ttl_s > 0:
+            raise ConfigError(f"RedisTierConfig.ttl_s must be > 0 or None, got {self.ttl_s}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"RedisTierConfig.timeout_s must be > 0, got {self.timeout_s}")
+        if self.workers < 1:
+            raise ConfigError(f"RedisTierConfig.workers must be >= 1, got {self.workers}")
+        if self.max_batch_bytes < 1:
+            raise ConfigError(
+                f"RedisTierConfig.max_batch_bytes must be >= 1, got {self.max_batch_bytes}"
+            )
+        if self.lookup_ttl_steps < 1:
+            raise ConfigError(
+                f"RedisTierConfig.lookup_ttl_steps must be >= 1, got {self.lookup_ttl_steps}"
+            )
+        if self.max_known_keys < 1:
+            raise ConfigError(
+                f"RedisTierConfig.max_known_keys must be >= 1, got {self.max_known_keys}"
+            )
+
+    def make_client(self) -> Any:
+        """A redis-py client for this configuration (connects lazily, never retries)."""
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ConfigError(
+                "RedisTier needs the redis package: pip install 'statecore[redis]'"
+            ) from exc
+        common: dict[str, Any] = {
+            "socket_timeout": self.timeout_s,
+            "socket_connect_timeout": self.timeout_s,
+            "retry": Retry(NoBackoff(), 0),
+        }
+        if self.cluster:
+            from redis.cluster import RedisCluster
+
+            return RedisCluster.from_url(self.url, **common)
+        return redis.Redis.from_url(self.url, max_connections=max(8, 2 * self.workers), **common)
+
+
+def _checksum(kind: int, parts: Sequence[memoryview | bytes]) -> int | None:
+    if kind == CHECKSUM_XXH3 and _xxhash is not None:
+        h = _xxhash.xxh3_64()
+        for p in parts:
+            h.update(p)
+        return int(h.intdigest())
+    if kind == CHECKSUM_CRC32:
+        crc = 0
+        for p in parts:
+            crc = zlib.crc32(p, crc)
+        return crc
+    return None
+
+
+_DEFAULT_CHECKSUM = CHECKSUM_XXH3 if _xxhash is not None else CHECKSUM_CRC32
+
+
+def encode_value(
+    fingerprint: bytes,
+    key: bytes,
+    rows: Sequence[memoryview | bytes],
+    checksum: int = _DEFAULT_CHECKSUM,
+) -> bytes:
+    """The stored value of ``key``: header, key, the ``rows`` concatenated (one copy)."""
+    digest = _checksum(checksum, rows)
+    if digest is None:
+        raise ConfigError(f"RedisTier: checksum kind {checksum} is not available")
+    length = sum(len(r) for r in rows)
+    head = HEADER.pack(_MAGIC, _VERSION, checksum, fingerprint, len(key), length, digest)
+    return b"".join((head, key, *rows))
+
+
+def decode_value(value: bytes, fingerprint: bytes, key: bytes, length: int) -> str | memoryview:
+    """The payload of a stored value (a view into ``value``), or why it is unusable:
+    ``"corrupt"`` (truncated, bad header or checksum) or ``"foreign"`` (another layout,
+    another key, another length, or a checksum kind this process cannot compute)."""
+    view = memoryview(value)
+    if len(view) < HEADER.size:
+        return _CORRUPT
+    magic, version, kind, fp, key_len, plen, digest = HEADER.unpack_from(view)
+    if magic != _MAGIC or version != _VERSION:
+        return _CORRUPT
+    if fp != fingerprint or plen != length or key_len != len(key):
+        return _FOREIGN
+    start = HEADER.size + key_len
+    if len(view) != start + plen:
+        return _CORRUPT
+    if view[HEADER.size : start] != key:
+        return _FOREIGN
+    payload = view[start:]
+    actual = _checksum(kind, (payload,))
+    if actual is None:
+        return _FOREIGN
+    if actual != digest:
+        return _CORRUPT
+    return payload
+
+
+@dataclass(slots=True)
+class _RedisJob:
+    is_store: bool
+    keys: tuple[OffloadKey, ...]
+    written: tuple[OffloadKey, ...]  # stores: keys actually sent (others were known present)
+    future: Future[list[str]]
+
+
+class RedisTier:
+    """A secondary tier on a Redis/Valkey server or cluster (module docstring).
+
+    Args:
+        config: the server and the tier's behaviour.
+        pool: the shared CPU pool whose slots the jobs copy.
+        executor: an executor to run jobs on instead of the default thread pool (not shut
+            down by :meth:`shutdown`); :class:`~statecore.managers.filetier.InlineExecutor`
+            runs them at submission (deterministic tests, the simulator).
+        client: a redis-py client to use instead of ``config.make_client()`` (not closed by
+            :meth:`shutdown`).
+        name: prefix of the tier's statistics.
+        policy: what :meth:`on_new_request` answers.
+    """
+
+    medium = Medium.STORAGE
+
+    def __init__(
+        self,
+        config: RedisTierConfig,
+        pool: CPUPool,
+        executor: Executor | None = None,
+        client: Any = None,
+        name: str = "redis",
+        policy: OffloadPolicy = OffloadPolicy.CHUNK_LEVEL,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.name = name
+        self.policy = policy
+        self.fingerprint = config.layout.fingerprint(pool.row_bytes)
+        self.namespace = f"{config.prefix}:{self.fingerprint.hex()}:".encode()
+        self._px = None if config.ttl_s is None else max(1, int(config.ttl_s * 1000))
+        self._own_client = client is None
+        self.client: Any = config.make_client() if client is None else client
+        self._own_executor = executor is None
+        self._executor: Executor = (
+            executor
+            if executor is not None
+            else ThreadPoolExecutor(
+                max_workers=config.workers, thread_name_prefix="statecore-redis"
+            )
+        )
+        self._step = 0
+        self._known: OrderedDict[OffloadKey, tuple[bool, int]] = OrderedDict()
+        self._to_query: dict[OffloadKey, None] = {}
+        self._querying: set[OffloadKey] = set()
+        self._queries: list[tuple[tuple[OffloadKey, ...], Future[list[bool]]]] = []
+        self._storing: set[OffloadKey] = set()
+        self._jobs: dict[int, _RedisJob] = {}
+        self._events: list[OffloadingEvent] = []
+        self._stats: dict[str, int] = dict.fromkeys(
+            (
+                "bytes_written",
+                "bytes_read",
+                "stores_skipped",
+                "lookups_queried",
+                "lookups_present",
+                "lookup_batches_failed",
+                "missing_reads",
+                "corrupt_reads",
+                "foreign_reads",
+                "rejected_writes",
+                "server_errors",
+                "failed_jobs",
+            ),
+            0,
+        )
+
+    # -- keys -----------------------------------------------------------------------------------
+
+    def redis_key(self, key: OffloadKey) -> bytes:
+        """The server key of ``key`` (namespace, then the key bytes)."""
+        return self.namespace + key
+
+    # -- worker functions (run on the executor) -------------------------------------------------
+
+    def _batches(self, n: int) -> list[range]:
+        per = max(1, self.config.max_batch_bytes // max(1, self.pool.slot_bytes))
+        return [range(i, min(n, i + per)) for i in range(0, n, per)]
+
+    def _write_chunks(self, keys: tuple[OffloadKey, ...], slots: tuple[int, ...]) -> list[str]:
+        pool = self.pool
+        fp = self.fingerprint
+        out: list[str] = []
+        px = self._px
+        try:
+            for batch in self._batches(len(keys)):
+                pipe = self.client.pipeline(transaction=False)
+                for i in batch:
+                    rows = [pool.row(r, slots[i]) for r in range(pool.num_regions)]
+                    pipe.set(self.redis_key(keys[i]), encode_value(fp, keys[i], rows), px=px)
+                for reply in pipe.execute(raise_on_error=False):
+                    out.append(_REJECTED if isinstance(reply, Exception) or not reply else _OK)
+        except Exception:  # the server or the connection failed: every key not written
+            out.extend([_IO_ERROR] * (len(keys) - len(out)))
+        return out
+
+    def _read_chunks(self, keys: tuple[OffloadKey, ...], slots: tuple[int, ...]) -> list[str]:
+        pool = self.pool
+        fp = self.fingerprint
+        length = pool.slot_bytes
+        out: list[str] = []
+        bad: list[bytes] = []
+        try:
+            for batch in self._batches(len(keys)):
+                pipe = self.client.pipeline(transaction=False)
+                for i in batch:
+                    pipe.get(self.redis_key(keys[i]))
+                replies = pipe.execute(raise_on_error=False)
+                for i, value in zip(batch, replies, strict=True):
+                    if isinstance(value, Exception):
+                        out.append(_IO_ERROR)
+                        continue
+                    if value is None:
+                        out.append(_MISSING)
+                        continue
+                    payload = decode_value(value, fp, keys[i], length)
+                    if isinstance(payload, str):
+                        out.append(payload)
+                        bad.append(self.redis_key(keys[i]))
+                        continue
+                    off = 0
+                    for r in range(pool.num_regions):
+                        row = pool.row(r, slots[i])
+                        row[:] = payload[off : off + len(row)]
+                        off += len(row)
+                    out.append(_OK)
+        except Exception:  # the server or the connection failed: the rest is not read
+            out.extend([_IO_ERROR] * (len(keys) - len(out)))
+        if bad:
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                for rk in bad:
+                    pipe.delete(rk)
+                pipe.execute(raise_on_error=False)
+            except Exception:  # best effort: the next reader finds it bad again
+                pass
+        return out
+
+    def _exists(self, keys: tuple[OffloadKey, ...]) -> list[bool]:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self.redis_key(key))
+        return [bool(n) for n in pipe.execute()]  # an exception fails the whole batch
+
+    # -- lookup answers ------------------------------------------------------------------------
+
+    def _answer(self, key: OffloadKey, present: bool) -> None:
+        known = self._known
+        known[key] = (present, self._step)
+        known.move_to_end(key)
+        while len(known) > self.config.max_known_keys:
+            known.popitem(last=False)
+
+    def _collect_queries(self) -> None:
+        if not self._queries:
+            return
+        keep: list[tuple[tuple[OffloadKey, ...], Future[list[bool]]]] = []
+        for keys, fut in self._queries:
+            if not fut.done():
+                keep.append((keys, fut))
+                continue
+            self._querying.difference_update(keys)
+            if fut.exception() is not None:
+                self._stats["lookup_batches_failed"] += 1
+                for key in keys:
+                    self._answer(key, False)
+                continue
+            answers = fut.result()
+            self._stats["lookups_present"] += sum(answers)
+            for key, present in zip(keys, answers, strict=True):
+                self._answer(key, present)
+        self._queries = keep
+
+    def _fresh(self, key: OffloadKey) -> bool | None:
+        entry = self._known.get(key)
+        if entry is None or self._step - entry[1] > self.config.lookup_ttl_steps:
+            return None
+        return entry[0]
+
+    # -- protocol -------------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """HIT or MISS from a fresh answer; otherwise RETRY, asking the server at step end."""
+        self._collect_queries()
+        present = self._fresh(key)
+        if present is not None:
+            return LookupResult.HIT if present else LookupResult.MISS
+        if key not in self._querying:
+            self._to_query[key] = None
+        return LookupResult.RETRY
+
+    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+        """Answer the configured policy."""
+        return RequestOffloadingContext(self.policy)
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Nothing: the server's own LRU sees every read."""
+
+    def submit_store(self, job_id: int, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
+        """SET the chunks of primary ``slots`` that are not known present (one pipeline)."""
+        todo_keys: list[OffloadKey] = []
+        todo_slots: list[int] = []
+        skipped = 0
+        for key, slot in zip(keys, slots, strict=True):
+            if key in self._storing or key in todo_keys:
+                continue
+            if self._fresh(key):
+                skipped += 1
+                continue
+            todo_keys.append(key)
+            todo_slots.append(slot)
+        self._stats["stores_skipped"] += skipped
+        self._storing.update(todo_keys)
+        written = tuple(todo_keys)
+        future = self._executor.submit(self._write_chunks, written, tuple(todo_slots))
+        self._jobs[job_id] = _RedisJob(True, tuple(keys), written, future)
+
+    def submit_load(self, job_id: int, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
+        """GET ``keys`` into primary ``slots`` (one pipeline), verifying each value first."""
+        key_tuple = tuple(keys)
+        future = self._executor.submit(self._read_chunks, key_tuple, tuple(slots))
+        self._jobs[job_id] = _RedisJob(False, key_tuple, (), future)
+
+    def get_finished(self) -> list[JobResult]:
+        """Results of finished jobs, in submission order; applies lookup answers too."""
+        self._collect_queries()
+        done = [job_id for job_id, job in self._jobs.items() if job.future.done()]
+        return [self._finish(job_id, self._jobs.pop(job_id)) for job_id in done]
+
+    def _finish(self, job_id: int, job: _RedisJob) -> JobResult:
+        exc = job.future.exception()
+        count = len(job.written) if job.is_store else len(job.keys)
+        outcomes = [_IO_ERROR] * count if exc is not None else job.future.result()
+        slot_bytes = self.pool.slot_bytes
+        ok: set[OffloadKey] = set()
+        stats = self._stats
+        if _IO_ERROR in outcomes:
+            stats["server_errors"] += 1
+        if job.is_store:
+            stored: list[OffloadKey] = []
+            for key, status in zip(job.written, outcomes, strict=True):
+                self._storing.discard(key)
+                if status == _OK:
+                    stats["bytes_written"] += slot_bytes
+                    stored.append(key)
+                    self._answer(key, True)
+                elif status == _REJECTED:
+                    stats["rejected_writes"] += 1
+            if stored:
+                self._events.append(OffloadingEvent(tuple(stored), self.medium, removed=False))
+            sent = set(job.written)
+            ok = {k for k in job.keys if k not in sent or k in stored}
+        else:
+            removed: list[OffloadKey] = []
+            for key, status in zip(job.keys, outcomes, strict=True):
+                if status == _OK:
+                    stats["bytes_read"] += slot_bytes
+                    ok.add(key)
+                    continue
+                # unreadable now (server down or slow): answer MISS until the answer ages out,
+                # so a request does not wait on promotions that keep failing
+                self._answer(key, False)
+                if status == _IO_ERROR:
+                    continue
+                stats[
+                    {_MISSING: "missing_reads", _CORRUPT: "corrupt_reads"}.get(
+                        status, "foreign_reads"
+                    )
+                ] += 1
+                removed.append(key)
+            if removed:
+                self._events.append(OffloadingEvent(tuple(removed), self.medium, removed=True))
+        if all(k in ok for k in job.keys):
+            return JobResult(job_id, True)
+        stats["failed_jobs"] += 1
+        return JobResult(job_id, False, tuple(k for k in job.keys if k in ok) or None)
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        """Nothing is kept per request."""
+
+    def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
+        """Send the step's queued lookups as one ``EXISTS`` pipeline; start a new step."""
+        if self._to_query:
+            keys = tuple(self._to_query)
+            self._to_query.clear()
+            self._querying.update(keys)
+            self._stats["lookups_queried"] += len(keys)
+            self._queries.append((keys, self._executor.submit(self._exists, keys)))
+        self._step += 1
+
+    def has_pending_work(self) -> bool:
+        """Whether jobs or lookup batches are running or not collected yet."""
+        return bool(self._jobs or self._queries)
+
+    def drain(self) -> None:
+        """Wait for every submitted job and lookup batch (results stay collectable)."""
+        futures: list[Future[Any]] = [job.future for job in self._jobs.values()]
+        futures.extend(fut for _, fut in self._queries)
+        if futures:
+            wait_futures(futures)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Stored events of this instance's stores, removed events of bad or missing values."""
+        events, self._events = self._events, []
+        return events
+
+    def get_stats(self) -> dict[str, float | int | list[float]]:
+        """Counters since the last call plus the gauge ``known_keys``."""
+        stats: dict[str, Any] = dict(self._stats)
+        self._stats = dict.fromkeys(self._stats, 0)
+        stats["known_keys"] = len(self._known)
+        return stats
+
+    def shutdown(self) -> None:
+        """Wait for running jobs; stop the default executor; close the default client."""
+        self.drain()
+        if self._own_executor:
+            self._executor.shutdown(wait=True)
+        if self._own_client:
+            close: Callable[[], object] | None = getattr(self.client, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):  # a dead server's client: nothing to do
+                    close()
