@@ -1,4 +1,14 @@
-"""The simulation report: what a run did, what it injected, and everything that went wrong."""
+"""The simulation report: what a run did, what it injected, and everything that went wrong.
+
+A :class:`SimReport` is filled by :func:`statecore.sim.run.simulate` (counts, series, findings)
+and by ``statecore simulate`` (the settings as given and the wall time). It renders as text
+(every figure with its unit) or as JSON (the same fields; ``wall_s`` and ``settings`` are left
+out of :meth:`SimReport.fingerprint`, which must replay identically from the seed).
+
+Faults are reported twice: *injected* counts what the harness put in, *observed* what the
+stack itself counted as the effect (the ``as`` column). The two are not one-to-one, and the
+text report says why (:data:`FAULTS_EXPLAINED`).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +16,17 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["FaultCount", "SimReport"]
+__all__ = ["FAULTS_EXPLAINED", "FaultCount", "SimReport"]
+
+FAULTS_EXPLAINED = (
+    "injected = faults the harness put in; observed = what the stack counted as their effect "
+    "(the 'as' column). They are not one-to-one: one fault can have several effects (a reset "
+    "turns every report still on its way into a stale one; a withheld report stalls its job "
+    "and may still arrive, late; report delays that are not faults can stall jobs too), and a "
+    "fault can have none (a delayed store that lands before a flush waits for it, a fault on "
+    "a job a reset already discarded). A kind injected but never observed is listed below."
+)
+"""How to read the fault table (printed under it)."""
 
 
 @dataclass(slots=True)
@@ -27,6 +47,10 @@ class SimReport:
     drain_steps: int = 0
     workers: int = 0
     tiering: bool = False
+    checked: bool = False
+    requests_wanted: int = 0
+    wall_s: float = 0.0
+    settings: dict[str, Any] = field(default_factory=dict)
     requests: dict[str, int] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
     hit_rate: float = 0.0
@@ -56,12 +80,25 @@ class SimReport:
             or self.harness_anomalies
         )
 
+    @property
+    def warnings(self) -> list[str]:
+        """Things that did not fail the run but make its figures mean less than they seem."""
+        out = []
+        arrived = self.requests.get("arrived", 0)
+        if self.requests_wanted and arrived < self.requests_wanted:
+            out.append(
+                f"only {arrived} of {self.requests_wanted} requests arrived within "
+                f"{self.steps} steps; the figures cover those {arrived} (raise --steps)"
+            )
+        return out
+
     def to_dict(self, with_series: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (time series left out unless asked for)."""
         d = asdict(self)
         if not with_series:
             d.pop("series")
         d["ok"] = self.ok
+        d["warnings"] = self.warnings
         return d
 
     def to_json(self, with_series: bool = False) -> str:
@@ -70,38 +107,58 @@ class SimReport:
 
     def fingerprint(self) -> str:
         """Everything that must replay identically from the seed (wall time excluded)."""
-        return json.dumps(self.to_dict(with_series=True), sort_keys=True)
+        d = self.to_dict(with_series=True)
+        d.pop("wall_s")
+        d.pop("settings")
+        return json.dumps(d, sort_keys=True)
 
     def format_text(self, limit: int = 10) -> str:
         """The human-readable report."""
         out: list[str] = []
         add = out.append
         status = "PASS" if self.ok else "FAIL"
+        warnings = self.warnings
+        if warnings:
+            status += f" with {len(warnings)} warning{'s' if len(warnings) > 1 else ''}"
         add(
             f"statecore simulate: {status}  (seed {self.seed}, {self.steps} steps + "
-            f"{self.drain_steps} drain, {self.workers} workers"
+            f"{self.drain_steps} drain steps, {self.workers} workers, "
+            f"checked mode {'on' if self.checked else 'off'}"
             f"{', tiering to files' if self.tiering else ''})"
         )
+        for w in warnings:
+            add(f"WARNING       {w}")
         r = self.requests
-        add("requests      " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in r.items()))
+        add(
+            "requests      "
+            + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in r.items())
+            + (f" (of {self.requests_wanted} requested)" if self.requests_wanted else "")
+        )
         t = self.tokens
         add(
-            f"hit rate      {self.hit_rate:.1%} of prompt tokens (offloaded hits "
-            f"{self.external_hit_rate:.1%}; local GPU prefix hits {t.get('local_hits', 0)})"
+            f"hit rate      {self.hit_rate:.1%} of admitted prompt tokens (from offloaded "
+            f"chunks {self.external_hit_rate:.1%}; from the GPU prefix cache "
+            f"{t.get('local_hits', 0)} tokens)"
         )
         add(
             f"tokens        loaded {t.get('loaded', 0)}, recomputed after failed loads "
             f"{t.get('recomputed', 0)}, computed {t.get('computed', 0)}, prompt "
-            f"{t.get('prompt', 0)}"
+            f"{t.get('prompt', 0)} (tokens)"
         )
         add("bytes moved   " + ", ".join(f"{k} {_human(v)}" for k, v in self.bytes_moved.items()))
-        add("jobs          " + ", ".join(f"{k} {v}" for k, v in self.jobs.items()))
-        add("absorbed      " + ", ".join(f"{k} {v}" for k, v in self.reports_absorbed.items()))
+        add("jobs          " + ", ".join(f"{k} {v}" for k, v in self.jobs.items()) + " (jobs)")
+        add(
+            "absorbed      "
+            + ", ".join(f"{k} {v}" for k, v in self.reports_absorbed.items())
+            + " (worker reports)"
+        )
         add("faults        kind               injected  observed (as)")
         for kind, fc in self.faults.items():
             add(f"              {kind:<18} {fc.injected:>8}  {fc.observed:>8} ({fc.observed_as})")
+        for line in _wrap(FAULTS_EXPLAINED, 80):
+            add(f"              {line}")
         if self.unobserved_faults:
-            add("              not observed: " + ", ".join(self.unobserved_faults))
+            add("              injected, not observed: " + ", ".join(self.unobserved_faults))
         for title, items in (
             ("invariant violations", self.invariant_violations),
             ("data errors", self.data_errors),
@@ -110,12 +167,21 @@ class SimReport:
             ("errors raised into the engine", self.engine_errors),
             ("harness anomalies", self.harness_anomalies),
         ):
-            add(f"{title + ':':<30}{len(items)}")
+            add(f"{title + ':':<31}{len(items)}")
             for item in items[:limit]:
                 add(f"    {item}")
             if len(items) > limit:
                 add(f"    ... {len(items) - limit} more")
+        if self.wall_s:
+            steps = self.steps + self.drain_steps
+            add(f"wall time     {self.wall_s:.1f} s ({steps / self.wall_s:.0f} steps/s)")
         return "\n".join(out)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width)
 
 
 def _human(n: int) -> str:

@@ -31,6 +31,7 @@ from statecore.sim.engine import SimClock, SimConfig, SimEngine
 from statecore.sim.faults import FAULT_KINDS
 from statecore.sim.kv import KVCache
 from statecore.sim.report import FaultCount, SimReport
+from statecore.sim.series import record_steps
 from statecore.wire import ConnectorMetadata, WorkerMetadata
 from statecore.worker import FaultyBackend, OffloadingWorker, TransferBackend
 
@@ -274,10 +275,13 @@ def _maybe_checked(on: bool) -> Iterator[None]:
 def simulate(cfg: SimConfig, progress: Callable[[int, int], None] | None = None) -> SimReport:
     """Run one simulation and report it."""
     stack, engine = build_stack(cfg)
+    recorder = record_steps(stack, engine)
     try:
         with _maybe_checked(cfg.checked):
             engine.run(progress)
-        return _report(cfg, stack, engine)
+        report = _report(cfg, stack, engine)
+        report.series.update(recorder.series)
+        return report
     finally:
         stack.close()
 
@@ -338,6 +342,8 @@ def _report(cfg: SimConfig, stack: SimStack, engine: SimEngine) -> SimReport:
         drain_steps=st.drain_steps,
         workers=cfg.num_workers,
         tiering=cfg.tiering,
+        checked=cfg.checked,
+        requests_wanted=cfg.workload.num_requests,
     )
     rep.requests = {
         "arrived": engine.arrived,
