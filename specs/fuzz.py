@@ -17,7 +17,6 @@ Exit status: 0 when nothing was found, 1 with the shrunk reproduction printed ot
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -200,14 +199,33 @@ def _stateful_campaign(seconds: float, steps: int) -> tuple[int, int, float, str
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``statecore fuzz``."""
-    p = argparse.ArgumentParser(prog="statecore fuzz", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seconds", type=float, default=60.0, help="campaign length")
-    p.add_argument("--max-ops", type=int, default=400, help="operations per program at most")
-    p.add_argument("--mode", choices=("program", "stateful"), default="program", help="generator")
-    args = p.parse_args(list(argv) if argv is not None else None)
-    if args.seconds <= 0 or args.max_ops < 1:
-        print("statecore fuzz: --seconds must be > 0 and --max-ops >= 1", file=sys.stderr)
-        return 2
+    from statecore.cli import command_parser, float_above, int_range
+
+    p = command_parser("statecore fuzz", (__doc__ or "").split("\n\n")[0])
+    p.add_argument(
+        "--seconds",
+        metavar="S",
+        type=float_above(0.0),
+        default=60.0,
+        help="campaign length in seconds",
+    )
+    p.add_argument(
+        "--max-ops",
+        metavar="N",
+        type=int_range(1),
+        default=400,
+        help="operations per program at most",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("program", "stateful"),
+        default="program",
+        help="generator: whole programs, or Hypothesis's stateful rule machine",
+    )
+    try:
+        args = p.parse_args(list(argv) if argv is not None else None)
+    except SystemExit as exc:  # usage errors and --help: their status, not an exception
+        return exc.code if isinstance(exc.code, int) else 2
     if args.mode == "program":
         ops, programs, elapsed, failure = campaign(args.seconds, args.max_ops)
     else:

@@ -11,12 +11,16 @@ from pathlib import Path
 __all__ = ["checkout_docs_dir", "report_stale", "stale_files", "write_files"]
 
 
-def checkout_docs_dir() -> Path:
-    """``docs/`` of the source checkout this package runs from, else of the current directory."""
+def checkout_docs_dir() -> Path | None:
+    """``docs/`` of the source checkout this package runs from; None for an installed package.
+
+    An installed package has no docs folder of its own, and the current directory's ``docs/``
+    may belong to any project, so the commands then ask for ``--out`` instead of guessing.
+    """
     root = Path(__file__).resolve().parents[1]
     if (root / "pyproject.toml").is_file() and (root / "docs").is_dir():
         return root / "docs"
-    return Path.cwd() / "docs"
+    return None
 
 
 def stale_files(out_dir: Path, files: Mapping[str, str]) -> list[Path]:

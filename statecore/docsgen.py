@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import importlib.util
 import inspect
 import re
 import sys
@@ -47,6 +48,7 @@ __all__ = [
     "CHECK_MECHANISMS",
     "STATE_PROSE",
     "SchedulerGraph",
+    "add_arguments",
     "check",
     "default_docs_dir",
     "main",
@@ -54,6 +56,7 @@ __all__ = [
     "render_invariants_page",
     "render_lifecycle_page",
     "rendered_pages",
+    "run",
     "scheduler_graph",
     "write",
 ]
@@ -556,29 +559,52 @@ def _mechanism(label: str) -> str | None:
     return None
 
 
-def _source_mentions(root: Path) -> dict[str, list[str]]:
+def _source_files(root: Path | None) -> Iterator[tuple[str, Path]]:
+    """Every source file of the package as ``(checkout-relative name, path)``.
+
+    ``root`` is a checkout (with ``statecore/``, ``adapters/``, ``specs/``); None reads the
+    importable packages wherever they are installed (``adapters`` and ``specs`` are then
+    ``statecore/adapters`` and ``statecore/specs``), so an installed package renders the same
+    page as its checkout.
+    """
+    folders = {
+        "statecore": "statecore",
+        "adapters": "statecore.adapters",
+        "specs": "statecore.specs",
+    }
+    bases: dict[str, Path] = {}
+    for folder, package in folders.items():
+        if root is not None:
+            bases[folder] = root / folder
+            continue
+        spec = importlib.util.find_spec(package)
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        if locations:
+            bases[folder] = Path(locations[0]).resolve()
+    nested = {path for folder, path in bases.items() if folder != "statecore"}
+    for folder, base in bases.items():
+        for path in sorted(base.rglob("*.py")):
+            if folder == "statecore" and any(parent in nested for parent in path.parents):
+                continue
+            yield f"{folder}/{path.relative_to(base).as_posix()}", path
+
+
+def _source_mentions(root: Path | None) -> dict[str, list[str]]:
     """INV code -> source files (relative, sorted) that name it, the catalogue excluded."""
     found: dict[str, set[str]] = {}
-    folders = ("statecore", "adapters", "specs")
-    for folder in folders:
-        for path in sorted((root / folder).rglob("*.py")):
-            rel = path.relative_to(root).as_posix()
-            if rel in ("specs/invariants.py", "statecore/docsgen.py"):
-                continue
-            for code in set(_INV_RE.findall(path.read_text(encoding="utf-8"))):
-                found.setdefault(code, set()).add(rel)
+    for rel, path in _source_files(root):
+        if rel in ("specs/invariants.py", "statecore/docsgen.py"):
+            continue
+        for code in set(_INV_RE.findall(path.read_text(encoding="utf-8"))):
+            found.setdefault(code, set()).add(rel)
     return {k: sorted(v) for k, v in found.items()}
-
-
-def _source_root() -> Path:
-    return Path(__file__).resolve().parents[1]
 
 
 def render_invariants_page(root: Path | None = None) -> str:
     """The invariant catalogue page."""
     inv_mod: Any = importlib.import_module("statecore.specs.invariants")
     invariants: dict[str, Any] = inv_mod.INVARIANTS
-    mentions = _source_mentions(root if root is not None else _source_root())
+    mentions = _source_mentions(root)
     out = [
         "# Invariant catalogue",
         "",
@@ -649,29 +675,6 @@ def render_invariants_page(root: Path | None = None) -> str:
 # CLI page
 
 
-class _Captured(Exception):
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        super().__init__(parser.prog)
-        self.parser = parser
-
-
-def _capture_parser(main: Callable[[list[str]], int]) -> argparse.ArgumentParser | None:
-    """Run ``main`` until it parses its arguments, and return the parser it built."""
-    original = argparse.ArgumentParser.parse_args
-
-    def capture(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
-        raise _Captured(self)
-
-    argparse.ArgumentParser.parse_args = capture  # type: ignore[method-assign]
-    try:
-        main([])
-    except _Captured as got:
-        return got.parser
-    finally:
-        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
-    return None
-
-
 def _option_rows(parser: argparse.ArgumentParser) -> Iterator[str]:
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
@@ -696,30 +699,50 @@ def _option_rows(parser: argparse.ArgumentParser) -> Iterator[str]:
 def render_cli_page() -> str:
     """Every ``statecore`` command and its options, read from the parsers."""
     cli: Any = importlib.import_module("statecore.cli")
-    commands: list[tuple[str, str, str]] = [
-        (name, module, text) for name, (module, text) in cli._COMMANDS.items()
-    ]
-    commands += [(f"bench {name}", module, text) for name, (module, text) in cli._BENCHES.items()]
+    commands: list[tuple[str, str, str]] = cli.commands()
     out = [
         "# Command line",
         "",
         "<!-- Generated by `statecore docs` from statecore.cli and the command parsers; "
         "do not edit. -->",
         "",
-        "`statecore COMMAND [ARGS...]`; `statecore --help` lists the commands. Each command "
-        "is a module with a `main(argv)` function, imported only when it runs.",
+        "`statecore [--version] [--help] COMMAND [OPTIONS]`. `statecore --help` lists the "
+        "commands, `statecore COMMAND --help` (and `statecore bench --help`, "
+        "`statecore bench NAME --help`) shows a command's options with their defaults. "
+        "`statecore --version` prints the installed version.",
+        "",
+        "The command line is built with the standard library's `argparse` (subcommands from a "
+        "registry in `statecore.cli`, one line per command, each module imported only when it "
+        "runs): no dependency to install, and these same parser objects are what this page is "
+        "generated from, so the reference cannot drift from the commands.",
+        "",
+        "## Exit status",
+        "",
+        "The same for every command:",
+        "",
+        "| status | meaning |",
+        "| --- | --- |",
+    ]
+    for code, meaning in cli.EXIT_CODES.items():
+        out.append(f"| {code} | {_cell(meaning)} |")
+    out += [
+        "",
+        "Values are checked before any work starts: a number out of range or an output file "
+        "whose folder does not exist is a usage error that names the option and what it "
+        "accepts.",
+        "",
+        "## Commands",
         "",
         "| command | what it does | module |",
         "| --- | --- | --- |",
     ]
     for name, module, text in commands:
         out.append(f"| [`{name}`](#{_anchor('statecore ' + name)}) | {_cell(text)} | `{module}` |")
-    for name, module, text in commands:
+    for name, _module, text in commands:
         out += ["", f"## statecore {name}", ""]
-        mod = importlib.import_module(module)
-        parser = _capture_parser(mod.main)
+        parser = cli.parser_for(name)
         if parser is None:  # pragma: no cover - every command uses argparse today
-            out += [_rst_to_md(_first_line(mod))]
+            out += [_cell(text)]
             continue
         desc = (parser.description or text).split("\n\n")[0].replace("\n", " ").strip()
         out += [_rst_to_md(desc), "", f"Usage: `{parser.prog} [OPTIONS]`", ""]
@@ -746,8 +769,8 @@ def rendered_pages() -> dict[str, str]:
     return pages
 
 
-def default_docs_dir() -> Path:
-    """``docs/`` of the source checkout, else of the current directory."""
+def default_docs_dir() -> Path | None:
+    """``docs/`` of the source checkout this package runs from (None when installed)."""
     return checkout_docs_dir()
 
 
@@ -761,28 +784,49 @@ def write(docs_dir: Path, pages: dict[str, str] | None = None) -> list[Path]:
     return write_files(docs_dir, pages if pages is not None else rendered_pages())
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``statecore docs``."""
-    parser = argparse.ArgumentParser(
-        prog="statecore docs",
-        description="Write the documentation pages generated from the code (lifecycle "
-        "pages, the invariant catalogue, the command reference) under docs/.",
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``statecore docs``."""
+    parser.description = (
+        "Write the documentation pages generated from the code of this statecore package "
+        "(lifecycle pages, the invariant catalogue, the command reference) into the docs folder "
+        "of the source checkout, or into --out."
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
         "--check", action="store_true", help="write nothing; exit 1 listing stale pages"
     )
     mode.add_argument("--print", metavar="PAGE", help="print one page (e.g. invariants.md)")
-    parser.add_argument("--out", type=Path, default=None, help="docs folder (default: docs)")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    docs_dir: Path = args.out if args.out is not None else default_docs_dir()
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="docs folder (default: docs of the source checkout this package runs from; "
+        "required when it runs from an installed package)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write, check or print the generated pages as ``args`` say."""
     pages = rendered_pages()
     if args.print:
         if args.print not in pages:
-            print(f"statecore docs: no generated page {args.print!r}; pages: {sorted(pages)}")
+            print(
+                f"statecore docs: argument --print: no generated page {args.print!r}; "
+                f"pages: {', '.join(sorted(pages))}",
+                file=sys.stderr,
+            )
             return 2
         print(pages[args.print], end="")
         return 0
+    docs_dir = args.out if args.out is not None else default_docs_dir()
+    if docs_dir is None:
+        print(
+            "statecore docs: not running from a source checkout; say where the docs are with "
+            "--out DIR (e.g. --out docs)",
+            file=sys.stderr,
+        )
+        return 2
     if args.check:
         return report_stale("statecore docs", check(docs_dir, pages), len(pages), "pages", docs_dir)
     for path in write(docs_dir, pages):
@@ -790,5 +834,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``statecore docs``."""
+    from statecore.cli import run_module
+
+    return run_module(__name__, argv)

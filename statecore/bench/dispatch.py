@@ -16,7 +16,6 @@ asserts timings.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
@@ -225,15 +224,19 @@ def _record_bytes() -> tuple[int, int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``statecore bench dispatch``."""
-    parser = argparse.ArgumentParser(
-        prog="statecore bench dispatch",
-        description="Cost per lifecycle event: compiled table vs python-statemachine instance.",
+    from statecore.cli import command_parser, int_range
+
+    parser = command_parser(
+        "statecore bench dispatch",
+        "Cost per lifecycle event: compiled table vs python-statemachine instance.",
     )
-    parser.add_argument("--events", type=int, default=200_000, help="table events per repeat")
     parser.add_argument(
-        "--machine-events", type=int, default=1_000, help="machine events per repeat"
+        "--events", type=int_range(1), default=200_000, help="table events per repeat"
     )
-    parser.add_argument("--repeats", type=int, default=5, help="repeats (best is kept)")
+    parser.add_argument(
+        "--machine-events", type=int_range(1), default=1_000, help="machine events per repeat"
+    )
+    parser.add_argument("--repeats", type=int_range(1), default=5, help="repeats (best is kept)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     n, m, reps = args.events, args.machine_events, args.repeats
 

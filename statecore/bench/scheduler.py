@@ -25,7 +25,6 @@ of the job records. This is a command, not a test: nothing here asserts timings.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib
 import json
@@ -883,11 +882,18 @@ def _header() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``statecore bench scheduler``."""
-    p = argparse.ArgumentParser(prog="statecore bench scheduler", description=__doc__)
-    p.add_argument("--concurrency", type=int, action="append", help="N (repeatable)")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    from statecore.cli import command_parser, int_range, output_file
+
+    p = command_parser("statecore bench scheduler", (__doc__ or "").split("\n\n")[0])
+    p.add_argument(
+        "--concurrency",
+        type=int_range(1),
+        action="append",
+        help="concurrent requests N (repeatable; default 64, 256 and 1024)",
+    )
+    p.add_argument("--steps", type=int_range(1), default=400, help="engine steps per run")
+    p.add_argument("--workers", type=int_range(1, 64), default=1, help="worker ranks")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument(
         "--engine",
         choices=["auto", "standalone", "vllm", "both"],
@@ -896,11 +902,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--vllm-concurrency",
-        type=int,
+        type=int_range(1),
         action="append",
         help="N for the vLLM engine runs (default 64 and 256)",
     )
-    p.add_argument("--json", help="write every run's summary here")
+    p.add_argument(
+        "--json", metavar="FILE", type=output_file, help="write every run's summary here"
+    )
     a = p.parse_args(list(argv) if argv is not None else None)
     ns = a.concurrency or [64, 256, 1024]
     vns = a.vllm_concurrency or [n for n in ns if n <= 256] or ns

@@ -27,12 +27,28 @@ __all__ = ["main"]
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="statecore bench transfer", description=__doc__)
-    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    p.add_argument("--total-mib", type=int, default=None, help="bytes per direction and size")
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--block-kib", type=str, default="4,16,64,256")
-    p.add_argument("--job-mib", type=int, default=16, help="approximate bytes per job")
+    from statecore.cli import command_parser, int_range
+
+    p = command_parser("statecore bench transfer", (__doc__ or "").split("\n\n")[0])
+    p.add_argument(
+        "--device", choices=("cpu", "cuda", "auto"), default="auto", help="where the KV lives"
+    )
+    p.add_argument(
+        "--total-mib",
+        metavar="MIB",
+        type=int_range(1),
+        default=None,
+        help="MiB per direction and block size (default: 1024 on CUDA, 128 on CPU)",
+    )
+    p.add_argument(
+        "--repeat", metavar="N", type=int_range(1), default=3, help="runs per figure (median)"
+    )
+    p.add_argument(
+        "--block-kib", metavar="KIB,...", type=str, default="4,16,64,256", help="block sizes in KiB"
+    )
+    p.add_argument(
+        "--job-mib", metavar="MIB", type=int_range(1), default=16, help="approximate MiB per job"
+    )
     p.add_argument(
         "--impl",
         choices=("auto", "triton", "staging", "all"),

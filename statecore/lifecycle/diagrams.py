@@ -34,6 +34,7 @@ from statecore.lifecycle.table import CompiledLifecycle, TransitionInfo
 __all__ = [
     "LIFECYCLES",
     "Lifecycle",
+    "add_arguments",
     "check",
     "default_out_dir",
     "main",
@@ -42,6 +43,7 @@ __all__ = [
     "render_page",
     "render_table_text",
     "rendered_files",
+    "run",
     "transition_label",
     "write",
 ]
@@ -230,9 +232,10 @@ def rendered_files(lifecycles: Sequence[Lifecycle] = LIFECYCLES) -> dict[str, st
 # Files
 
 
-def default_out_dir() -> Path:
-    """``docs/diagrams`` of the source checkout, else of the current directory."""
-    return checkout_docs_dir() / "diagrams"
+def default_out_dir() -> Path | None:
+    """``docs/diagrams`` of the source checkout this package runs from (None if installed)."""
+    docs = checkout_docs_dir()
+    return None if docs is None else docs / "diagrams"
 
 
 def check(out_dir: Path, lifecycles: Sequence[Lifecycle] = LIFECYCLES) -> list[Path]:
@@ -260,29 +263,45 @@ def write(
     return written
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``statecore diagrams``."""
-    parser = argparse.ArgumentParser(
-        prog="statecore diagrams",
-        description="Write the lifecycle diagrams and transition tables generated from the "
-        "state machines (Mermaid, markdown, DOT; SVG when Graphviz `dot` is installed).",
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``statecore diagrams``."""
+    parser.description = (
+        "Write the lifecycle diagrams and transition tables generated from the state machines "
+        "of this statecore package (Mermaid, markdown, DOT, and SVG drawn by Graphviz `dot` "
+        "when it is installed) into the docs/diagrams folder of the source checkout, or into "
+        "--out."
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
         "--check",
         action="store_true",
-        help="write nothing; exit 1 listing the committed files that are stale",
+        help="write nothing; exit 1 listing the files under the output folder that are stale",
     )
     mode.add_argument("--print", action="store_true", help="print the transition tables to stdout")
     parser.add_argument(
-        "--out", type=Path, default=None, help="output folder (default: docs/diagrams)"
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="output folder (default: docs/diagrams of the source checkout this package runs "
+        "from; required when it runs from an installed package)",
     )
     parser.add_argument("--no-svg", action="store_true", help="do not render SVG")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    out_dir: Path = args.out if args.out is not None else default_out_dir()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write, check or print the diagrams as ``args`` say."""
     if args.print:
         print("\n".join(render_table_text(life) for life in LIFECYCLES), end="")
         return 0
+    out_dir: Path | None = args.out if args.out is not None else default_out_dir()
+    if out_dir is None:
+        print(
+            "statecore diagrams: not running from a source checkout; say where the diagrams "
+            "are with --out DIR (e.g. --out docs/diagrams)",
+            file=sys.stderr,
+        )
+        return 2
     if args.check:
         files = rendered_files()
         return report_stale("statecore diagrams", check(out_dir), len(files), "files", out_dir)
@@ -291,3 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if shutil.which("dot") is None and not args.no_svg:
         print("(Graphviz `dot` not found: no SVG written)")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``statecore diagrams``."""
+    from statecore.cli import run_module
+
+    return run_module(__name__, argv)

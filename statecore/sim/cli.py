@@ -1,7 +1,8 @@
 """``statecore simulate``: run the deterministic simulator and print its report.
 
 Exit status: 0 when the run is clean (no invariant violation, data error, hung request, leaked
-state or error raised into the engine), 1 otherwise, 2 on bad arguments.
+state or error raised into the engine), 1 otherwise, 2 on bad arguments (checked before the run
+starts, output paths included).
 """
 
 from __future__ import annotations
@@ -11,40 +12,82 @@ import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
+from statecore.cli import float_above, int_range, output_file, run_module
 from statecore.sim.engine import SimConfig
-from statecore.sim.faults import parse_faults
+from statecore.sim.faults import SimFaults, parse_faults
 from statecore.sim.workload import WorkloadConfig
 
-__all__ = ["main"]
+__all__ = ["DESCRIPTION", "add_arguments", "main", "run"]
 
 
-def _parser() -> argparse.ArgumentParser:
+DESCRIPTION = (
+    "Drive the real statecore stack (scheduler, manager, workers, torch adapter on CPU) "
+    "through a seeded workload with faults; check every invariant after every step and every "
+    "loaded byte. Exit status 1 on any violation, data error, hung request or leak."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``statecore simulate``."""
     d = SimConfig()
-    p = argparse.ArgumentParser(
-        prog="statecore simulate",
-        description="Drive the real statecore stack (scheduler, manager, workers, torch "
-        "adapter on CPU) through a seeded workload with faults; check every invariant after "
-        "every step and every loaded byte.",
+    p.description = DESCRIPTION
+    p.add_argument(
+        "--seed", metavar="N", type=int, default=d.seed, help="seed of every random stream"
     )
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of every random stream")
-    p.add_argument("--requests", type=int, default=d.workload.num_requests, help="requests (turns)")
-    p.add_argument("--steps", type=int, default=d.steps, help="engine steps before draining")
-    p.add_argument("--workers", type=int, default=d.num_workers, help="worker ranks")
+    p.add_argument(
+        "--requests",
+        metavar="N",
+        type=int_range(0),
+        default=d.workload.num_requests,
+        help="requests (turns) to issue",
+    )
+    p.add_argument(
+        "--steps",
+        metavar="N",
+        type=int_range(1),
+        default=d.steps,
+        help="engine steps before the remaining requests are aborted and the run drains",
+    )
+    p.add_argument(
+        "--workers", metavar="N", type=int_range(1, 64), default=d.num_workers, help="worker ranks"
+    )
     p.add_argument(
         "--faults",
+        metavar="SPEC",
+        type=_faults,
         default="default",
         help="none | default | heavy, optionally followed by k=v overrides "
         "(e.g. 'heavy,reset=0.05' or 'stall=0.01,late=0.01')",
     )
-    p.add_argument("--gpu-blocks", type=int, default=d.num_gpu_blocks, help="GPU blocks per rank")
-    p.add_argument("--cpu-slots", type=int, default=d.cpu_slots, help="CPU tier chunk slots")
     p.add_argument(
-        "--stall-timeout", type=float, default=d.stall_timeout_s, help="seconds (simulated)"
+        "--gpu-blocks",
+        metavar="N",
+        type=int_range(8),
+        default=d.num_gpu_blocks,
+        help="GPU blocks per rank (null block included)",
+    )
+    p.add_argument(
+        "--cpu-slots",
+        metavar="N",
+        type=int_range(1),
+        default=d.cpu_slots,
+        help="CPU tier chunk slots",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        metavar="SECONDS",
+        type=float_above(0.0),
+        default=d.stall_timeout_s,
+        help="the scheduler's stall timeout, in simulated seconds",
     )
     p.add_argument("--tiering", action="store_true", help="add a file tier behind the CPU tier")
     p.add_argument(
-        "--checked", action="store_true", help="checked mode (invariants after every call)"
+        "--checked",
+        action="store_true",
+        help="checked mode: every invariant after every scheduler call, and the "
+        "python-statemachine machines beside the compiled tables",
     )
     p.add_argument(
         "--copy-impl",
@@ -54,9 +97,21 @@ def _parser() -> argparse.ArgumentParser:
         "path's code on CPU: queued jobs, bounce buffers, store scatter at completion)",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--plot", metavar="FILE", help="write a PNG of hit rate and in-flight jobs")
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        type=output_file,
+        help="write a PNG (hit rate, jobs in flight, CPU tier, fault and reset events); "
+        "its folder must exist",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
+
+
+def _faults(text: str) -> SimFaults:
+    try:
+        return parse_faults(text)
+    except (ValueError, KeyError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _progress_bar(total_hint: int) -> tuple[Callable[[int, int], None], Callable[[], None]]:
@@ -93,18 +148,24 @@ def _progress_bar(total_hint: int) -> tuple[Callable[[int, int], None], Callable
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``statecore simulate``."""
-    args = _parser().parse_args(list(argv) if argv is not None else None)
+    """Entry point of ``statecore simulate`` (usage errors return 2)."""
+    return run_module(__name__, argv)
+
+
+def _check_plot_deps() -> str | None:
     try:
-        faults = parse_faults(args.faults)
-    except ValueError as exc:
-        print(f"statecore simulate: {exc}", file=sys.stderr)
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "--plot needs matplotlib: pip install 'statecore[sim]'"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the simulation the parsed ``args`` describe; 0 when clean, 1 otherwise."""
+    if args.plot is not None and (problem := _check_plot_deps()) is not None:
+        print(f"statecore simulate: {problem}", file=sys.stderr)
         return 2
-    if args.requests < 0 or args.steps < 0 or args.workers < 1:
-        print(
-            "statecore simulate: --requests/--steps must be >= 0, --workers >= 1", file=sys.stderr
-        )
-        return 2
+    faults = args.faults if isinstance(args.faults, SimFaults) else parse_faults(args.faults)
     base = SimConfig()
     cfg = dataclasses.replace(
         base,
@@ -130,18 +191,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = simulate(cfg, tick)
     finally:
         done()
-    wall = time.perf_counter() - t0
-    if args.plot:
+    report.wall_s = time.perf_counter() - t0
+    report.settings = _settings(args, faults)
+    if args.plot is not None:
         from statecore.sim.plot import write_plot
 
-        write_plot(report, args.plot)
+        write_plot(report, str(args.plot))
     if args.json:
         print(report.to_json())
     else:
         print(report.format_text())
-        print(
-            f"wall time     {wall:.1f} s ({(report.steps + report.drain_steps) / wall:.0f} steps/s)"
-        )
-        if args.plot:
+        if args.plot is not None:
             print(f"plot          {args.plot}")
     return 0 if report.ok else 1
+
+
+def _settings(args: argparse.Namespace, faults: SimFaults) -> dict[str, object]:
+    """The run's settings as given (and the fault probabilities they resolved to)."""
+    out: dict[str, object] = {}
+    for key, value in sorted(vars(args).items()):
+        if key in ("json", "no_progress"):
+            continue
+        if key == "faults":
+            value = dataclasses.asdict(faults)
+        elif isinstance(value, Path):
+            value = str(value)
+        out[key] = value
+    return out
