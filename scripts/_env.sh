@@ -7,6 +7,10 @@
 # The editable install compiles statecore.adapters._hostcopy (the torch adapter's CPU copy
 # loop) in place. A stamp file skips the installs when neither pyproject.toml nor that C file
 # has changed since the last one.
+#
+# First run: it says what it installs and why, then shows pip's progress one line per package
+# (Collecting/Downloading/Installing, with the elapsed time); the whole pip log is kept in
+# $VENV/pip.log. Set STATECORE_ENV_QUIET=1 to keep only the headings.
 
 set -euo pipefail
 
@@ -16,7 +20,7 @@ cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
 VENV="${STATECORE_VENV:-$ROOT/.venv}"
 TORCH_VERSION="2.13.0"
-EXTRAS="test,sim,docs"
+EXTRAS="test,sim,fuzz,docs"
 
 if [[ ! -x "$VENV/bin/python" ]]; then
     echo "==> creating $VENV"
@@ -30,8 +34,29 @@ stamp="$VENV/.statecore-env"
 want="torch==$TORCH_VERSION extras=$EXTRAS $(cat pyproject.toml adapters/_hostcopy.c | sha256sum | cut -d' ' -f1)"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]] \
     || ! "$VENV/bin/python" -c "import statecore, torch" >/dev/null 2>&1; then
-    echo "==> installing torch==$TORCH_VERSION (CPU build), then statecore[$EXTRAS]"
-    "$VENV/bin/python" -m pip install --quiet "torch==$TORCH_VERSION"
-    "$VENV/bin/python" -m pip install --quiet -e ".[$EXTRAS]" "torch==$TORCH_VERSION"
+    env_start=$SECONDS
+    echo "==> setting up $VENV (first run, or pyproject.toml changed; a few minutes at most):"
+    echo "    1/2 torch==$TORCH_VERSION, CPU build (the simulator's KV tensors, the torch adapter)"
+    echo "    2/2 statecore, editable, with extras [$EXTRAS]: test tools (pytest, hypothesis,"
+    echo "        crosshair, mypy, ruff), simulator (numpy, matplotlib), docs (mkdocs-material)"
+    echo "    full pip log: $VENV/pip.log"
+    : >"$VENV/pip.log"
+    _pip_progress() {
+        # one short line per package pip works on, with the elapsed time; everything to the log
+        local line
+        while IFS= read -r line; do
+            printf '%s\n' "$line" >>"$VENV/pip.log"
+            [[ "${STATECORE_ENV_QUIET:-0}" == 1 ]] && continue
+            case "$line" in
+                Collecting* | Downloading* | "Installing collected"* | "Successfully installed"* | "Building"* | "Obtaining"*)
+                    printf '    [%3ss] %.110s\n' "$((SECONDS - env_start))" "$line" ;;
+            esac
+        done
+    }
+    echo "==> 1/2 installing torch==$TORCH_VERSION"
+    "$VENV/bin/python" -m pip install "torch==$TORCH_VERSION" 2>&1 | _pip_progress
+    echo "==> 2/2 installing statecore[$EXTRAS] (editable)"
+    "$VENV/bin/python" -m pip install -e ".[$EXTRAS]" "torch==$TORCH_VERSION" 2>&1 | _pip_progress
+    echo "==> environment ready in $((SECONDS - env_start))s"
     echo "$want" >"$stamp"
 fi
