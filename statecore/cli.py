@@ -66,6 +66,7 @@ _BENCHES: dict[str, tuple[str, str]] = {
     "dispatch": ("statecore.bench.dispatch", "cost per lifecycle event: table vs machine"),
     "transfer": ("statecore.bench.transfer", "transfer adapter throughput (GB/s)"),
     "scheduler": ("statecore.bench.scheduler", "connector cost per engine step"),
+    "tier": ("statecore.bench.tier", "Redis tier GB/s next to plain pipelined SET/GET"),
 }
 
 EXIT_CODES: dict[int, str] = {

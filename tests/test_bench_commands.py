@@ -34,3 +34,17 @@ def test_bench_without_a_known_name_is_a_usage_error(capsys: pytest.CaptureFixtu
     assert main(["bench", "nope"]) == 2
     err = capsys.readouterr().err
     assert "invalid choice" in err and "transfer" in err
+
+
+def test_bench_tier_prints_store_and_load_for_every_chunk_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tests.managers.redis_fixtures import require_server
+
+    require_server()
+    argv = ["bench", "tier", "--chunk-kib", "64,256", "--total-mib", "1", "--repeat", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\s+(\d+)K\s+(store|load)\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M)
+    assert sorted(rows) == [("256", "load"), ("256", "store"), ("64", "load"), ("64", "store")]
+    assert "MISMATCH" not in out

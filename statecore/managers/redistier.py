@@ -319,6 +319,8 @@ class RedisTier:
         self._px = None if config.ttl_s is None else max(1, int(config.ttl_s * 1000))
         self._own_client = client is None
         self.client: Any = config.make_client() if client is None else client
+        # a standalone redis-py client: stores are written straight onto a pooled connection
+        self._direct = not config.cluster and hasattr(self.client, "connection_pool")
         self._own_executor = executor is None
         self._executor: Executor = (
             executor
@@ -366,20 +368,86 @@ class RedisTier:
         return [range(i, min(n, i + per)) for i in range(0, n, per)]
 
     def _write_chunks(self, keys: tuple[OffloadKey, ...], slots: tuple[int, ...]) -> list[str]:
-        pool = self.pool
-        fp = self.fingerprint
         out: list[str] = []
-        px = self._px
         try:
             for batch in self._batches(len(keys)):
-                pipe = self.client.pipeline(transaction=False)
-                for i in batch:
-                    rows = [pool.row(r, slots[i]) for r in range(pool.num_regions)]
-                    pipe.set(self.redis_key(keys[i]), encode_value(fp, keys[i], rows), px=px)
-                for reply in pipe.execute(raise_on_error=False):
-                    out.append(_REJECTED if isinstance(reply, Exception) or not reply else _OK)
+                if self._direct:
+                    out.extend(self._write_direct(keys, slots, batch))
+                else:
+                    out.extend(self._write_pipeline(keys, slots, batch))
         except Exception:  # the server or the connection failed: every key not written
             out.extend([_IO_ERROR] * (len(keys) - len(out)))
+        return out
+
+    def _write_pipeline(
+        self, keys: tuple[OffloadKey, ...], slots: tuple[int, ...], batch: range
+    ) -> list[str]:
+        pool = self.pool
+        pipe = self.client.pipeline(transaction=False)
+        for i in batch:
+            rows = [pool.row(r, slots[i]) for r in range(pool.num_regions)]
+            value = encode_value(self.fingerprint, keys[i], rows)
+            pipe.set(self.redis_key(keys[i]), value, px=self._px)
+        return [
+            _REJECTED if isinstance(reply, Exception) or not reply else _OK
+            for reply in pipe.execute(raise_on_error=False)
+        ]
+
+    def _write_direct(
+        self, keys: tuple[OffloadKey, ...], slots: tuple[int, ...], batch: range
+    ) -> list[str]:
+        """The batch's SETs written straight onto one pooled connection, the pool rows sent
+        from where they are (no joined copy of the value), then every reply read."""
+        import redis
+
+        pool = self.pool
+        fp = self.fingerprint
+        length = pool.slot_bytes
+        ms = b"" if self._px is None else str(self._px).encode()
+        px = b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms) if ms else b""
+        argc = b"*5\r\n" if px else b"*3\r\n"
+        parts: list[bytes | memoryview] = []
+        tail = b""
+        for i in batch:
+            key = keys[i]
+            rkey = self.redis_key(key)
+            rows = [pool.row(r, slots[i]) for r in range(pool.num_regions)]
+            digest = _checksum(_DEFAULT_CHECKSUM, rows)
+            head = HEADER.pack(_MAGIC, _VERSION, _DEFAULT_CHECKSUM, fp, len(key), length, digest)
+            vlen = HEADER.size + len(key) + length
+            parts.append(
+                b"".join(
+                    (
+                        tail,
+                        argc,
+                        b"$3\r\nSET\r\n$%d\r\n" % len(rkey),
+                        rkey,
+                        b"\r\n$%d\r\n" % vlen,
+                        head,
+                        key,
+                    )
+                )
+            )
+            parts.extend(rows)
+            tail = b"\r\n" + px
+        parts.append(tail)
+        conns = self.client.connection_pool
+        conn = conns.get_connection()
+        out: list[str] = []
+        try:
+            conn.send_packed_command(parts, check_health=False)
+            for _ in batch:
+                try:
+                    reply = conn.read_response()
+                except redis.ResponseError:  # e.g. OOM under maxmemory noeviction
+                    out.append(_REJECTED)
+                    continue
+                out.append(_OK if reply else _REJECTED)
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            conns.release(conn)
         return out
 
     def _read_chunks(self, keys: tuple[OffloadKey, ...], slots: tuple[int, ...]) -> list[str]:
@@ -464,6 +532,10 @@ class RedisTier:
         if entry is None or self._step - entry[1] > self.config.lookup_ttl_steps:
             return None
         return entry[0]
+
+    def forget_answers(self) -> None:
+        """Drop every lookup answer (e.g. after the server was flushed): keys are asked again."""
+        self._known.clear()
 
     # -- protocol -------------------------------------------------------------------------------
 

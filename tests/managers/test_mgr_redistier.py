@@ -192,6 +192,22 @@ def test_evicted_values_are_misses_never_errors() -> None:
         a.close()
 
 
+def test_a_full_server_without_eviction_rejects_stores_as_failed_cascades() -> None:
+    require_server()
+    with LocalRedis(maxmemory=1 << 20, policy="noeviction") as srv:
+        big = [64 << 10, 64 << 10]
+        a = Instance(config(srv), slots=16, rows=big)
+        for start in range(0, 32, 16):
+            a.store(*range(start, start + 16))  # 4 MiB into 1 MiB: the server says OOM
+        stats = a.m.get_stats()
+        assert stats["redis0.rejected_writes"] >= 1 and stats["cascades_failed"] >= 1
+        assert a.m.primary.counters().pinned == 0
+        a.m.reset_cache()
+        for i in range(32):
+            assert a.fetch(i) in (None, chunk(i, rows=big))  # stored ones load, others miss
+        a.close()
+
+
 def test_values_expire_after_ttl_and_then_miss(server: LocalRedis) -> None:
     cfg = config(server, ttl_s=600.0)
     a = Instance(cfg)
