@@ -6,6 +6,13 @@ launch copies every page of a job: program ``(row, part)`` copies words
 and destination are raw addresses, so the same kernel writes GPU blocks into mapped pinned
 host rows and back. Under ``TRITON_INTERPRET=1`` it runs on the CPU with host addresses, which
 is how CI checks it without a GPU.
+
+Variants. Triton compiles the kernel once per combination of its constants (``WORD``,
+``BLOCK``) and of the properties it specialises its other arguments on. The number of copies
+``n`` is excluded from specialisation (``do_not_specialize``): otherwise ``n == 1`` and ``n``
+divisible by 16 would each compile a variant of their own, on the engine thread, the first
+time a job of that length arrives. A backend passes one fixed ``block`` for all its jobs, so
+it launches exactly one variant, which its warm-up compiles (:func:`variant_key`).
 """
 
 from __future__ import annotations
@@ -13,10 +20,10 @@ from __future__ import annotations
 import triton  # type: ignore[import-not-found,import-untyped,unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
-__all__ = ["block_words", "launch_copy_pages"]
+__all__ = ["block_words", "launch_copy_pages", "variant_key"]
 
 
-@triton.jit  # type: ignore[misc,untyped-decorator,unused-ignore]
+@triton.jit(do_not_specialize=["n"])  # type: ignore[misc,untyped-decorator,unused-ignore]
 def _copy_pages_kernel(  # type: ignore[no-untyped-def,unused-ignore]
     addrs,  # int64[3, n]: source address, destination address, words to copy
     n,
@@ -39,7 +46,14 @@ def block_words(word_bytes: int, max_words: int) -> int:
     return min(cap, int(triton.next_power_of_2(max(1, max_words))))
 
 
-def launch_copy_pages(addrs: object, n: int, max_words: int, word_bytes: int) -> None:
+def variant_key(word_bytes: int, block: int) -> tuple[int, int]:
+    """The compiled variant a launch with these arguments uses: ``(word_bytes, block)``."""
+    return word_bytes, block
+
+
+def launch_copy_pages(
+    addrs: object, n: int, max_words: int, word_bytes: int, block: int | None = None
+) -> None:
     """Launch the kernel on the current stream of ``addrs``'s device.
 
     Args:
@@ -48,12 +62,16 @@ def launch_copy_pages(addrs: object, n: int, max_words: int, word_bytes: int) ->
         n: number of copies.
         max_words: the largest ``addrs[2]`` entry (sets the grid's second dimension).
         word_bytes: 8 or 4; every address and length must be a multiple of it.
+        block: words per program (a power of two); default :func:`block_words` of
+            ``max_words``. A caller that passes one value for all its launches runs a single
+            compiled variant.
     """
     if n == 0:
         return
     if word_bytes not in (4, 8):
         raise ValueError(f"word_bytes must be 4 or 8, got {word_bytes}")
-    block = block_words(word_bytes, max_words)
+    if block is None:
+        block = block_words(word_bytes, max_words)
     word = tl.int64 if word_bytes == 8 else tl.int32
     grid = (n, int(triton.cdiv(max_words, block)))
     _copy_pages_kernel[grid](addrs, n, WORD=word, BLOCK=block, num_warps=4)

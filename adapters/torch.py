@@ -34,21 +34,36 @@ Execution:
 * **CUDA**: one stream per direction, so completion is FIFO per direction; a store's stream
   first waits for the compute (current) stream; completion is a CUDA event per job;
   ``wait(job_ids)`` synchronises those events. The pool's regions are registered in place
-  with ``cudaHostRegister`` (portable + mapped), so the GPU can address them directly. Two
+  with ``cudaHostRegister`` (portable + mapped), in bounded chunks with rollback, and every
+  failed runtime call is cleared and reported (:mod:`statecore.adapters._pinning`; the calls
+  go through the :class:`CudaRuntime` seam, which tests replace with a fake that fails on
+  demand). Before choosing a copy implementation the backend checks that its device's
+  context is alive (a sticky error raises :class:`TransferError`: nothing can run on it). Two
   copy implementations, chosen at construction (logged):
 
   - ``"triton"``: one Triton kernel launch per job that copies every page straight between
     its GPU block and its final pinned host row (addresses computed on the host, vectorised,
     and shipped as one small array: :meth:`TorchTransferBackend.kernel_args`). The kernel
-    lives in :mod:`statecore.adapters._triton_copy`, imported on first use. Needs Triton and
-    a successful registration; a tiny self-test runs at construction. Without a GPU, the
-    tests run ``kernel_args`` and the kernel in Triton's interpreter on host addresses.
-  - ``"staging"`` (fallback): GPU gather (``index_select``) into a staging buffer, one bulk
-    copy to a pinned bounce buffer, and a host scatter into the pool rows when the job's
-    event has completed (loads: host gather at submit, bulk copy, ``index_copy_`` on the
-    GPU). Used when Triton is missing, and when ``cudaHostRegister`` fails: the pool then
-    stays pageable and only the bounce buffers are pinned (documented fallback: one extra
-    host copy per byte, no sharing problem since the pool stays authoritative).
+    lives in :mod:`statecore.adapters._triton_copy`, imported on first use. Needs Triton, a
+    successful registration and a device that addresses registered memory at its host
+    address (``cudaDevAttrCanUseHostPointerForRegisteredMem``, checked before any kernel
+    touches the pool). The backend launches one kernel variant only (one block size for all
+    its jobs; the length argument is not specialised); a warm-up at construction, on the
+    backend's device, compiles that variant and checks its bytes, so no job compiles on the
+    engine thread. Without a GPU, the tests run ``kernel_args`` and the kernel in Triton's
+    interpreter on host addresses.
+  - ``"staging"`` (fallback): a fixed ring of preallocated chunks (``staging_chunks`` x
+    ``staging_chunk_bytes``, default 4 x 16 MiB: 64 MiB of device memory outside the
+    engine's KV budget and 64 MiB pinned host); a job is cut into chunk-sized pieces: GPU
+    gather (``index_select``) into a device chunk, one copy to its pinned host chunk, host
+    scatter into the pool rows once the piece's event completed (loads: host gather, copy,
+    ``index_copy_``). The host gathers and scatters run on a staging thread, not the
+    engine's. Used when Triton is missing or unusable, and when registration fails: the pool
+    then stays pageable (one extra host copy per byte; the pool stays authoritative).
+
+Failure model (details in the transfers guide): a failed job is reported failed exactly once
+and never raises into the engine; a device-side fault kills the CUDA context, after which
+every job fails (or ``poll`` raises) and ``wait`` may block as long as the device does.
 
 Factories: :func:`sim_backend` (one simulated rank over its regions of a shared pool),
 :func:`backend_from_vllm` (a vLLM worker's KV caches, canonicalised by
@@ -65,9 +80,10 @@ import importlib
 import logging
 import operator
 import os
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -86,8 +102,22 @@ from statecore.worker import (
     validate_ids,
 )
 
+from ._pinning import (
+    DEFAULT_CHUNK_BYTES,
+    CudaCallError,
+    CudaRuntime,
+    HostRegistration,
+    TorchCudaRuntime,
+)
+
 __all__ = [
+    "DEFAULT_STAGING_CHUNKS",
+    "DEFAULT_STAGING_CHUNK_BYTES",
     "CopyImpl",
+    "CudaCallError",
+    "CudaRuntime",
+    "HostRegistration",
+    "TorchCudaRuntime",
     "TorchTransferBackend",
     "backend_from_vllm",
     "canonical_kv_tensors",
@@ -110,7 +140,11 @@ _HOST_PARALLEL_MIN_RUN = 40 << 10  # ... and when its copies are shorter than th
 _PIECE_BYTES = 256 << 10  # least bytes per piece that copy threads claim in a parallel host job
 # With the native copy loop (no GIL fight), a job is shared from this size on:
 _NATIVE_PARALLEL_MIN_BYTES = 1 << 20
-_REGISTER_FLAGS = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped
+DEFAULT_STAGING_CHUNK_BYTES = 16 << 20
+"""Bytes of one chunk of the staging ring (at least the largest page)."""
+DEFAULT_STAGING_CHUNKS = 4
+"""Chunks in the staging ring: with the default, 64 MiB of device and 64 MiB of pinned host
+memory per backend, allocated at construction when the staging path is chosen."""
 
 
 @functools.cache
@@ -298,29 +332,6 @@ def _runs(ids: Sequence[int], rows: Sequence[int]) -> tuple[list[int], list[int]
     return first_ids, first_rows, lengths
 
 
-def _device_pointer(ptr: int) -> int:
-    """The device address of registered host memory at ``ptr``.
-
-    Asked of the CUDA runtime through cuda-python when it is installed; otherwise (and on
-    any error) the host address, which is the device address under unified addressing when
-    the device can use host pointers for registered memory (x86-64 Linux, Hopper).
-    """
-    try:
-        from cuda.bindings import runtime as rt  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return ptr
-    try:
-        err, dptr = rt.cudaHostGetDevicePointer(ptr, 0)
-        if int(getattr(err, "value", err)) != 0:
-            return ptr
-        dptr = int(dptr)
-    except Exception:
-        return ptr
-    if dptr != ptr:
-        log.info("registered host memory %#x is mapped at device address %#x", ptr, dptr)
-    return dptr
-
-
 # --------------------------------------------------------------------------------------------
 # The backend
 # --------------------------------------------------------------------------------------------
@@ -367,6 +378,289 @@ class _Span:
     group: int
     ids: Sequence[int]
     rows: Sequence[int]
+
+
+@dataclass(slots=True)
+class _StagedJob:
+    """A staged job: its pages, the compute-stream event its copies wait for, its progress."""
+
+    job_id: int
+    is_store: bool
+    nbytes: int
+    ready: Any  # torch.cuda.Event recorded on the compute stream at submit; None on the CPU
+    spans: list[_Span]
+    start: Any = None  # event before its first piece
+    end: Any = None  # event of its last piece
+    pieces_left: int = 0
+    submitted: bool = False  # every piece enqueued (or enqueueing failed)
+    ok: bool = True
+    finished: bool = False  # every piece finished; reported once the jobs before it are
+
+
+@dataclass(slots=True)
+class _Piece:
+    """A part of a staged job that fits one ring chunk, enqueued on the job's stream."""
+
+    job: _StagedJob
+    slot: int
+    event: Any
+    segments: list[_Segment]  # host side: a store's scatter after ``event``; a load's gather
+    nbytes: int
+    pages: int
+    keep: list[torch.Tensor]
+
+
+# (tensor, GPU block ids, CPU sub-rows, byte offset in the chunk) of one run of pages
+_Part = tuple[int, Sequence[int], Sequence[int], int]
+
+
+class _StagingRing:
+    """The staging path's fixed ring of preallocated chunks and the thread that drives it.
+
+    ``chunks`` chunks of ``chunk_bytes``, each a device buffer and a pinned host buffer, are
+    allocated once (memory cost: ``chunks * chunk_bytes`` of device memory, outside the
+    engine's KV budget, and as much page-locked host memory). A job is cut into *pieces* of at
+    most one chunk; a piece takes the next chunk in ring order once the piece that used it
+    before is finished (its event completed and, for a store, its bytes scattered into the
+    pool rows). Store piece: GPU gather (``index_select``) into the device chunk, one copy to
+    the host chunk, later the host scatter into the pool rows. Load piece: host gather into
+    the host chunk, one copy to the device chunk, ``index_copy_`` into the GPU blocks. Every
+    piece first waits for the compute stream's event recorded when its job was submitted.
+
+    On CUDA the host gathers and scatters and the enqueueing run on one staging thread
+    (``statecore-staging``), so ``submit`` returns after planning; jobs finish in submission
+    order. ``inline`` (the CPU test mode's default) runs the same steps on the calling thread.
+    """
+
+    def __init__(self, be: TorchTransferBackend, chunk_bytes: int, chunks: int, inline: bool):
+        if chunks < 1:
+            raise ConfigError(f"staging_chunks must be >= 1, got {chunks}")
+        self.be = be
+        self.chunk_bytes = chunk_bytes
+        self.chunks = chunks
+        dev = be.device
+        self.gpu = [torch.empty(chunk_bytes, dtype=torch.uint8, device=dev) for _ in range(chunks)]
+        self.host = [
+            torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=be.is_cuda)
+            for _ in range(chunks)
+        ]
+        self.last: list[_Piece | None] = [None] * chunks
+        self.next_slot = 0
+        self.outstanding: deque[_Piece] = deque()  # enqueued, not finished, in ring order
+        self.cond = threading.Condition()
+        self.jobs: deque[_StagedJob] = deque()  # submitted, not yet enqueued (thread mode)
+        self.live: dict[int, _StagedJob] = {}  # submitted, not reported, in submission order
+        self.done: list[TransferResult] = []
+        self.closing = False
+        self.thread: threading.Thread | None = None
+        if not inline:
+            self.thread = threading.Thread(target=self._run, name="statecore-staging", daemon=True)
+            self.thread.start()
+
+    def describe(self) -> str:
+        """The ring's size and memory cost, for the log."""
+        where = "thread" if self.thread is not None else "inline"
+        total = self.chunks * self.chunk_bytes
+        return (
+            f"{self.chunks} x {self.chunk_bytes >> 10} KiB ({total >> 20} MiB device + "
+            f"{total >> 20} MiB pinned host, {where})"
+        )
+
+    # -- the calling (engine) thread ----------------------------------------------------------
+    def submit(self, job: _StagedJob) -> None:
+        with self.cond:
+            self.live[job.job_id] = job
+            if self.thread is not None:
+                self.jobs.append(job)
+                self.cond.notify_all()
+                return
+        self._process(job)
+        self._reap(block=False)
+
+    def poll(self) -> list[TransferResult]:
+        if self.thread is None:
+            self._reap(block=False)
+        with self.cond:
+            out, self.done = self.done, []
+        return out
+
+    def wait(self, job_ids: Collection[int]) -> None:
+        def finished() -> bool:
+            return not any(j in self.live for j in job_ids)
+
+        if self.thread is None:
+            while not finished() and self.outstanding:
+                self._finish_oldest(block=True)
+            return
+        with self.cond:
+            self.cond.wait_for(finished)
+
+    def close(self) -> None:
+        """Finish every job, stop the thread, and drop the chunks."""
+        if self.thread is not None:
+            with self.cond:
+                self.closing = True
+                self.cond.notify_all()
+            self.thread.join()
+            self.thread = None
+        else:
+            self._reap(block=True)
+        self.gpu, self.host = [], []
+
+    # -- the staging thread (or the calling thread when inline) -------------------------------
+    def _run(self) -> None:
+        with self.be._device_ctx():
+            while True:
+                with self.cond:
+                    self.cond.wait_for(lambda: self.jobs or self.outstanding or self.closing)
+                    if not self.jobs and not self.outstanding:
+                        return  # closing, and nothing left
+                    job = self.jobs.popleft() if self.jobs else None
+                if job is not None:
+                    self._process(job)
+                else:
+                    self._finish_oldest(block=True)
+
+    def _reap(self, block: bool) -> None:
+        while self.outstanding and self._finish_oldest(block):
+            pass
+
+    def _process(self, job: _StagedJob) -> None:
+        """Enqueue every piece of ``job``; a failure fails the job (pieces enqueued finish)."""
+        try:
+            for parts in self._pieces(job):
+                slot = self.next_slot
+                while self.last[slot] is not None:  # the chunk is still in use: finish it
+                    self._finish_oldest(block=True)
+                self.next_slot = (slot + 1) % self.chunks
+                piece = self._enqueue(job, slot, parts)
+                job.pieces_left += 1
+                job.end = piece.event
+                self.last[slot] = piece
+                self.outstanding.append(piece)
+        except Exception as exc:
+            log.error("job %d: staging failed: %s", job.job_id, exc)
+            job.ok = False
+        job.submitted = True
+        if job.pieces_left == 0:
+            self._complete(job)
+
+    def _pieces(self, job: _StagedJob) -> Iterator[list[_Part]]:
+        """The job's pages, span after span and tensor after tensor, cut into chunks."""
+        be, cap = self.be, self.chunk_bytes
+        parts: list[_Part] = []
+        used = 0
+        for sp in job.spans:
+            for t in be.group_tensors[sp.group]:
+                page, k, a = be.page_bytes[t], len(sp.ids), 0
+                while a < k:
+                    room = (cap - used) // page
+                    if room == 0:
+                        yield parts
+                        parts, used = [], 0
+                        continue
+                    b = min(k, a + room)
+                    parts.append((t, sp.ids[a:b], sp.rows[a:b], used))
+                    used += (b - a) * page
+                    a = b
+        if parts:
+            yield parts
+
+    def _enqueue(self, job: _StagedJob, slot: int, parts: list[_Part]) -> _Piece:
+        be, store = self.be, job.is_store
+        host, gpu = self.host[slot], self.gpu[slot]
+        hbase = host.data_ptr()
+        segments: list[_Segment] = []
+        nbytes = pages = 0
+        for t, ids, rows, off in parts:
+            page, k = be.page_bytes[t], len(ids)
+            cbase, seq = be._cpu_base_i[t], range(k)
+            if store:  # host chunk -> pool rows, once the piece's event has completed
+                segments.append((cbase, page, rows, hbase + off, page, seq, page))
+            else:  # pool rows -> host chunk, now
+                segments.append((hbase + off, page, seq, cbase, page, rows, page))
+            nbytes += k * page
+            pages += k
+        if not store:
+            run_segments(segments, nbytes, pages, be._executor, be.threads)
+        stream: Any = be._streams[store] if be.is_cuda else None
+        event = _cuda.Event(enable_timing=True) if be.is_cuda else _HostEvent()
+        keep: list[torch.Tensor] = []
+        with be._on(stream):
+            if job.ready is not None:
+                stream.wait_event(job.ready)
+            if job.start is None:
+                job.start = _cuda.Event(enable_timing=True) if be.is_cuda else _HostEvent()
+                job.start.record(stream)
+            index: dict[tuple[int, ...], torch.Tensor] = {}
+            views: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+            for t, ids, _, off in parts:
+                key = tuple(ids)
+                idx = index.get(key)
+                if idx is None:
+                    h = be._pinned(_int64_tensor(key))
+                    idx = index[key] = h.to(be.device, non_blocking=True)
+                    keep += (h, idx)
+                k, page = len(ids), be.page_bytes[t]
+                view = gpu[off : off + k * page].view(k, page)
+                if store:
+                    torch.index_select(be._gpu[t], 0, idx, out=view)
+                views.append((t, idx, view))
+            if store:
+                host[:nbytes].copy_(gpu[:nbytes], non_blocking=True)
+            else:
+                gpu[:nbytes].copy_(host[:nbytes], non_blocking=True)
+                for t, idx, view in views:
+                    be._gpu[t].index_copy_(0, idx, view)
+            event.record(stream)
+        return _Piece(job, slot, event, segments, nbytes, pages, keep)
+
+    def _finish_oldest(self, block: bool) -> bool:
+        """Finish the oldest enqueued piece (a store's scatter included); False if ``block``
+        is off and its device work is still running."""
+        p = self.outstanding[0]
+        try:
+            if not block and not p.event.query():
+                return False
+            p.event.synchronize()
+            if p.job.is_store:
+                run_segments(p.segments, p.nbytes, p.pages, self.be._executor, self.be.threads)
+        except Exception as exc:
+            log.error("job %d: staged copy failed: %s", p.job.job_id, exc)
+            p.job.ok = False
+        self.outstanding.popleft()
+        if self.last[p.slot] is p:
+            self.last[p.slot] = None
+        p.keep.clear()
+        p.job.pieces_left -= 1
+        if p.job.submitted and p.job.pieces_left == 0:
+            self._complete(p.job)
+        return True
+
+    def _complete(self, job: _StagedJob) -> None:
+        """Mark ``job`` finished and report every finished job not behind an unfinished one
+        (a job that failed before any piece must not overtake earlier ones: FIFO)."""
+        job.finished = True
+        with self.cond:
+            while self.live:
+                first = next(iter(self.live.values()))
+                if not first.finished:
+                    break
+                del self.live[first.job_id]
+                self.done.append(self._result(first))
+            self.cond.notify_all()
+
+    @staticmethod
+    def _result(job: _StagedJob) -> TransferResult:
+        seconds = 0.0
+        if job.ok and job.end is not None:
+            try:
+                seconds = job.start.elapsed_time(job.end) / 1000.0
+            except Exception:  # a timing query on a failing device: the bytes are what count
+                seconds = 0.0
+        return TransferResult(
+            job.job_id, job.ok, job.nbytes if job.ok else 0, seconds, job.is_store
+        )
 
 
 def _int64_tensor(values: Sequence[int]) -> torch.Tensor:
@@ -426,6 +720,15 @@ class TorchTransferBackend:
         pool_regions: the pool region of each KV tensor (default: region ``i`` for tensor
             ``i``, and the pool must have exactly one region per tensor). Several ranks of
             one process (the simulator) share a pool this way.
+        cuda_runtime: the CUDA runtime calls the backend makes itself (registration, error
+            clearing, the context check). Default on CUDA: :class:`TorchCudaRuntime`. Given
+            on the CPU, the device setup (registration, the choice of copy implementation,
+            the warm-up) runs against it in the test modes: how tests inject failures.
+        register_chunk_bytes: most bytes per ``cudaHostRegister`` call.
+        staging_chunk_bytes: bytes of one staging ring chunk (raised to the largest page).
+        staging_chunks: chunks in the staging ring.
+        staging_thread: run the staging path's host copies and enqueueing on a thread of
+            their own (default: on CUDA; the CPU test mode runs them inline).
     """
 
     def __init__(
@@ -439,6 +742,11 @@ class TorchTransferBackend:
         register_pool: bool = True,
         threads: int | None = None,
         pool_regions: Sequence[int] | None = None,
+        cuda_runtime: CudaRuntime | None = None,
+        register_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        staging_chunk_bytes: int = DEFAULT_STAGING_CHUNK_BYTES,
+        staging_chunks: int = DEFAULT_STAGING_CHUNKS,
+        staging_thread: bool | None = None,
     ) -> None:
         if blocks_per_chunk <= 0:
             raise ConfigError(f"blocks_per_chunk must be > 0, got {blocks_per_chunk}")
@@ -505,17 +813,30 @@ class TorchTransferBackend:
             else None
         )
         self._done: list[TransferResult] = []
-        self._registered: list[int] = []
         self.impl = "cpu"
         self._queues: dict[bool, deque[_Pending]] = {True: deque(), False: deque()}
         self._by_id: dict[int, _Pending] = {}
         self._closed = False
         self._word_bytes = self._kernel_word_bytes()
-        if self.is_cuda:
+        self._staging: _StagingRing | None = None
+        self.pool_registered = False
+        self.warmup_seconds = 0.0
+        self.cuda_errors: list[CudaCallError] = []
+        """Failed CUDA runtime calls of this backend (registration, unregistration, the
+        self-test buffer), each cleared and logged when it happened."""
+        if cuda_runtime is None and self.is_cuda:
+            cuda_runtime = TorchCudaRuntime()
+        self._rt = cuda_runtime
+        self.registration = (
+            HostRegistration(cuda_runtime, register_chunk_bytes) if cuda_runtime else None
+        )
+        if self._rt is not None:
             try:
-                self._setup_cuda(copy_impl, register_pool)
+                self._setup_device(copy_impl, register_pool)
             except BaseException:
                 self._unregister()
+                if self._executor is not None:
+                    self._executor.shutdown(wait=False)
                 raise
         elif copy_impl == "staging":
             self.impl = "staging"
@@ -529,7 +850,17 @@ class TorchTransferBackend:
                 raise ConfigError("copy_impl='triton' needs page sizes that are multiples of 4")
             self.impl = "triton"
         self._build_group_tables()
-        log.info("TorchTransferBackend: device %s, copy implementation %s", self.device, self.impl)
+        if self.impl == "staging":
+            inline = not self.is_cuda if staging_thread is None else not staging_thread
+            self._staging = _StagingRing(
+                self, max(staging_chunk_bytes, *self.page_bytes), staging_chunks, inline
+            )
+        log.info(
+            "TorchTransferBackend: device %s, copy implementation %s%s",
+            self.device,
+            self.impl,
+            f", staging ring {self._staging.describe()}" if self._staging else "",
+        )
 
     def _build_group_tables(self) -> None:
         """Per KV-cache group, its tensors' bases, strides and page sizes as int64 vectors:
@@ -547,35 +878,81 @@ class TorchTransferBackend:
         self._grp_page = [vec([self.page_bytes[t] for t in ts]) for ts in self.group_tensors]
 
     # -- CUDA setup -----------------------------------------------------------------------
-    def _setup_cuda(self, copy_impl: CopyImpl, register_pool: bool) -> None:
-        self._streams = {
-            True: _cuda.Stream(self.device),
-            False: _cuda.Stream(self.device),
-        }
-        registered = register_pool and self._register_pool()
-        self.pool_registered = registered
-        if registered:
-            self._cpu_dev_base = torch.tensor(
-                [_device_pointer(c.data_ptr()) for c in self._cpu], dtype=torch.int64
+    def _device_ctx(self) -> contextlib.AbstractContextManager[Any]:
+        """Make the backend's device current (CUDA): launches and runtime calls go there."""
+        return torch.cuda.device(self.device) if self.is_cuda else contextlib.nullcontext()
+
+    def _setup_device(self, copy_impl: CopyImpl, register_pool: bool) -> None:
+        """Streams, pool registration, the choice of copy implementation and its warm-up.
+
+        Runs on CUDA, and in the CPU test modes when a :class:`CudaRuntime` is injected (the
+        registration calls then go to it; nothing else touches a GPU).
+        """
+        rt = self._rt
+        assert rt is not None  # caller's condition
+        if self.is_cuda:
+            self._streams = {True: _cuda.Stream(self.device), False: _cuda.Stream(self.device)}
+        with self._device_ctx():
+            stale = rt.get_last_error()  # someone else's failed call must not hit our kernels
+            if stale > 0:
+                self.cuda_errors.append(
+                    CudaCallError("pending before setup", stale, rt.error_name(stale), stale)
+                )
+                log.warning("cleared a pending CUDA error before setup: %s", rt.error_name(stale))
+            registered = register_pool and self._register_pool()
+            self.pool_registered = registered
+            # a dead context (a sticky error) can neither test the kernel nor stage copies
+            self._check_context("at setup")
+            kernel = triton_copy()
+            host_ptr = rt.can_use_host_pointer(self._device_index()) if registered else None
+            missing = [
+                why
+                for bad, why in (
+                    (kernel is None, "Triton is not installed"),
+                    (
+                        not self.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
+                        "Triton runs on the CPU only in its interpreter (TRITON_INTERPRET=1)",
+                    ),
+                    (not registered, "the pool is not registered"),
+                    (self._word_bytes == 0, "page sizes or addresses are not multiples of 4"),
+                    (
+                        registered and host_ptr is not True,
+                        "the device cannot address registered memory at its host address "
+                        f"(cudaDevAttrCanUseHostPointerForRegisteredMem: {host_ptr})",
+                    ),
+                )
+                if bad
+            ]
+            if copy_impl == "triton" and missing:
+                raise ConfigError("copy_impl='triton' unusable: " + "; ".join(missing))
+            self.impl = "staging"
+            if copy_impl != "staging" and not missing:
+                try:
+                    self._triton_warmup()
+                    self.impl = "triton"
+                except Exception as exc:
+                    self._check_context(f"after a failed Triton warm-up ({exc})")
+                    if copy_impl == "triton":
+                        raise ConfigError(f"Triton copy self-test failed: {exc}") from exc
+                    log.warning("Triton copy kernel unusable (%s); using staging copies", exc)
+            elif copy_impl != "staging":
+                log.warning("Triton copies unusable (%s); using staging copies", "; ".join(missing))
+
+    def _device_index(self) -> int:
+        return self.device.index if self.device.index is not None else 0
+
+    def _check_context(self, when: str) -> None:
+        """Raise :class:`TransferError` if the device's context is dead (a sticky error):
+        neither the self-test nor any fallback can run on it."""
+        rt = self._rt
+        assert rt is not None
+        code = rt.device_synchronize()
+        if code != 0:
+            rt.get_last_error()
+            raise TransferError(
+                f"backend on {self.device}: CUDA context unusable {when}: "
+                f"cudaDeviceSynchronize -> {rt.error_name(code)} ({code})"
             )
-        kernel = triton_copy()
-        self._word_bytes = self._kernel_word_bytes()
-        usable = registered and kernel is not None and self._word_bytes != 0
-        if copy_impl == "triton" and not usable:
-            raise ConfigError(
-                "copy_impl='triton' needs Triton, page sizes that are multiples of 4 bytes and "
-                f"a registered pool (triton={'yes' if kernel is not None else 'no'}, "
-                f"registered={registered})"
-            )
-        self.impl = "staging"
-        if copy_impl != "staging" and usable:
-            try:
-                self._triton_selftest()
-                self.impl = "triton"
-            except Exception as exc:
-                if copy_impl == "triton":
-                    raise ConfigError(f"Triton copy self-test failed: {exc}") from exc
-                log.warning("Triton copy kernel unusable (%s); using staging copies", exc)
 
     def _kernel_word_bytes(self) -> int:
         """Word size of the Triton kernel's copies: every page size, block stride and base
@@ -589,69 +966,94 @@ class TorchTransferBackend:
             ]
         )
 
-    def _host_register(self, ptr: int, size: int) -> bool:
-        cudart: Any = _cuda.cudart()
-        try:
-            res = cudart.cudaHostRegister(ptr, size, _REGISTER_FLAGS)
-            torch.cuda.check_error(res)
-        except Exception as exc:
-            log.warning("cudaHostRegister(%#x, %d) failed: %s", ptr, size, exc)
-            return False
-        return True
-
     def _register_pool(self) -> bool:
-        for c in self._cpu:
-            size = c.numel()
-            if size == 0:
-                continue
-            if not self._host_register(c.data_ptr(), size):
-                self._unregister()
-                log.warning("pool not pinned in place: staging copies through pinned bounces")
-                return False
-            self._registered.append(c.data_ptr())
-        return True
+        """Register every pool region in chunks; all or nothing (see :class:`HostRegistration`)."""
+        reg = self.registration
+        assert reg is not None
+        ranges = [(c.data_ptr(), c.numel()) for c in self._cpu if c.numel()]
+        if reg.register(ranges):
+            return True
+        self.cuda_errors.extend(reg.errors)
+        reg.errors.clear()
+        log.warning("pool not pinned in place: staging copies through pinned bounce chunks")
+        return False
 
     def _unregister(self) -> None:
-        cudart: Any = _cuda.cudart()
-        for ptr in self._registered:
-            try:
-                cudart.cudaHostUnregister(ptr)
-            except Exception as exc:  # pragma: no cover - driver dependent
-                log.warning("cudaHostUnregister(%#x) failed: %s", ptr, exc)
-        self._registered = []
+        """Release the pool's registration; failed calls are cleared and reported."""
+        reg = self.registration
+        if reg is None:
+            return
+        reg.release()
+        self.cuda_errors.extend(reg.errors)
+        reg.errors.clear()
 
-    def _triton_selftest(self) -> None:
+    def kernel_variant(self) -> tuple[int, int]:
+        """The one Triton kernel variant this backend launches: ``(word_bytes, block_words)``.
+
+        The kernel is compiled per variant (its ``WORD`` and ``BLOCK`` constants; the length
+        argument is not specialised), and the backend uses a single block size for every job,
+        set by its largest page, so the warm-up at construction compiles all it will need.
+        """
+        wb = self._word_bytes
+        kernel: Any = triton_copy()
+        return wb, int(kernel.block_words(wb, max(self.page_bytes) // wb))
+
+    def _launch_kernel(self, addrs: torch.Tensor, n: int, max_words: int) -> None:
+        kernel: Any = triton_copy()
+        wb, block = self.kernel_variant()
+        kernel.launch_copy_pages(addrs, n, max_words, wb, block)
+
+    def _triton_warmup(self) -> None:
+        """Compile the backend's kernel variant and check it: 16 pages of a GPU buffer (on the
+        CPU: a host one, in the interpreter) copied into a registered host buffer in a
+        shuffled order, byte for byte. The time is kept in :attr:`warmup_seconds`."""
         import mmap
 
-        buf = mmap.mmap(-1, 1 << 16)
+        rt = self._rt
+        assert rt is not None
+        t0 = time.perf_counter()
+        wb, block = self.kernel_variant()
+        n = 16
+        page = max(wb, min(max(self.page_bytes), 16 << 10) // wb * wb)
+        buf = mmap.mmap(-1, n * page)
         host = torch.frombuffer(buf, dtype=torch.uint8)
-        if not self._host_register(host.data_ptr(), host.numel()):
-            raise TransferError("cannot register a test buffer")
+        assert self.registration is not None
+        test_reg = HostRegistration(rt, self.registration.chunk_bytes)
+        if not test_reg.register([(host.data_ptr(), host.numel())]):
+            self.cuda_errors.extend(test_reg.errors)
+            raise TransferError(f"cannot register a self-test buffer: {test_reg.errors[0]}")
         try:
-            src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, device=self.device)
-            n = 16
-            page = (1 << 16) // n
-            perm = torch.randperm(n)
+            gen = torch.Generator().manual_seed(0)
+            src = torch.randint(0, 256, (n * page,), dtype=torch.uint8, generator=gen)
+            src = src.to(self.device)
+            perm = torch.randperm(n, generator=gen)
             addrs = torch.stack(
                 (
                     src.data_ptr() + torch.arange(n) * page,
-                    _device_pointer(host.data_ptr()) + perm * page,
-                    torch.full((n,), page // 4, dtype=torch.int64),
+                    host.data_ptr() + perm * page,
+                    torch.full((n,), page // wb, dtype=torch.int64),
                 )
             ).to(self.device)
-            kernel: Any = triton_copy()
-            kernel.launch_copy_pages(addrs, n, page // 4, 4)
-            torch.cuda.synchronize(self.device)
+            self._launch_kernel(addrs, n, page // wb)
+            if self.is_cuda:
+                torch.cuda.synchronize(self.device)
             want = src.view(n, page).cpu()
             got = host.view(n, page).index_select(0, perm)
             if not torch.equal(want, got):
                 raise TransferError("Triton copy self-test: bytes differ")
         finally:
-            cudart: Any = _cuda.cudart()
-            cudart.cudaHostUnregister(host.data_ptr())
+            test_reg.release()
+            self.cuda_errors.extend(test_reg.errors)
             del host
             with contextlib.suppress(BufferError):
                 buf.close()
+        self.warmup_seconds = time.perf_counter() - t0
+        log.info(
+            "Triton copy kernel (word %d B, block %d words) compiled and checked in %.3f s",
+            wb,
+            block,
+            self.warmup_seconds,
+        )
 
     # -- planning -------------------------------------------------------------------------
     def _validated(
@@ -735,8 +1137,13 @@ class TorchTransferBackend:
         spans = self._spans(job_id, job, is_store)
         if self.impl == "triton":
             self._submit_triton(job_id, spans, is_store)
-        else:
-            self._submit_staging(job_id, spans, is_store)
+            return
+        assert self._staging is not None  # impl "staging" always has its ring
+        ready = None
+        if self.is_cuda:  # the job's copies wait for the compute queued before it
+            ready = _cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        self._staging.submit(_StagedJob(job_id, is_store, self._nbytes(spans), ready, spans))
 
     def _launch(self, is_store: bool) -> tuple[Any, Any, Any]:
         """(stream, start event, end event) for a queued job; on the CPU (the test modes)
@@ -800,65 +1207,9 @@ class TorchTransferBackend:
             if n:
                 dev = addrs.to(self.device, non_blocking=True)
                 keep.append(dev)
-                kernel: Any = triton_copy()
-                kernel.launch_copy_pages(dev, n, max_words, self._word_bytes)
+                self._launch_kernel(dev, n, max_words)
             end.record(stream)
         self._track(_Pending(job_id, is_store, self._nbytes(spans), start, end, None, keep))
-
-    def _submit_staging(self, job_id: int, spans: list[_Span], is_store: bool) -> None:
-        """Staged copies. The bounce buffer (pinned) and the GPU staging buffer hold the
-        job's pages span after span, and within a span tensor after tensor; each span's
-        block ids go to the GPU once, for all of its group's tensors."""
-        total = self._nbytes(spans)
-        bounce = torch.empty(total, dtype=torch.uint8, pin_memory=self.is_cuda)
-        bounce_addr = bounce.data_ptr()
-        stream, start, end = self._launch(is_store)
-        # Host side: pool rows <-> bounce, one segment per span and tensor.
-        segments: list[_Segment] = []
-        layout: list[tuple[int, int, int, int]] = []  # (span index, tensor, offset, pages)
-        off = pages = 0
-        for i, sp in enumerate(spans):
-            k, rows, seq = len(sp.ids), sp.rows, range(len(sp.ids))
-            for t in self.group_tensors[sp.group]:
-                page, base = self.page_bytes[t], bounce_addr + off
-                if is_store:  # bounce -> pool rows, when the job's event has completed
-                    segments.append((self._cpu_base_i[t], page, rows, base, page, seq, page))
-                else:  # pool rows -> bounce, now
-                    segments.append((base, page, seq, self._cpu_base_i[t], page, rows, page))
-                layout.append((i, t, off, k))
-                off += k * page
-                pages += k
-        if not is_store:
-            run_segments(segments, total, pages, self._executor, self.threads)
-        keep: list[torch.Tensor] = [bounce]
-        with self._on(stream):
-            start.record(stream)
-            staging = torch.empty(total, dtype=torch.uint8, device=self.device)
-            keep.append(staging)
-            index: list[torch.Tensor] = []
-            for sp in spans:
-                ids = self._pinned(_int64_tensor(sp.ids))
-                index.append(ids.to(self.device, non_blocking=True))
-                keep += (ids, index[-1])
-            views = [
-                (self._gpu[t], index[i], staging[o : o + k * self.page_bytes[t]].view(k, -1))
-                for i, t, o, k in layout
-            ]
-            if is_store:
-                for gview, idx, view in views:
-                    torch.index_select(gview, 0, idx, out=view)
-                bounce.copy_(staging, non_blocking=True)
-            elif total:
-                staging.copy_(bounce, non_blocking=True)
-                for gview, idx, view in views:
-                    gview.index_copy_(0, idx, view)
-            end.record(stream)
-        on_done = (
-            (lambda: run_segments(segments, total, pages, self._executor, self.threads))
-            if is_store
-            else None
-        )
-        self._track(_Pending(job_id, is_store, total, start, end, on_done, keep))
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` in page-locked memory for an asynchronous upload (CUDA); ``t`` on the CPU."""
@@ -888,6 +1239,8 @@ class TorchTransferBackend:
         """Jobs finished since the last poll (FIFO per direction)."""
         self._reap()
         out, self._done = self._done, []
+        if self._staging is not None:
+            out += self._staging.poll()
         return out
 
     def _reap(self) -> None:
@@ -910,6 +1263,8 @@ class TorchTransferBackend:
                 waited = True
         if waited:
             self._reap()
+        if self._staging is not None:
+            self._staging.wait(job_ids)
 
     def shutdown(self) -> None:
         """Finish every transfer in flight and release the pool registration and threads."""
@@ -921,10 +1276,12 @@ class TorchTransferBackend:
                 p = q.popleft()
                 p.end.synchronize()
                 self._finish(p)
+        if self._staging is not None:
+            self._staging.close()
         if self.is_cuda:
             for s in self._streams.values():
                 s.synchronize()
-            self._unregister()
+        self._unregister()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

@@ -6,6 +6,7 @@ import random
 from collections.abc import Callable
 
 import pytest
+from cuda_fakes import Backends
 from worker_harness import Mapping, random_mapping, simple_mapping
 
 torch = pytest.importorskip("torch", reason="the torch adapter needs torch")
@@ -352,20 +353,20 @@ def test_injected_failures_over_torch_backend_ranks(impl: str) -> None:
 @needs_cuda
 @pytest.mark.parametrize("impl", ["auto", "staging"])
 @pytest.mark.parametrize("bpc", [1, 3])
-def test_cuda_random_roundtrip_byte_exact(impl: str, bpc: int) -> None:
+def test_cuda_random_roundtrip_byte_exact(impl: str, bpc: int, backends: Backends) -> None:
     s = Setup(bpc, device="cuda", seed=bpc, copy_impl=impl)
+    backends.add(s.be)  # shut down (registration released) even if an assertion fails
     check_roundtrip(s, bpc)
-    s.be.shutdown()
 
 
 @needs_cuda
 @pytest.mark.parametrize("impl", ["auto", "staging"])
-def test_cuda_store_waits_for_compute_stream_and_fifo(impl: str) -> None:
+def test_cuda_store_waits_for_compute_stream_and_fifo(impl: str, backends: Backends) -> None:
     page = 64 << 10
     n = 512
     cache = torch.zeros((n, page // 4), dtype=torch.float32, device="cuda")
     pool = CPUPool(n, [page])
-    be = TorchTransferBackend([cache], pool, 1, copy_impl=impl)  # type: ignore[arg-type]
+    be = backends.add(TorchTransferBackend([cache], pool, 1, copy_impl=impl))  # type: ignore[arg-type]
     # Long compute on the current stream writes the blocks; the store must see its result.
     big = torch.randn((4096, 4096), device="cuda")
     for _ in range(8):
@@ -381,15 +382,15 @@ def test_cuda_store_waits_for_compute_stream_and_fifo(impl: str) -> None:
     assert results == [1, 2]  # FIFO per direction; waiting on 2 implies 1 is done
     host = torch.frombuffer(pool.region(0), dtype=torch.float32)
     assert bool((host == 3.0).all())
-    be.shutdown()
 
 
 @needs_cuda
-def test_cuda_triton_selected_when_available() -> None:
+def test_cuda_triton_selected_when_available(backends: Backends) -> None:
     pytest.importorskip("triton", reason="Triton is not installed")
     s = Setup(1, device="cuda")
+    backends.add(s.be)
     assert s.be.impl == "triton", "Triton present but the staging fallback was chosen"
-    s.be.shutdown()
+    assert s.be.cuda_errors == [], s.be.cuda_errors
 
 
 # -- factories -----------------------------------------------------------------------------------

@@ -7,6 +7,11 @@ the other through the backend's Triton path (``copy_impl="triton"``: the kernel'
 array from :meth:`TorchTransferBackend.kernel_args`, the kernel on host addresses, queued
 completion). Every KV tensor (padding included), every pool byte and every result must end
 up equal. Prints ``checked <jobs> jobs, <copies> page copies`` on success.
+
+Then the warm-up: a backend over a fake CUDA runtime (``cuda_fakes``) chooses Triton after
+its self-test ran the kernel; every later job, whatever its number of copies (1, 16, 17,
+...) and groups, must launch the one variant the warm-up compiled. Prints
+``warm-up variant <variant> covers <launches> launches, lengths <lengths>``.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ import os
 import random
 
 import torch
+from cuda_fakes import FakeCudaRuntime, findings
 from statecore.adapters.torch import TorchTransferBackend, triton_copy
 from worker_harness import random_mapping
 
+from statecore.manager import CPULoadStoreSpec
 from statecore.pool import CPUPool
+from statecore.wire import GPULoadStoreSpec, TransferJob
 
 NUM_BLOCKS = 40
 NUM_SLOTS = 30
@@ -88,6 +96,55 @@ def main() -> None:
         dut.shutdown()
     assert copies > 0
     print(f"checked {jobs} jobs, {copies} page copies")
+    check_warmup_variant()
+
+
+def check_warmup_variant() -> None:
+    kernel = triton_copy()
+    launches: list[tuple[int, int, int]] = []  # (n, word bytes, block)
+    real = kernel.launch_copy_pages
+
+    def spy(addrs: object, n: int, max_words: int, word_bytes: int, block: object = None) -> None:
+        launches.append((n, word_bytes, block if block is not None else -1))
+        real(addrs, n, max_words, word_bytes, block)
+
+    kernel.launch_copy_pages = spy
+    try:
+        rt = FakeCudaRuntime()
+        gen = torch.Generator().manual_seed(9)
+        caches = [
+            torch.randint(0, 255, (NUM_BLOCKS, 4096), generator=gen, dtype=torch.uint8),
+            torch.randint(0, 255, (NUM_BLOCKS, 512), generator=gen, dtype=torch.uint8),
+        ]
+        pool = CPUPool(NUM_SLOTS, [4096, 512])
+        be = TorchTransferBackend(
+            caches, pool, 1, group_tensors=[[0], [1]], threads=1, cuda_runtime=rt
+        )
+        assert be.impl == "triton" and be.pool_registered, be.impl
+        assert len(launches) == 1, launches  # the warm-up
+        variant = be.kernel_variant()
+        rng = random.Random(3)
+        lengths = []
+        for job_id, (n0, n1) in enumerate([(1, 0), (0, 1), (8, 8), (16, 0), (9, 8), (0, 17)]):
+            blocks = rng.sample(range(NUM_BLOCKS), n0 + n1)
+            slots = rng.sample(range(NUM_SLOTS), n0 + n1)
+            gpu = GPULoadStoreSpec(tuple(blocks), (n0, n1), (0, 0))
+            job = TransferJob("w", gpu, CPULoadStoreSpec(tuple(slots)))
+            be.submit(job_id, job, True)
+            be.wait([job_id])
+            assert [r.success for r in be.poll()] == [True]
+            for i, b in enumerate(blocks):
+                t = 0 if i < n0 else 1
+                page = pool.row_bytes[t]
+                assert bytes(pool.row(t, slots[i])) == caches[t][b].numpy().tobytes()[:page]
+            lengths.append(n0 + n1)
+        be.shutdown()
+        assert findings(rt, be, after_shutdown=True) == [], findings(rt, be, after_shutdown=True)
+        kinds = {(w, blk) for _, w, blk in launches}
+        assert kinds == {variant}, (kinds, variant)
+        print(f"warm-up variant {variant} covers {len(launches)} launches, lengths {lengths}")
+    finally:
+        kernel.launch_copy_pages = real
 
 
 if __name__ == "__main__":
