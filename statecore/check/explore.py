@@ -1,0 +1,366 @@
+"""Breadth-first exploration of every interleaving of a scope, with counterexamples.
+
+:func:`explore` starts from a scope's initial :class:`~statecore.check.model.World` and applies
+every enabled action to every state, level by level up to the scope's depth bound. States are
+snapshotted with :mod:`pickle` (a whole-world snapshot restores faster than ``copy.deepcopy``
+and far faster than replaying a trace) and deduplicated by the hash of
+:meth:`World.key <statecore.check.model.World.key>`. Every new state is checked (errors raised
+into the engine, data errors, every ``INV-*`` predicate, the CPU manager's bookkeeping) and,
+unless disabled, for bounded liveness: a fault-free continuation (every report delivered,
+engine steps, clock jumps) must reach quiescence; states on a continuation that reached it are
+remembered so most checks stop after one move.
+
+Because the search is breadth-first and each state remembers the move that first reached it,
+the first violation found has a shortest trace. :func:`replay` re-runs a trace from the initial
+state, :func:`format_counterexample` prints it with the state diff of every step, and
+:func:`pytest_source` writes a runnable pytest file that replays it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from statecore.check import snapshot
+from statecore.check.model import Action, Scope, World, format_action
+
+__all__ = [
+    "Counterexample",
+    "Result",
+    "explore",
+    "format_counterexample",
+    "pytest_source",
+    "replay",
+]
+
+
+@dataclass
+class Counterexample:
+    """A shortest trace to a violation.
+
+    Attributes:
+        trace: the actions from the initial state.
+        violation: what is wrong in the last state (or, for liveness, what is left).
+        liveness: the last state cannot reach quiescence without faults.
+    """
+
+    trace: list[Action]
+    violation: str
+    liveness: bool = False
+
+
+@dataclass
+class Result:
+    """The outcome of one exploration.
+
+    Attributes:
+        scope: the scope explored.
+        states: distinct states reached.
+        transitions: actions applied (every enabled action of every explored state).
+        depth: deepest level reached.
+        seconds: wall time.
+        complete: every state within the depth bound was explored (no violation, no limit).
+        exhausted: the state space closed before the depth bound (no new state at some level).
+        counterexample: the first violation found, or None.
+        liveness_checks: states whose continuation was run to quiescence (not memoised).
+    """
+
+    scope: Scope
+    states: int = 0
+    transitions: int = 0
+    depth: int = 0
+    seconds: float = 0.0
+    complete: bool = False
+    exhausted: bool = False
+    counterexample: Counterexample | None = None
+    liveness_checks: int = 0
+    levels: list[int] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        """Distinct states per second."""
+        return self.states / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        """One line of figures."""
+        verdict = (
+            "VIOLATION"
+            if self.counterexample is not None
+            else ("ok (state space closed)" if self.exhausted else "ok" if self.complete else "cut")
+        )
+        return (
+            f"scope {self.scope.name}: {verdict}; {self.states} distinct states, "
+            f"{self.transitions} transitions, depth {self.depth}, {self.seconds:.2f} s, "
+            f"{self.rate:.0f} states/s"
+        )
+
+
+_dumps = snapshot.dumps
+_loads = snapshot.loads
+
+
+def _drain_action(w: World) -> Action:
+    """The next move of the fault-free continuation."""
+    for rank, be in enumerate(w.backends):
+        for job_id in be.submitted:
+            return ("ok", rank, job_id)
+    if any(wk.deferred for wk in w.workers):
+        return ("step",)
+    s = w.sched
+    if s.jobs or s.stalled_jobs:
+        return ("jump",)  # only lost reports can keep them: let them stall and expire
+    return ("step",)
+
+
+def _drain_bound(scope: Scope) -> int:
+    tokens = sum(len(p) for p in scope.prompts) + scope.max_output * len(scope.prompts)
+    return 4 * (tokens + 3 * len(scope.prompts) + 8)
+
+
+def continuation(w: World, good: set[int] | None = None) -> tuple[str | None, list[Action]]:
+    """Run the fault-free continuation from ``w`` (mutated); return (what is left, moves).
+
+    ``None`` means quiescence was reached (or a state known to reach it, when ``good`` is
+    given: the states passed are then added to it).
+    """
+    path: list[int] = []
+    moves: list[Action] = []
+    for _ in range(_drain_bound(w.scope)):
+        left = w.quiescent()
+        if left is None:
+            if good is not None:
+                good.update(path)
+            return None, moves
+        action = _drain_action(w)
+        w.apply(action)
+        moves.append(action)
+        if w.errors:
+            return w.errors[0], moves
+        if good is not None:
+            k = hash(w.key())
+            if k in good:
+                good.update(path)
+                return None, moves
+            path.append(k)
+    left = w.quiescent()
+    if left is None:
+        if good is not None:
+            good.update(path)
+        return None, moves
+    return f"no quiescence after {len(moves)} fault-free moves: {left}", moves
+
+
+def _continuation_failure(
+    trace: list[Action], left: str, moves: list[Action], w: World
+) -> Counterexample:
+    """A continuation that broke a safety check is a safety trace (prefix + its moves); one
+    that did not quiesce is a liveness failure of the prefix's last state."""
+    if w.errors:
+        return Counterexample(trace + moves, w.errors[0])
+    return Counterexample(trace, left, liveness=True)
+
+
+def explore(
+    scope: Scope,
+    *,
+    liveness: bool = True,
+    max_states: int | None = None,
+    time_limit: float | None = None,
+    progress: Callable[[Result], None] | None = None,
+) -> Result:
+    """Explore every interleaving of ``scope`` breadth-first (see the module docstring)."""
+    t0 = time.perf_counter()
+    res = Result(scope)
+    root = World(scope)
+    k0 = hash(root.key())
+    parents: dict[int, tuple[int, Action] | None] = {k0: None}
+    good: set[int] = set()
+    res.states = 1
+
+    def trace_to(k: int) -> list[Action]:
+        out: list[Action] = []
+        link = parents[k]
+        while link is not None:
+            k, action = link
+            out.append(action)
+            link = parents[k]
+        out.reverse()
+        return out
+
+    def finish(cex: Counterexample | None) -> Result:
+        res.counterexample = cex
+        res.seconds = time.perf_counter() - t0
+        res.complete = cex is None and not limited
+        return res
+
+    limited = False
+    bad = root.violations()
+    if bad:
+        return finish(Counterexample([], bad[0]))
+    frontier: list[tuple[int, bytes]] = [(k0, _dumps(root))]
+    if liveness:
+        res.liveness_checks += 1
+        w0 = _loads(frontier[0][1])
+        left, moves = continuation(w0, good)
+        if left is not None:
+            return finish(_continuation_failure([], left, moves, w0))
+    for level in range(1, scope.depth + 1):
+        nxt: list[tuple[int, bytes]] = []
+        before = res.states
+        for k, blob in frontier:
+            w = _loads(blob)
+            actions = w.actions()
+            for i, action in enumerate(actions):
+                if i:
+                    w = _loads(blob)
+                w.apply(action)
+                res.transitions += 1
+                k2 = hash(w.key())
+                if k2 in parents:
+                    continue
+                parents[k2] = (k, action)
+                res.states += 1
+                bad = w.violations()
+                if bad:
+                    res.depth = level
+                    return finish(Counterexample(trace_to(k2), bad[0]))
+                if level < scope.depth:  # the last level is never expanded: no snapshot
+                    nxt.append((k2, _dumps(w)))
+                if liveness and k2 not in good:
+                    res.liveness_checks += 1
+                    left, moves = continuation(w, good)  # w is restored afresh next action
+                    if left is not None:
+                        res.depth = level
+                        return finish(_continuation_failure(trace_to(k2), left, moves, w))
+                if max_states is not None and res.states >= max_states:
+                    limited = True
+                if time_limit is not None and time.perf_counter() - t0 > time_limit:
+                    limited = True
+            if limited:
+                break
+        res.levels.append(res.states - before)
+        if res.states > before:
+            res.depth = level
+        if progress is not None:
+            progress(res)
+        if limited:
+            break
+        if res.states == before:
+            res.exhausted = True
+            break
+        frontier = nxt
+    return finish(None)
+
+
+def replay(scope: Scope, trace: Sequence[Action]) -> tuple[World, str | None, int]:
+    """Apply ``trace`` from the initial state, checking every state on the way.
+
+    Returns the final world, the first violation (None if none) and the number of actions
+    applied when it was found. An action that is not enabled in its state is a violation of
+    the replay itself (the code changed under the trace).
+    """
+    w = World(scope)
+    bad = w.violations()
+    if bad:
+        return w, bad[0], 0
+    for n, action in enumerate(trace, 1):
+        if action not in w.actions():
+            return w, f"replay: action {action!r} is not enabled at step {n}", n
+        w.apply(action)
+        bad = w.violations()
+        if bad:
+            return w, bad[0], n
+    return w, None, len(trace)
+
+
+def format_counterexample(scope: Scope, cex: Counterexample) -> str:
+    """The trace as a numbered list of actions, each with the state diff it caused."""
+    lines = [
+        f"{'liveness' if cex.liveness else 'safety'} violation in scope {scope.name} "
+        f"after {len(cex.trace)} actions:",
+        f"  {cex.violation}",
+        "",
+    ]
+    w = World(scope)
+    before = w.describe()
+    for n, action in enumerate(cex.trace, 1):
+        w.apply(action)
+        after = w.describe()
+        lines.append(f"{n:3d}. {format_action(action)}")
+        for name in sorted(set(before) | set(after)):
+            old, new = before.get(name), after.get(name)
+            if old != new:
+                lines.append(f"       {name}: {old or '-'} -> {new or '-'}")
+        before = after
+    if cex.liveness:
+        _, moves = continuation(w)
+        lines.append("     fault-free continuation from here (does not quiesce):")
+        lines += [f"       {format_action(a)}" for a in moves[:40]]
+    return "\n".join(lines)
+
+
+def pytest_source(scope: Scope, cex: Counterexample, mutant: str | None = None) -> str:
+    """A pytest module that replays ``cex``.
+
+    Without a mutant the test asserts the trace runs clean, so it fails until the bug is
+    fixed. With a mutant (a seeded bug of ``tests/mutants``) it applies the mutant and asserts
+    that the replay reproduces the violation, and that the unmodified code does not.
+    """
+    trace = ",\n".join(f"    {a!r}" for a in cex.trace)
+    head = (
+        f'"""Counterexample found by `statecore check --scope {scope.name}`'
+        + (f" --mutant {mutant}" if mutant else "")
+        + f'.\n\nViolation: {cex.violation.replace(chr(34), chr(39))}\n"""\n\n'
+        "from statecore.check import replay\n"
+        "from statecore.check.model import Scope\n\n"
+        f"SCOPE = {scope!r}\n\n"
+        f"TRACE = [\n{trace}\n]\n"
+    )
+    if cex.liveness:
+        body = (
+            "\n\ndef test_counterexample_replays() -> None:\n"
+            "    from statecore.check.explore import continuation\n\n"
+            "    world, violation, _ = replay(SCOPE, TRACE)\n"
+            "    assert violation is None, violation\n"
+            "    left, _ = continuation(world)\n"
+            "    assert left is None, left\n"
+        )
+        if mutant:
+            body = body.replace("assert left is None, left", "assert left is not None")
+            body = _with_mutant(body, mutant)
+        return head + body
+    if mutant:
+        body = (
+            "\n\ndef test_counterexample_replays() -> None:\n"
+            "    _, violation, n = replay(SCOPE, TRACE)\n"
+            "    assert violation is not None and n == len(TRACE), violation\n"
+        )
+        return head + _with_mutant(body, mutant)
+    return head + (
+        "\n\ndef test_counterexample_replays() -> None:\n"
+        "    _, violation, _ = replay(SCOPE, TRACE)\n"
+        "    assert violation is None, violation\n"
+    )
+
+
+def _with_mutant(body: str, mutant: str) -> str:
+    lines = body.split("\n")
+    out = [
+        "",
+        "",
+        "def _mutant():  # the catalogue of seeded bugs lives in tests/mutants",
+        "    import pathlib",
+        "    import sys",
+        "",
+        "    for parent in pathlib.Path(__file__).resolve().parents:",
+        "        if (parent / 'tests' / 'mutants').is_dir():",
+        "            sys.path.insert(0, str(parent / 'tests' / 'mutants'))",
+        "            break",
+        "    from catalogue import MUTANTS",
+        "",
+        f"    return MUTANTS[{mutant!r}]",
+    ]
+    indent = [ln if not ln.strip() else "    " + ln for ln in lines[3:]]
+    out += lines[:3] + ["    with _mutant().apply():"] + indent
+    return "\n".join(out)

@@ -1,0 +1,877 @@
+"""The world the model checker explores: the real stack plus a small engine and worker model.
+
+A :class:`World` holds one real :class:`~statecore.OffloadingScheduler` over one real
+:class:`~statecore.managers.cpu.CPUOffloadingManager`, one real
+:class:`~statecore.worker.OffloadingWorker` per rank, each over a :class:`LabelBackend`, and an
+engine model (requests, a GPU block pool, a step function in vLLM's order). Nothing of the
+lifecycles is re-implemented: every decision is taken by the production code, the world only
+plays the environment.
+
+The environment's moves are :data:`Action` tuples, applied by :meth:`World.apply`:
+
+* engine: ``("arrive", r)``, ``("step",)`` (admission with lookups, allocation from a LIFO
+  free list so just-freed blocks are reused first, chunked prefill and decode, preemption under
+  memory pressure, ``build_connector_meta``, every rank's ``start_step``, compute, ``end_step``,
+  then ``update_connector_output``), ``("finish", r)``, ``("abort", r)``, ``("preempt", r)``;
+* workers: ``("ok", rank, job)`` (the copy runs now and its report arrives), ``("fail", ...)``
+  (the copy scribbles garbage and the job is reported failed), ``("lose", ...)`` (the copy
+  runs, the report never arrives), ``("late", ...)`` (the copy runs, the report arrives after a
+  clock jump past the stall timeout), ``("dup", rank, job, ok)`` (a delivered report arrives
+  again);
+* ``("jump",)``: the clock passes the stall timeout and the stall check runs;
+  ``("reset",)``: the operator calls ``reset_cache``.
+
+The abstract byte model: every GPU block and CPU slot of every rank holds a *label* (the
+offload key of the chunk whose KV it holds, a partial-block label, :data:`GARBAGE` or empty).
+Compute writes labels, transfers copy them (through the worker's own block-mapping arithmetic,
+:func:`~statecore.worker.plan_block_copies`), failed transfers scribble :data:`GARBAGE`. The
+engine checks, whenever a load ends and before a request computes, that every block the
+request treats as valid holds the label its tokens imply (INV-DATA), on every rank.
+
+:meth:`World.key` is the canonical, hashable form of the whole state used to explore each
+state once. It renames job ids (order-preserving, which is all the scheduler compares) and
+reduces timestamps to "before or after the last clock jump" (the only clock movement is a jump
+longer than the stall timeout), and leaves out counters and statistics, which never steer
+behaviour.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from statecore.config import GroupConfig, SchedulerConfig
+from statecore.errors import StatecoreError
+from statecore.keys import make_offload_key
+from statecore.managers.cpu import CPUOffloadingManager
+from statecore.scheduler import OffloadingScheduler
+from statecore.sim.hashing import ROOT_HASH, chain_hash, extend_block_hashes
+from statecore.views import Request, ScheduledRequest, SchedulerOutput
+from statecore.wire import ConnectorMetadata, TransferJob, WorkerMetadata
+from statecore.worker import OffloadingWorker, TransferResult, job_specs, plan_block_copies
+
+__all__ = [
+    "GARBAGE",
+    "Action",
+    "Clock",
+    "EngineRequest",
+    "LabelBackend",
+    "Scope",
+    "World",
+    "format_action",
+]
+
+Action = tuple[Any, ...]
+"""One move of the environment, e.g. ``("step",)`` or ``("ok", 0, 3)``."""
+
+GARBAGE = b"garbage"
+"""The label a failed copy leaves behind."""
+
+# engine request statuses
+UNARRIVED, WAITING, LOADING, RUNNING, DONE = range(5)
+_STATUS = ("unarrived", "waiting", "loading", "running", "done")
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What one exploration covers.
+
+    Attributes:
+        name: the scope's name (``statecore check --scope NAME``).
+        prompts: one prompt (token ids) per request; shared prefixes share offload keys.
+        workers: worker ranks; every job needs a report from each.
+        sliding_window: None for one full-attention group; else a second, sliding-window
+            group with this window in tokens.
+        gpu_blocks: GPU blocks of the engine's pool (the null block 0 comes on top).
+        cpu_slots: slots of the CPU tier.
+        depth: the exploration's depth bound (actions from the initial state).
+        tokens_per_block: block size (tokens); one block per chunk.
+        max_output: tokens each request generates before it finishes by itself.
+        max_batched_tokens: token budget per engine step (smaller: chunked prefill).
+        max_faults: worker faults (fail, lose, late, duplicate) along one trace.
+        max_resets: ``reset_cache`` calls along one trace.
+        description: one line for the docs.
+    """
+
+    name: str
+    prompts: tuple[tuple[int, ...], ...]
+    workers: int = 1
+    sliding_window: int | None = None
+    gpu_blocks: int = 4
+    cpu_slots: int = 2
+    depth: int = 8
+    tokens_per_block: int = 2
+    max_output: int = 2
+    max_batched_tokens: int = 64
+    max_faults: int = 1
+    max_resets: int = 1
+    description: str = ""
+
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups: 1, or 2 with a sliding window."""
+        return 1 if self.sliding_window is None else 2
+
+    def config(self) -> SchedulerConfig:
+        """The scheduler configuration of this scope."""
+        tpb = self.tokens_per_block
+        groups = (GroupConfig(tpb),)
+        if self.sliding_window is not None:
+            groups += (GroupConfig(tpb, self.sliding_window),)
+        return SchedulerConfig(
+            groups=groups,
+            blocks_per_chunk=1,
+            num_workers=self.workers,
+            stall_timeout_s=10.0,
+            stall_check_interval_s=1.0,
+        )
+
+
+class Clock:
+    """The injected clock; only :meth:`World.jump` moves it."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+JUMP_S = 11.0
+"""One clock jump: past the stall timeout (10 s) plus the check interval (1 s)."""
+
+
+class LabelBackend:
+    """A :class:`~statecore.worker.TransferBackend` that moves labels, when the world says so.
+
+    ``submit`` records the job and its copy plan; nothing runs by itself. ``wait`` (a flush)
+    runs the copies of the waited jobs now; :meth:`finish` runs a job's copy (or scribbles
+    garbage for a failure) and queues its result for the worker's next ``poll``.
+    """
+
+    __slots__ = ("cpu", "done", "gpu", "submitted")
+
+    def __init__(self, gpu: list[bytes], cpu: list[bytes]) -> None:
+        self.gpu = gpu
+        self.cpu = cpu
+        # job id -> [is_store, plan, executed]
+        self.submitted: dict[int, list[Any]] = {}
+        self.done: list[TransferResult] = []
+
+    def submit(self, job_id: int, job: TransferJob, is_store: bool) -> None:
+        """Record the job and its plan (the worker's own block-mapping arithmetic)."""
+        gpu, cpu = job_specs(job, is_store)
+        plan = plan_block_copies(gpu.block_ids, gpu.group_sizes, gpu.block_indices, cpu.slots, 1)
+        self.submitted[job_id] = [is_store, tuple(plan), False]
+
+    def _copy(self, entry: list[Any], ok: bool) -> None:
+        is_store, plan, _ = entry
+        for _group, block, slot, _sub in plan:
+            if is_store:
+                self.cpu[slot] = self.gpu[block] if ok else GARBAGE
+            else:
+                self.gpu[block] = self.cpu[slot] if ok else GARBAGE
+        entry[2] = True
+
+    def wait(self, job_ids: Any) -> None:
+        """The worker blocks until these jobs are done: their copies happen now."""
+        for job_id in job_ids:
+            entry = self.submitted.get(job_id)
+            if entry is not None and not entry[2]:
+                self._copy(entry, True)
+
+    def finish(self, job_id: int, ok: bool) -> None:
+        """The job ends now (its copy runs unless a flush already ran it)."""
+        entry = self.submitted.pop(job_id)
+        if not entry[2]:  # a job a flush waited for already ran: its outcome is only reported
+            self._copy(entry, ok)
+        self.done.append(TransferResult(job_id, ok, 0, 0.0, entry[0]))
+
+    def poll(self) -> list[TransferResult]:
+        """The results :meth:`finish` queued."""
+        out, self.done = self.done, []
+        return out
+
+    def shutdown(self) -> None:
+        """Nothing to release."""
+
+
+class EngineRequest:
+    """The engine's side of one request."""
+
+    __slots__ = (
+        "aborted",
+        "blocks",
+        "idx",
+        "load",
+        "outputs",
+        "req",
+        "resumed",
+        "scheduled_once",
+        "status",
+        "tokens",
+    )
+
+    def __init__(self, idx: int, prompt: tuple[int, ...], tpb: int, n_groups: int) -> None:
+        self.idx = idx
+        self.tokens = list(prompt)
+        self.req = Request(f"r{idx}", len(prompt), len(prompt))
+        extend_block_hashes(self.req.block_hashes, self.tokens, tpb)
+        self.status = UNARRIVED
+        self.blocks: list[list[int]] = [[] for _ in range(n_groups)]
+        self.load: tuple[int, int] | None = None
+        self.outputs = 0
+        self.resumed = False
+        self.scheduled_once = False
+        self.aborted = False
+
+
+def _guarded(world: World, call: str, fn: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except StatecoreError as exc:
+        world.errors.append(f"{call} raised {type(exc).__name__} into the engine: {exc}")
+    except Exception as exc:
+        world.errors.append(f"{call} raised an untyped {type(exc).__name__}: {exc!r}")
+    return None
+
+
+class World:
+    """The whole stack of one scope, in one state (see the module docstring)."""
+
+    def __init__(self, scope: Scope) -> None:
+        self.scope = scope
+        cfg = scope.config()
+        self.n_groups = scope.num_groups
+        self.tpb = scope.tokens_per_block
+        self.window = scope.sliding_window
+        self.clock = Clock()
+        self.manager = CPUOffloadingManager(scope.cpu_slots, "lru")
+        self.sched = OffloadingScheduler(cfg, self.manager, self.clock, checked=False)
+        n_blocks = scope.gpu_blocks + 1
+        self.gpu: list[list[bytes]] = [[b""] * n_blocks for _ in range(scope.workers)]
+        self.cpu: list[list[bytes]] = [[b""] * scope.cpu_slots for _ in range(scope.workers)]
+        self.backends = [LabelBackend(self.gpu[r], self.cpu[r]) for r in range(scope.workers)]
+        self.workers = [OffloadingWorker(b, rank=r) for r, b in enumerate(self.backends)]
+        self.reqs = [
+            EngineRequest(i, p, self.tpb, self.n_groups) for i, p in enumerate(scope.prompts)
+        ]
+        self.waiting: list[int] = []
+        self.running: list[int] = []
+        self.free: list[int] = list(range(scope.gpu_blocks, 0, -1))  # pop() takes 1 first
+        self.preempted_next: set[int] = set()
+        self.finished_since: set[int] = set()
+        self.delivered: list[tuple[int, int, bool]] = []
+        self.faults = 0
+        self.resets = 0
+        self.errors: list[str] = []
+
+    # -- labels ---------------------------------------------------------------------------------
+
+    def expected(self, r: EngineRequest, g: int, i: int, upto: int) -> bytes:
+        """The label block ``i`` of group ``g`` of ``r`` holds once ``upto`` tokens are in."""
+        tpb = self.tpb
+        hashes = r.req.block_hashes
+        if (i + 1) * tpb <= upto and i < len(hashes):
+            return make_offload_key(hashes[i], g)
+        parent = hashes[i - 1] if i else ROOT_HASH
+        part = chain_hash(parent, r.tokens[i * tpb : upto])
+        return b"partial:" + make_offload_key(part, g)
+
+    def _skippable(self, g: int, i: int, computed: int) -> bool:
+        w = self.window
+        return g == 1 and w is not None and (i + 1) * self.tpb <= computed - w
+
+    def _verify(self, r: EngineRequest, computed: int, what: str) -> None:
+        tpb = self.tpb
+        n = computed // tpb  # whole blocks only: compute rewrites a partial block's label
+        for g in range(self.n_groups):
+            blocks = r.blocks[g]
+            for i in range(min(n, len(blocks))):
+                b = blocks[i]
+                if not b or self._skippable(g, i, computed):
+                    continue
+                want = self.expected(r, g, i, (i + 1) * tpb)
+                for rank in range(self.scope.workers):
+                    got = self.gpu[rank][b]
+                    if got != want:
+                        self.errors.append(
+                            f"INV-DATA: {what}: request {r.req.request_id} group {g} block "
+                            f"#{i} (GPU block {b}, rank {rank}) holds {_label(got)}, "
+                            f"expected {_label(want)}"
+                        )
+                        return
+
+    # -- enabled actions ------------------------------------------------------------------------
+
+    def actions(self) -> list[Action]:
+        """Every move the environment can make now."""
+        out: list[Action] = [("step",), ("jump",)]
+        for r in self.reqs:
+            st = r.status
+            if st == UNARRIVED:
+                out.append(("arrive", r.idx))
+            elif st != DONE:
+                if st == RUNNING:
+                    out.append(("preempt", r.idx))
+                    if r.req.num_computed_tokens == r.req.num_tokens - 1:
+                        out.append(("finish", r.idx))
+                if not r.aborted:
+                    out.append(("abort", r.idx))
+        if self.resets < self.scope.max_resets:
+            out.append(("reset",))
+        faults_left = self.faults < self.scope.max_faults
+        for rank, be in enumerate(self.backends):
+            for job_id in be.submitted:
+                out.append(("ok", rank, job_id))
+                if faults_left:
+                    out += [("fail", rank, job_id), ("lose", rank, job_id), ("late", rank, job_id)]
+        if faults_left:
+            for rep in self.delivered:
+                out.append(("dup", *rep))
+        return out
+
+    def apply(self, action: Action) -> None:
+        """Apply one move (see the module docstring); errors land in :attr:`errors`."""
+        kind = action[0]
+        if kind == "step":
+            self.step()
+        elif kind == "jump":
+            self.jump()
+        elif kind == "arrive":
+            self.arrive(self.reqs[action[1]])
+        elif kind == "finish":
+            self.finish(self.reqs[action[1]])
+        elif kind == "abort":
+            self.abort(self.reqs[action[1]])
+        elif kind == "preempt":
+            self.preempt(self.reqs[action[1]])
+        elif kind == "reset":
+            self.resets += 1
+            _guarded(self, "reset_cache", self.sched.reset_cache)
+        elif kind in ("ok", "fail", "lose", "late"):
+            self.report(kind, action[1], action[2])
+        elif kind == "dup":
+            self.faults += 1
+            _, rank, job_id, ok = action
+            self.feed(_report(rank, job_id, ok))
+        else:
+            raise ValueError(f"unknown action {action!r}")
+        self.manager.take_events()
+        self._prune_delivered()
+
+    def _prune_delivered(self) -> None:
+        if self.delivered:
+            live, stalled = self.sched.jobs, self.sched.stalled_jobs
+            self.delivered = [d for d in self.delivered if d[1] in live or d[1] in stalled]
+
+    # -- worker moves ---------------------------------------------------------------------------
+
+    def report(self, kind: str, rank: int, job_id: int) -> None:
+        """A rank's job ends: delivered, failed, lost or late."""
+        if kind != "ok":
+            self.faults += 1
+        self.backends[rank].finish(job_id, kind != "fail")
+        meta = self.workers[rank].build_worker_metadata()
+        if kind == "lose":
+            return
+        if kind == "late":
+            self.jump()
+        self.feed(meta)
+        for j in meta.completed:
+            self.delivered.append((rank, j, True))
+        for j in meta.failed:
+            self.delivered.append((rank, j, False))
+
+    def jump(self) -> None:
+        """The clock passes the stall timeout; the stall check runs."""
+        self.clock.now += JUMP_S
+        self.feed(None)
+
+    def feed(self, meta: WorkerMetadata | None) -> None:
+        """``update_connector_output``, then the engine applies the loads that ended."""
+        res = _guarded(self, "update_connector_output", self.sched.update_connector_output, meta)
+        if res is not None:
+            self._loads_ended(res.finished_loads, res.invalid_block_ids)
+
+    def _loads_ended(self, finished: frozenset[str], invalid: frozenset[int]) -> None:
+        tpb = self.tpb
+        for rid in sorted(finished):
+            r = self.reqs[int(rid[1:])]
+            if r.status != LOADING or r.load is None:
+                self.errors.append(f"finished_loads names {rid}, which is not waiting on a load")
+                continue
+            start, n = r.load
+            valid_end = start + n
+            for g in range(self.n_groups):
+                blocks = r.blocks[g]
+                for i in range(start // tpb, -(-(start + n) // tpb)):
+                    if blocks[i] in invalid:
+                        valid_end = min(valid_end, i * tpb)
+                        break
+            valid_end = max(valid_end, start)
+            self._verify(r, valid_end, "load ended")
+            computed = min(valid_end, r.req.num_tokens - 1)
+            r.req.num_computed_tokens = computed
+            r.load = None
+            r.status = WAITING
+            if r.aborted:
+                self._retire(r)
+
+    # -- engine moves ---------------------------------------------------------------------------
+
+    def arrive(self, r: EngineRequest) -> None:
+        """A request arrives."""
+        r.status = WAITING
+        self.waiting.append(r.idx)
+        _guarded(self, "on_new_request", self.sched.on_new_request, r.req)
+
+    def finish(self, r: EngineRequest) -> None:
+        """A decoding request stops (stop string) between steps."""
+        _guarded(self, "request_finished", self.sched.request_finished, r.req)
+        self.finished_since.add(r.idx)
+        self._retire(r)
+
+    def abort(self, r: EngineRequest) -> None:
+        """A request is aborted; while it loads it keeps its blocks until the load ended."""
+        r.aborted = True
+        r.req.is_aborted = True
+        _guarded(self, "request_finished", self.sched.request_finished, r.req)
+        self.finished_since.add(r.idx)
+        if r.status != LOADING:
+            self._retire(r)
+
+    def preempt(self, r: EngineRequest) -> None:
+        """A running request is preempted between steps."""
+        self._preempt(r)
+        self.preempted_next.add(r.idx)
+
+    def _free_blocks(self, r: EngineRequest) -> None:
+        for blocks in r.blocks:
+            self.free.extend(b for b in blocks if b)
+        r.blocks = [[] for _ in range(self.n_groups)]
+
+    def _retire(self, r: EngineRequest) -> None:
+        if r.idx in self.running:
+            self.running.remove(r.idx)
+        if r.idx in self.waiting:
+            self.waiting.remove(r.idx)
+        self._free_blocks(r)
+        r.status = DONE
+
+    def _preempt(self, r: EngineRequest) -> None:
+        self.running.remove(r.idx)
+        self._free_blocks(r)
+        r.req.num_computed_tokens = 0
+        r.status = WAITING
+        r.resumed = True
+        self.waiting.insert(0, r.idx)
+
+    def _need(self, r: EngineRequest, upto: int, computed: int) -> list[list[int]]:
+        """Positions (per group) that need a fresh block to hold tokens up to ``upto``."""
+        n = -(-upto // self.tpb)
+        out: list[list[int]] = []
+        for g in range(self.n_groups):
+            blocks = r.blocks[g]
+            out.append(
+                [
+                    i
+                    for i in range(n)
+                    if (i >= len(blocks) or not blocks[i]) and not self._skippable(g, i, computed)
+                ]
+            )
+        return out
+
+    def _allocate(self, r: EngineRequest, need: list[list[int]]) -> list[list[int]]:
+        new: list[list[int]] = []
+        for g, positions in enumerate(need):
+            blocks = r.blocks[g]
+            got: list[int] = []
+            for i in positions:
+                while len(blocks) <= i:
+                    blocks.append(0)
+                b = self.free.pop()
+                blocks[i] = b
+                got.append(b)
+            new.append(got)
+        return new
+
+    def _drop_skipped(self, r: EngineRequest) -> None:
+        """Free the sliding-window blocks no future token attends to (vLLM does so)."""
+        if self.window is None:
+            return
+        computed = r.req.num_computed_tokens
+        blocks = r.blocks[1]
+        for i, b in enumerate(blocks):
+            if b and self._skippable(1, i, computed):
+                self.free.append(b)
+                blocks[i] = 0
+
+    def step(self) -> None:
+        """One engine step in vLLM's order (see the module docstring)."""
+        sched = self.sched
+        budget = self.scope.max_batched_tokens
+        scheduled: list[tuple[EngineRequest, int, tuple[tuple[int, ...], ...], bool]] = []
+        new_ids: set[str] = set()
+        preempted: set[int] = set()
+        running_before = list(self.running)
+        for idx in list(self.waiting):
+            r = self.reqs[idx]
+            if budget <= 0:
+                break
+            if r.status == LOADING or idx in self.preempted_next:
+                continue
+            if r.load is None and not any(r.blocks):
+                res = _guarded(self, "get_num_new_matched_tokens",
+                               sched.get_num_new_matched_tokens, r.req, 0)
+                if res is None or res[0] is None:
+                    continue
+                ext, is_async = res
+                if ext > 0 and is_async:
+                    need = self._need(r, ext, ext)
+                    if sum(map(len, need)) > len(self.free):
+                        break
+                    self._allocate(r, need)
+                    _guarded(self, "update_state_after_alloc", sched.update_state_after_alloc,
+                             r.req, tuple(tuple(b) for b in r.blocks), ext)
+                    r.status = LOADING
+                    r.load = (0, ext)
+                    continue
+                computed = 0
+            else:
+                computed = r.req.num_computed_tokens
+            n = min(r.req.num_tokens - computed, budget)
+            need = self._need(r, computed + n, computed)
+            while sum(map(len, need)) > len(self.free) and not self.running:
+                # nothing runs that could free blocks: requests that hold blocks but wait
+                # (their load ended) give them back and start over, newest first
+                victim = next(
+                    (
+                        self.reqs[v]
+                        for v in reversed(self.waiting)
+                        if v != idx and self.reqs[v].status == WAITING and any(self.reqs[v].blocks)
+                    ),
+                    None,
+                )
+                if victim is None:
+                    break
+                self._free_blocks(victim)
+                victim.req.num_computed_tokens = 0
+                preempted.add(victim.idx)
+            if sum(map(len, need)) > len(self.free):
+                break
+            self._allocate(r, need)
+            _guarded(self, "update_state_after_alloc", sched.update_state_after_alloc,
+                     r.req, tuple(tuple(b) for b in r.blocks), 0)
+            r.req.num_computed_tokens = computed
+            self.waiting.remove(idx)
+            self.running.append(idx)
+            r.status = RUNNING
+            if not r.scheduled_once:
+                new_ids.add(r.req.request_id)
+            scheduled.append(
+                (r, n, tuple(tuple(b) for b in r.blocks), r.resumed and r.scheduled_once)
+            )
+            r.scheduled_once = True
+            r.resumed = False
+            budget -= n
+        done: set[int] = set()
+        for idx in running_before:
+            r = self.reqs[idx]
+            if r.status != RUNNING or budget <= 0:
+                continue
+            computed = r.req.num_computed_tokens
+            n = min(r.req.num_tokens - computed, budget)
+            if n <= 0:
+                continue
+            self._drop_skipped(r)
+            need = self._need(r, computed + n, computed)
+            while sum(map(len, need)) > len(self.free):
+                victim = next(
+                    (
+                        self.reqs[v]
+                        for v in reversed(running_before)
+                        if self.reqs[v].status == RUNNING and v not in done and v != idx
+                    ),
+                    r,
+                )
+                self._preempt(victim)
+                preempted.add(victim.idx)
+                if victim is r:
+                    break
+            if r.status != RUNNING:
+                continue
+            new = self._allocate(r, need)
+            scheduled.append((r, n, tuple(tuple(b) for b in new), False))
+            done.add(idx)
+            budget -= n
+        output = SchedulerOutput(
+            scheduled=tuple(ScheduledRequest(r.req.request_id, nb, n, res)
+                            for r, n, nb, res in scheduled),
+            new_req_ids=frozenset(new_ids),
+            finished_req_ids=frozenset(self.reqs[i].req.request_id for i in self.finished_since),
+            preempted_req_ids=frozenset(
+                self.reqs[i].req.request_id for i in preempted | self.preempted_next
+            ),
+        )
+        self.finished_since = set()
+        self.preempted_next = set()
+        meta = _guarded(self, "build_connector_meta", sched.build_connector_meta, output)
+        if meta is None:
+            meta = ConnectorMetadata()
+        for w in self.workers:
+            _guarded(self, "worker.start_step", w.start_step, meta)
+        for r, n, _, _ in scheduled:
+            if r.status == RUNNING:
+                self._compute(r, n)
+        for w in self.workers:
+            _guarded(self, "worker.end_step", w.end_step, meta)
+        for r, n, _, _ in scheduled:
+            if r.status == RUNNING:
+                self._after_compute(r, n)
+        self.feed(None)
+
+    def _compute(self, r: EngineRequest, n: int) -> None:
+        start = r.req.num_computed_tokens
+        self._verify(r, start, "before compute")
+        end = start + n
+        tpb = self.tpb
+        for g in range(self.n_groups):
+            blocks = r.blocks[g]
+            for i in range(start // tpb, -(-end // tpb)):
+                b = blocks[i]
+                if not b:
+                    continue
+                label = self.expected(r, g, i, min(end, (i + 1) * tpb))
+                for rank in range(self.scope.workers):
+                    self.gpu[rank][b] = label
+
+    def _after_compute(self, r: EngineRequest, n: int) -> None:
+        req = r.req
+        req.num_computed_tokens += n
+        if req.num_computed_tokens < req.num_tokens:
+            return
+        r.tokens.append(100 + r.outputs)
+        r.outputs += 1
+        req.num_tokens += 1
+        extend_block_hashes(req.block_hashes, r.tokens, self.tpb)
+        if r.outputs >= self.scope.max_output:
+            _guarded(self, "request_finished", self.sched.request_finished, req)
+            self.finished_since.add(r.idx)
+            self._retire(r)
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def violations(self) -> list[str]:
+        """Everything wrong with this state: errors raised into the engine, data errors,
+        every scheduler ``INV-*`` predicate and the CPU manager's own bookkeeping."""
+        out = list(self.errors)
+        inv = importlib.import_module("statecore.specs.invariants")
+        for code, msg in inv.scheduler_violations(self.sched):
+            out.append(f"{code}: {msg}")
+            break
+        try:
+            self.manager.check_invariants()
+        except StatecoreError as exc:
+            out.append(f"manager: {exc}")
+        for r in self.reqs:
+            if r.status in (WAITING, RUNNING) and any(r.blocks) and r.load is None:
+                before = len(self.errors)
+                self._verify(r, r.req.num_computed_tokens, "at rest")
+                out += self.errors[before:]
+                del self.errors[before:]
+        return out
+
+    def quiescent(self) -> str | None:
+        """None when nothing is left anywhere; else what is left (for liveness)."""
+        for r in self.reqs:
+            if r.status not in (UNARRIVED, DONE):
+                return f"request {r.req.request_id} is still {_STATUS[r.status]}"
+        s = self.sched
+        if s.requests:
+            return f"scheduler still tracks {sorted(s.requests)}"
+        if s.jobs or s.stalled_jobs:
+            return f"jobs left: live {sorted(s.jobs)}, stalled {sorted(s.stalled_jobs)}"
+        if s.has_pending_push_work():
+            return "the scheduler still has pending push work"
+        for key in self.manager.present_keys():
+            ref = self.manager.ref_count(key)
+            if ref:
+                what = "write-pending" if ref < 0 else f"pinned {ref} times"
+                return f"CPU key {_label(key)} is left {what}"
+        for rank, (w, be) in enumerate(zip(self.workers, self.backends, strict=True)):
+            if w.deferred or w.in_flight or be.submitted:
+                return f"rank {rank} still has jobs {sorted(set(w.deferred) | set(be.submitted))}"
+        return None
+
+    # -- canonical form -------------------------------------------------------------------------
+
+    def key(self) -> tuple[Any, ...]:
+        """The canonical, hashable form of the whole state (see the module docstring)."""
+        s = self.sched
+        now = self.clock.now
+
+        def age(t: float | None) -> int:
+            return -1 if t is None else int(now - t > 0)
+
+        ids: set[int] = set(s.jobs) | set(s.stalled_jobs) | s._batch.flush
+        for w, be in zip(self.workers, self.backends, strict=True):
+            ids.update(w.deferred)
+            ids.update(be.submitted)
+        ids.update(d[1] for d in self.delivered)
+        ids.add(s.stale_threshold)
+        ids.add(s.next_job_id)
+        ren = {j: n for n, j in enumerate(sorted(ids))}
+
+        def job_key(j: Any) -> tuple[Any, ...]:
+            return (
+                ren[j.job_id], j.req.req_id, j.is_store, j.keys, j.blocks, j.pending, j.failed,
+                j.seen, age(j.created_at), age(j.stalled_at), j.fenced, j.deferred_fence,
+                j.deferred_registered, j.flushed, j.state,
+            )
+
+        reqs = tuple(
+            (
+                rec.req_id, rec.state, tuple(sorted(ren[j] for j in rec.jobs)),
+                tuple((tuple(gs.keys), tuple(gs.block_ids), gs.cursor, gs.skip)
+                      for gs in rec.groups),
+                rec.max_load_tokens, rec.max_offload_tokens, rec.num_local_computed,
+                rec.num_scheduled, rec.n_hashes, age(rec.deferred_since), rec.signalled,
+                rec.store_floor, rec.store_cap, rec.policy,
+            )
+            for rec in s.requests.values()
+        )
+        batch = s._batch
+        sched_key = (
+            reqs,
+            tuple(job_key(j) for j in s.jobs.values()),
+            tuple(job_key(j) for j in s.stalled_jobs.values()),
+            ren[s.stale_threshold], ren[s.next_job_id],
+            tuple(sorted((b, tuple(sorted(ren[j] for j in js))) for b, js in s.fence_index.items())),
+            tuple(sorted((s.loading_keys or {}).items())),
+            tuple(sorted(ren[j] for j in batch.flush)), tuple(sorted(batch.allocated)),
+            tuple(s._awaiting_signal), tuple(sorted(s._finished_loads)),
+            tuple(sorted(s._invalid_blocks)), age(s._last_stall_check),
+        )
+        m = self.manager
+        ends = m._schedule_ends
+        mgr_key = (
+            tuple((k, e.ref, e.slot) for k, e in m._entries.items()),
+            tuple(m.policy.evictable_blocks),  # type: ignore[attr-defined]
+            tuple(m._free), m._high_water,
+            tuple((slot, rel - ends) for slot, rel in m._quarantine.items()),
+        )
+        workers_key = tuple(
+            (
+                tuple((ren[j], job) for j, job in w._deferred.items()),
+                tuple((ren[j], v) for j, v in w._inflight.items()),
+                tuple((ren[j], e[0], e[1], e[2]) for j, e in be.submitted.items()),
+                tuple(self.gpu[rank]), tuple(self.cpu[rank]),
+            )
+            for rank, (w, be) in enumerate(zip(self.workers, self.backends, strict=True))
+        )
+        engine_key = (
+            tuple(
+                (r.status, tuple(map(tuple, r.blocks)), r.req.num_computed_tokens,
+                 r.req.num_tokens, r.load, r.resumed, r.scheduled_once, r.aborted)
+                for r in self.reqs
+            ),
+            tuple(self.waiting), tuple(self.running), tuple(self.free),
+            tuple(sorted(self.preempted_next)), tuple(sorted(self.finished_since)),
+            tuple((a, ren[j], ok) for a, j, ok in self.delivered),
+            self.faults, self.resets,
+        )
+        return (sched_key, mgr_key, workers_key, engine_key)
+
+    def describe(self) -> dict[str, str]:
+        """A readable summary, one entry per entity (for counterexample diffs)."""
+        out: dict[str, str] = {}
+        for r in self.reqs:
+            if r.status == UNARRIVED:
+                continue
+            blocks = "/".join(",".join(map(str, b)) for b in r.blocks)
+            out[f"engine {r.req.request_id}"] = (
+                f"{_STATUS[r.status]} computed={r.req.num_computed_tokens}/{r.req.num_tokens}"
+                f" blocks=[{blocks}]" + (" aborted" if r.aborted else "")
+            )
+        s = self.sched
+        for rid in s.requests:
+            rec = s.requests[rid]
+            out[f"scheduler {rid}"] = (
+                f"{s.request_state(rid)} jobs={sorted(rec.jobs)} cursors="
+                f"{[gs.cursor for gs in rec.groups]}"
+            )
+        for jid, job in s.jobs.items():
+            kind = "store" if job.is_store else "load"
+            out[f"job {jid}"] = (
+                f"{kind} of {job.req.req_id} blocks={list(job.blocks)} pending={job.pending}"
+                f" failed={job.failed}" + (" flushed" if job.flushed else "")
+            )
+        for jid, job in s.stalled_jobs.items():
+            out[f"job {jid}"] = f"stalled, {job.pending} reports outstanding"
+        for key in self.manager.present_keys():
+            out[f"cpu {_label(key)}"] = (
+                f"slot {self.manager.slot_of(key)} ref {self.manager.ref_count(key)}"
+            )
+        for rank, (w, be) in enumerate(zip(self.workers, self.backends, strict=True)):
+            if w.deferred or be.submitted:
+                out[f"rank {rank}"] = (
+                    f"deferred={list(w.deferred)} submitted="
+                    f"{[(j, 'ran' if e[2] else 'queued') for j, e in be.submitted.items()]}"
+                )
+            for b in range(1, len(self.gpu[rank])):
+                if self.gpu[rank][b]:
+                    out[f"rank {rank} gpu block {b}"] = _label(self.gpu[rank][b])
+            for slot, lab in enumerate(self.cpu[rank]):
+                if lab:
+                    out[f"rank {rank} cpu slot {slot}"] = _label(lab)
+        out["clock"] = f"{self.clock.now:g}s"
+        return out
+
+
+def _report(rank: int, job_id: int, ok: bool) -> WorkerMetadata:
+    m = WorkerMetadata(rank=rank)
+    (m.mark_completed if ok else m.mark_failed)(job_id)
+    return m
+
+
+_NAMES: dict[bytes, str] = {}
+
+
+def _label(lab: bytes) -> str:
+    """A short readable name for a label or key."""
+    if not lab:
+        return "empty"
+    if lab == GARBAGE:
+        return "GARBAGE"
+    partial = lab.startswith(b"partial:")
+    body = lab[8:] if partial else lab
+    name = _NAMES.get(body)
+    if name is None:
+        name = _NAMES[body] = f"{body[:3].hex()}/g{int.from_bytes(body[-4:], 'big')}"
+    return ("partial " if partial else "") + name
+
+
+def format_action(action: Action) -> str:
+    """An action in words."""
+    kind = action[0]
+    text = {
+        "step": "engine step",
+        "jump": "clock jumps past the stall timeout",
+        "reset": "operator: reset_cache",
+        "arrive": "request r{1} arrives",
+        "finish": "request r{1} finishes (stop)",
+        "abort": "request r{1} is aborted",
+        "preempt": "request r{1} is preempted",
+        "ok": "rank {1} completes job {2}, report delivered",
+        "fail": "rank {1} fails job {2} (garbage written), failure reported",
+        "lose": "rank {1} completes job {2}, the report is lost",
+        "late": "rank {1} completes job {2}, the report arrives after the stall timeout",
+        "dup": "rank {1}'s report for job {2} (ok={3}) is delivered again",
+    }.get(kind, repr(action))
+    return text.format(*action)
+

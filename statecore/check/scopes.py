@@ -1,0 +1,60 @@
+"""The scopes ``statecore check`` ships, smallest first.
+
+Prompts are token ids with ``tokens_per_block = 2`` and one block per chunk, so ``(1, 2, 3, 4)``
+is two chunks and ``(1, 2, 5, 6)`` shares its first chunk. Each scope is the smallest world in
+which some class of bug can happen (see ``docs/check.md`` for the table of figures).
+"""
+
+from __future__ import annotations
+
+from statecore.check.model import Scope
+
+__all__ = ["SCOPES"]
+
+_A = (1, 2, 3, 4)
+_B = (1, 2, 5, 6)
+
+SCOPES: dict[str, Scope] = {
+    s.name: s
+    for s in (
+        Scope(
+            "one",
+            prompts=(_A, _B),
+            workers=1,
+            gpu_blocks=3,
+            cpu_slots=2,
+            depth=9,
+            description="two requests sharing a chunk, one worker, full attention",
+        ),
+        Scope(
+            "two",
+            prompts=(_A, _B),
+            workers=2,
+            gpu_blocks=3,
+            cpu_slots=2,
+            depth=9,
+            description="the same on two workers (quorum, per-rank bytes)",
+        ),
+        Scope(
+            "swa",
+            prompts=(_A, _B),
+            workers=1,
+            sliding_window=2,
+            gpu_blocks=6,
+            cpu_slots=4,
+            depth=9,
+            description="full attention + a sliding-window group, one worker",
+        ),
+        Scope(
+            "swa2",
+            prompts=(_A, _B),
+            workers=2,
+            sliding_window=2,
+            gpu_blocks=6,
+            cpu_slots=4,
+            depth=10,
+            description="full attention + sliding window on two workers",
+        ),
+    )
+}
+"""Every shipped scope by name."""

@@ -1,0 +1,132 @@
+"""Whole-world snapshots: :func:`dumps` and :func:`loads`, a tuned :mod:`pickle`.
+
+The explorer restores a state once per enabled action, so restoring dominates its cost.
+Plain pickle rebuilds slotted dataclasses through ``dataclasses``' generic ``__setstate__``
+(which walks ``fields()`` on every call) and enums through their constructor; this module
+gives the C pickler a dispatch table that rebuilds slotted objects with one call, and pickles
+the immutable objects every state shares (the scope, the scheduler configuration, enum members)
+as references into a registry. Measured on the shipped scopes it restores about twice as fast
+as plain pickle, and several times faster than ``copy.deepcopy``.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import enum
+import io
+import pickle
+from typing import Any
+
+from statecore.check.model import Scope
+from statecore.config import GroupConfig, SchedulerConfig
+from statecore.manager import (
+    CPULoadStoreSpec,
+    ReqContext,
+    TierFilter,
+    TierMatcher,
+)
+from statecore.scheduler import SchedulerCounters, _StepBatch
+from statecore.views import Request
+from statecore.wire import (
+    DirectionStats,
+    GPULoadStoreSpec,
+    TransferJob,
+    TransferStats,
+    WorkerMetadata,
+)
+
+__all__ = ["dumps", "loads", "share"]
+
+_SHARED: dict[int, Any] = {}
+
+
+def _shared(key: int) -> Any:
+    return _SHARED[key]
+
+
+def share(obj: Any) -> None:
+    """Pickle ``obj`` (immutable, and kept alive here) as a reference from now on."""
+    _SHARED[id(obj)] = obj
+
+
+def _reduce_shared(obj: Any) -> tuple[Any, ...]:
+    key = id(obj)
+    if key not in _SHARED:
+        _SHARED[key] = obj
+    return (_shared, (key,))
+
+
+_UNSET = object()
+
+
+def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
+    obj = object.__new__(cls)
+    setter = object.__setattr__
+    for name, value in zip(_SLOTS[cls], values, strict=True):
+        if value is not _UNSET:
+            setter(obj, name, value)
+    return obj
+
+
+_SLOTS: dict[type, tuple[str, ...]] = {}
+
+
+def _reduce_slotted(obj: Any) -> tuple[Any, ...]:
+    cls = type(obj)
+    return (_rebuild, (cls, tuple(getattr(obj, n, _UNSET) for n in _SLOTS[cls])))
+
+
+_TABLE: dict[type, Any] = copyreg.dispatch_table.copy()
+for _cls in (Scope, SchedulerConfig, GroupConfig):
+    _TABLE[_cls] = _reduce_shared
+for _cls in (
+    SchedulerCounters,
+    _StepBatch,
+    Request,
+    ReqContext,
+    TierFilter,
+    TierMatcher,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    TransferJob,
+    DirectionStats,
+    TransferStats,
+    WorkerMetadata,
+):
+    _SLOTS[_cls] = tuple(n for c in _cls.__mro__ for n in c.__dict__.get("__slots__", ()))
+    _TABLE[_cls] = _reduce_slotted
+
+
+def _enum_reducer(cls: type[enum.Enum]) -> None:
+    _TABLE[cls] = _reduce_shared
+
+
+_PROTO = pickle.HIGHEST_PROTOCOL
+
+
+def dumps(obj: Any) -> bytes:
+    """Snapshot ``obj`` (a whole :class:`~statecore.check.model.World`)."""
+    buf = io.BytesIO()
+    p = pickle.Pickler(buf, _PROTO)
+    p.dispatch_table = _TABLE
+    p.dump(obj)
+    return buf.getvalue()
+
+
+loads = pickle.loads
+"""Restore a snapshot."""
+
+
+def register_enums(*classes: type[enum.Enum]) -> None:
+    """Pickle the members of these enums as shared references."""
+    for cls in classes:
+        _enum_reducer(cls)
+
+
+def _init() -> None:
+    from statecore.manager import OffloadPolicy
+
+    register_enums(OffloadPolicy)
+
+
+_init()
