@@ -60,6 +60,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "fuzz": ("statecore.specs.fuzz", "time-boxed stateful fuzzing campaign"),
     "diagrams": ("statecore.lifecycle.diagrams", "write (or --check) the lifecycle diagrams"),
     "docs": ("statecore.docsgen", "write (or --check) the documentation pages generated from code"),
+    "check": ("statecore.check.cli", "exhaustive bounded model checking of small scopes"),
 }
 # One line per benchmark: `statecore bench NAME`.
 _BENCHES: dict[str, tuple[str, str]] = {

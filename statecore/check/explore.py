@@ -151,16 +151,6 @@ def continuation(w: World, good: set[int] | None = None) -> tuple[str | None, li
     return f"no quiescence after {len(moves)} fault-free moves: {left}", moves
 
 
-def _continuation_failure(
-    trace: list[Action], left: str, moves: list[Action], w: World
-) -> Counterexample:
-    """A continuation that broke a safety check is a safety trace (prefix + its moves); one
-    that did not quiesce is a liveness failure of the prefix's last state."""
-    if w.errors:
-        return Counterexample(trace + moves, w.errors[0])
-    return Counterexample(trace, left, liveness=True)
-
-
 def explore(
     scope: Scope,
     *,
@@ -195,17 +185,35 @@ def explore(
         return res
 
     limited = False
+
     bad = root.violations()
     if bad:
         return finish(Counterexample([], bad[0]))
+    # a safety failure met on a fault-free continuation has a trace (prefix + continuation)
+    # that may not be shortest: keep it and search on until no shorter one can exist
+    candidate: Counterexample | None = None
+
+    def continue_from(trace: list[Action], w: World) -> Counterexample | None:
+        nonlocal candidate
+        res.liveness_checks += 1
+        left, moves = continuation(w, good)
+        if left is None:
+            return None
+        if not w.errors:
+            return Counterexample(trace, left, liveness=True)
+        found = Counterexample(trace + moves, w.errors[0])
+        if candidate is None or len(found.trace) < len(candidate.trace):
+            candidate = found
+        return None
+
     frontier: list[tuple[int, bytes]] = [(k0, _dumps(root))]
     if liveness:
-        res.liveness_checks += 1
-        w0 = _loads(frontier[0][1])
-        left, moves = continuation(w0, good)
-        if left is not None:
-            return finish(_continuation_failure([], left, moves, w0))
+        cex = continue_from([], _loads(frontier[0][1]))
+        if cex is not None:
+            return finish(cex)
     for level in range(1, scope.depth + 1):
+        if candidate is not None and len(candidate.trace) <= level:
+            break
         nxt: list[tuple[int, bytes]] = []
         before = res.states
         for k, blob in frontier:
@@ -228,11 +236,11 @@ def explore(
                 if level < scope.depth:  # the last level is never expanded: no snapshot
                     nxt.append((k2, _dumps(w)))
                 if liveness and k2 not in good:
-                    res.liveness_checks += 1
-                    left, moves = continuation(w, good)  # w is restored afresh next action
-                    if left is not None:
+                    # w is consumed: it is restored afresh for the next action
+                    cex = continue_from(trace_to(k2), w)
+                    if cex is not None:
                         res.depth = level
-                        return finish(_continuation_failure(trace_to(k2), left, moves, w))
+                        return finish(cex)
                 if max_states is not None and res.states >= max_states:
                     limited = True
                 if time_limit is not None and time.perf_counter() - t0 > time_limit:
@@ -250,7 +258,7 @@ def explore(
             res.exhausted = True
             break
         frontier = nxt
-    return finish(None)
+    return finish(candidate)
 
 
 def replay(scope: Scope, trace: Sequence[Action]) -> tuple[World, str | None, int]:
@@ -285,6 +293,9 @@ def format_counterexample(scope: Scope, cex: Counterexample) -> str:
     w = World(scope)
     before = w.describe()
     for n, action in enumerate(cex.trace, 1):
+        if action not in w.actions():
+            lines.append(f"{n:3d}. {format_action(action)}: NOT ENABLED (the code differs)")
+            return "\n".join(lines)
         w.apply(action)
         after = w.describe()
         lines.append(f"{n:3d}. {format_action(action)}")
@@ -305,17 +316,19 @@ def pytest_source(scope: Scope, cex: Counterexample, mutant: str | None = None) 
 
     Without a mutant the test asserts the trace runs clean, so it fails until the bug is
     fixed. With a mutant (a seeded bug of ``tests/mutants``) it applies the mutant and asserts
-    that the replay reproduces the violation, and that the unmodified code does not.
+    that the replay reproduces the violation.
     """
     trace = ",\n".join(f"    {a!r}" for a in cex.trace)
+    command = f"statecore check --scope {scope.name}" + (f" --mutant {mutant}" if mutant else "")
+    violation = cex.violation.replace(chr(34), chr(39))
+    imports = ["from statecore.check import replay"]
+    if mutant:
+        imports.append("from statecore.check.cli import mutant_applied")
+    imports.append("from statecore.check.model import Scope")
     head = (
-        f'"""Counterexample found by `statecore check --scope {scope.name}`'
-        + (f" --mutant {mutant}" if mutant else "")
-        + f'.\n\nViolation: {cex.violation.replace(chr(34), chr(39))}\n"""\n\n'
-        "from statecore.check import replay\n"
-        "from statecore.check.model import Scope\n\n"
-        f"SCOPE = {scope!r}\n\n"
-        f"TRACE = [\n{trace}\n]\n"
+        f'"""Counterexample found by `{command}`.\n\nViolation: {violation}\n"""\n\n'
+        + "\n".join(imports)
+        + f"\n\nSCOPE = {scope!r}\n\nTRACE = [\n{trace},\n]\n"
     )
     if cex.liveness:
         body = (
@@ -346,21 +359,5 @@ def pytest_source(scope: Scope, cex: Counterexample, mutant: str | None = None) 
 
 def _with_mutant(body: str, mutant: str) -> str:
     lines = body.split("\n")
-    out = [
-        "",
-        "",
-        "def _mutant():  # the catalogue of seeded bugs lives in tests/mutants",
-        "    import pathlib",
-        "    import sys",
-        "",
-        "    for parent in pathlib.Path(__file__).resolve().parents:",
-        "        if (parent / 'tests' / 'mutants').is_dir():",
-        "            sys.path.insert(0, str(parent / 'tests' / 'mutants'))",
-        "            break",
-        "    from catalogue import MUTANTS",
-        "",
-        f"    return MUTANTS[{mutant!r}]",
-    ]
     indent = [ln if not ln.strip() else "    " + ln for ln in lines[3:]]
-    out += lines[:3] + ["    with _mutant().apply():"] + indent
-    return "\n".join(out)
+    return "\n".join([*lines[:3], f"    with mutant_applied({mutant!r}):", *indent])

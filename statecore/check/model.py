@@ -117,7 +117,7 @@ class Scope:
     def config(self) -> SchedulerConfig:
         """The scheduler configuration of this scope."""
         tpb = self.tokens_per_block
-        groups = (GroupConfig(tpb),)
+        groups: tuple[GroupConfig, ...] = (GroupConfig(tpb),)
         if self.sliding_window is not None:
             groups += (GroupConfig(tpb, self.sliding_window),)
         return SchedulerConfig(
@@ -526,8 +526,9 @@ class World:
             if r.status == LOADING or idx in self.preempted_next:
                 continue
             if r.load is None and not any(r.blocks):
-                res = _guarded(self, "get_num_new_matched_tokens",
-                               sched.get_num_new_matched_tokens, r.req, 0)
+                res = _guarded(
+                    self, "get_num_new_matched_tokens", sched.get_num_new_matched_tokens, r.req, 0
+                )
                 if res is None or res[0] is None:
                     continue
                 ext, is_async = res
@@ -536,8 +537,14 @@ class World:
                     if sum(map(len, need)) > len(self.free):
                         break
                     self._allocate(r, need)
-                    _guarded(self, "update_state_after_alloc", sched.update_state_after_alloc,
-                             r.req, tuple(tuple(b) for b in r.blocks), ext)
+                    _guarded(
+                        self,
+                        "update_state_after_alloc",
+                        sched.update_state_after_alloc,
+                        r.req,
+                        tuple(tuple(b) for b in r.blocks),
+                        ext,
+                    )
                     r.status = LOADING
                     r.load = (0, ext)
                     continue
@@ -565,8 +572,14 @@ class World:
             if sum(map(len, need)) > len(self.free):
                 break
             self._allocate(r, need)
-            _guarded(self, "update_state_after_alloc", sched.update_state_after_alloc,
-                     r.req, tuple(tuple(b) for b in r.blocks), 0)
+            _guarded(
+                self,
+                "update_state_after_alloc",
+                sched.update_state_after_alloc,
+                r.req,
+                tuple(tuple(b) for b in r.blocks),
+                0,
+            )
             r.req.num_computed_tokens = computed
             self.waiting.remove(idx)
             self.running.append(idx)
@@ -610,8 +623,9 @@ class World:
             done.add(idx)
             budget -= n
         output = SchedulerOutput(
-            scheduled=tuple(ScheduledRequest(r.req.request_id, nb, n, res)
-                            for r, n, nb, res in scheduled),
+            scheduled=tuple(
+                ScheduledRequest(r.req.request_id, nb, n, res) for r, n, nb, res in scheduled
+            ),
             new_req_ids=frozenset(new_ids),
             finished_req_ids=frozenset(self.reqs[i].req.request_id for i in self.finished_since),
             preempted_req_ids=frozenset(
@@ -727,21 +741,43 @@ class World:
         ids.add(s.next_job_id)
         ren = {j: n for n, j in enumerate(sorted(ids))}
 
-        def job_key(j: Any) -> tuple[Any, ...]:
+        def job_key(j: Any, stalled: bool = False) -> tuple[Any, ...]:
             return (
-                ren[j.job_id], j.req.req_id, j.is_store, j.keys, j.blocks, j.pending, j.failed,
-                j.seen, age(j.created_at), age(j.stalled_at), j.fenced, j.deferred_fence,
-                j.deferred_registered, j.flushed, j.state,
+                ren[j.job_id],
+                j.req.req_id,
+                j.is_store,
+                j.keys,
+                j.blocks,
+                j.pending,
+                j.failed,
+                j.seen,
+                age(j.created_at),
+                age(j.stalled_at) if stalled else 0,
+                j.fenced,
+                j.deferred_fence,
+                j.deferred_registered,
+                j.flushed,
+                j.state,
             )
 
         reqs = tuple(
             (
-                rec.req_id, rec.state, tuple(sorted(ren[j] for j in rec.jobs)),
-                tuple((tuple(gs.keys), tuple(gs.block_ids), gs.cursor, gs.skip)
-                      for gs in rec.groups),
-                rec.max_load_tokens, rec.max_offload_tokens, rec.num_local_computed,
-                rec.num_scheduled, rec.n_hashes, age(rec.deferred_since), rec.signalled,
-                rec.store_floor, rec.store_cap, rec.policy,
+                rec.req_id,
+                rec.state,
+                tuple(sorted(ren[j] for j in rec.jobs)),
+                tuple(
+                    (tuple(gs.keys), tuple(gs.block_ids), gs.cursor, gs.skip) for gs in rec.groups
+                ),
+                rec.max_load_tokens,
+                rec.max_offload_tokens,
+                rec.num_local_computed,
+                rec.num_scheduled,
+                rec.n_hashes,
+                age(rec.deferred_since),
+                rec.signalled,
+                rec.store_floor,
+                rec.store_cap,
+                rec.policy,
             )
             for rec in s.requests.values()
         )
@@ -749,20 +785,27 @@ class World:
         sched_key = (
             reqs,
             tuple(job_key(j) for j in s.jobs.values()),
-            tuple(job_key(j) for j in s.stalled_jobs.values()),
-            ren[s.stale_threshold], ren[s.next_job_id],
-            tuple(sorted((b, tuple(sorted(ren[j] for j in js))) for b, js in s.fence_index.items())),
+            tuple(job_key(j, True) for j in s.stalled_jobs.values()),
+            ren[s.stale_threshold],
+            ren[s.next_job_id],
+            tuple(
+                sorted((b, tuple(sorted(ren[j] for j in js))) for b, js in s.fence_index.items())
+            ),
             tuple(sorted((s.loading_keys or {}).items())),
-            tuple(sorted(ren[j] for j in batch.flush)), tuple(sorted(batch.allocated)),
-            tuple(s._awaiting_signal), tuple(sorted(s._finished_loads)),
-            tuple(sorted(s._invalid_blocks)), age(s._last_stall_check),
+            tuple(sorted(ren[j] for j in batch.flush)),
+            tuple(sorted(batch.allocated)),
+            tuple(s._awaiting_signal),
+            tuple(sorted(s._finished_loads)),
+            tuple(sorted(s._invalid_blocks)),
+            age(s._last_stall_check),
         )
         m = self.manager
         ends = m._schedule_ends
         mgr_key = (
             tuple((k, e.ref, e.slot) for k, e in m._entries.items()),
             tuple(m.policy.evictable_blocks),  # type: ignore[attr-defined]
-            tuple(m._free), m._high_water,
+            tuple(m._free),
+            m._high_water,
             tuple((slot, rel - ends) for slot, rel in m._quarantine.items()),
         )
         workers_key = tuple(
@@ -770,20 +813,33 @@ class World:
                 tuple((ren[j], job) for j, job in w._deferred.items()),
                 tuple((ren[j], v) for j, v in w._inflight.items()),
                 tuple((ren[j], e[0], e[1], e[2]) for j, e in be.submitted.items()),
-                tuple(self.gpu[rank]), tuple(self.cpu[rank]),
+                tuple(self.gpu[rank]),
+                tuple(self.cpu[rank]),
             )
             for rank, (w, be) in enumerate(zip(self.workers, self.backends, strict=True))
         )
         engine_key = (
             tuple(
-                (r.status, tuple(map(tuple, r.blocks)), r.req.num_computed_tokens,
-                 r.req.num_tokens, r.load, r.resumed, r.scheduled_once, r.aborted)
+                (
+                    r.status,
+                    tuple(map(tuple, r.blocks)),
+                    r.req.num_computed_tokens,
+                    r.req.num_tokens,
+                    r.load,
+                    r.resumed,
+                    r.scheduled_once,
+                    r.aborted,
+                )
                 for r in self.reqs
             ),
-            tuple(self.waiting), tuple(self.running), tuple(self.free),
-            tuple(sorted(self.preempted_next)), tuple(sorted(self.finished_since)),
+            tuple(self.waiting),
+            tuple(self.running),
+            tuple(self.free),
+            tuple(sorted(self.preempted_next)),
+            tuple(sorted(self.finished_since)),
             tuple((a, ren[j], ok) for a, j, ok in self.delivered),
-            self.faults, self.resets,
+            self.faults,
+            self.resets,
         )
         return (sched_key, mgr_key, workers_key, engine_key)
 
@@ -874,4 +930,3 @@ def format_action(action: Action) -> str:
         "dup": "rank {1}'s report for job {2} (ok={3}) is delivered again",
     }.get(kind, repr(action))
     return text.format(*action)
-

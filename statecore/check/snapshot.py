@@ -60,7 +60,7 @@ _UNSET = object()
 
 
 def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
-    obj = object.__new__(cls)
+    obj: Any = object.__new__(cls)
     setter = object.__setattr__
     for name, value in zip(_SLOTS[cls], values, strict=True):
         if value is not _UNSET:
@@ -77,9 +77,8 @@ def _reduce_slotted(obj: Any) -> tuple[Any, ...]:
 
 
 _TABLE: dict[type, Any] = copyreg.dispatch_table.copy()
-for _cls in (Scope, SchedulerConfig, GroupConfig):
-    _TABLE[_cls] = _reduce_shared
-for _cls in (
+_SHARED_TYPES: tuple[type, ...] = (Scope, SchedulerConfig, GroupConfig)
+_SLOTTED_TYPES: tuple[type, ...] = (
     SchedulerCounters,
     _StepBatch,
     Request,
@@ -92,7 +91,10 @@ for _cls in (
     DirectionStats,
     TransferStats,
     WorkerMetadata,
-):
+)
+for _cls in _SHARED_TYPES:
+    _TABLE[_cls] = _reduce_shared
+for _cls in _SLOTTED_TYPES:
     _SLOTS[_cls] = tuple(n for c in _cls.__mro__ for n in c.__dict__.get("__slots__", ()))
     _TABLE[_cls] = _reduce_slotted
 
