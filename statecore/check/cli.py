@@ -20,40 +20,34 @@ from typing import Any
 
 from statecore.check.explore import Result, explore, format_counterexample, pytest_source
 from statecore.check.scopes import SCOPES
+from statecore.cli import float_above, int_range, run_module
 
-__all__ = ["main", "mutant_applied"]
+__all__ = ["add_arguments", "main", "mutant_applied", "run"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="statecore check",
-        description="Exhaustive bounded model checking: every interleaving of the "
-        "environment's actions within a small scope, over the real scheduler, CPU manager "
-        "and workers.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``statecore check``."""
     p.add_argument(
         "--scope",
         action="append",
         choices=sorted(SCOPES),
-        help="scope to explore (repeatable; default: one). See --list.",
+        help="scope to explore (repeatable; default: one); --list describes them",
     )
     p.add_argument("--all", action="store_true", help="explore every shipped scope")
     p.add_argument("--list", action="store_true", help="list the scopes and exit")
-    p.add_argument("--depth", type=int, help="override the scope's depth bound")
+    p.add_argument("--depth", type=int_range(0), help="override the depth bound of the scope(s)")
     p.add_argument(
-        "--mutant",
-        help="apply a seeded mutant of tests/mutants/catalogue.py while exploring",
+        "--mutant", help="apply a seeded mutant of tests/mutants/catalogue.py while exploring"
     )
     p.add_argument("--no-liveness", action="store_true", help="skip the bounded liveness check")
-    p.add_argument("--time-limit", type=float, help="stop each scope after this many seconds")
-    p.add_argument("--max-states", type=int, help="stop each scope after this many states")
     p.add_argument(
-        "--out",
-        default=".",
-        help="directory for the pytest file of a counterexample (default: .)",
+        "--time-limit", type=float_above(0), help="stop each scope after this many seconds"
+    )
+    p.add_argument("--max-states", type=int_range(1), help="stop each scope after this many states")
+    p.add_argument(
+        "--out", default=".", help="folder for the pytest file that replays a counterexample"
     )
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    return p
 
 
 @contextlib.contextmanager
@@ -105,7 +99,11 @@ def _figures(res: Result) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``statecore check``."""
-    args = _parser().parse_args(argv)
+    return run_module(__name__, argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Explore the chosen scopes (see the module docstring)."""
     if args.list:
         for s in SCOPES.values():
             groups = "full" if s.sliding_window is None else "full + sliding window"
