@@ -84,6 +84,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tiering", action="store_true", help="add a file tier behind the CPU tier")
     p.add_argument(
+        "--instances",
+        metavar="N",
+        type=int_range(1, 16),
+        default=1,
+        help="with N >= 2: N engine stacks sharing one Redis tier (restarted mid-run), compared "
+        "with one instance and with N private tiers on the same workload (statecore.sim.multi)",
+    )
+    p.add_argument(
+        "--redis-url",
+        metavar="URL",
+        help="the Redis server of --instances (default: start redis-server on loopback)",
+    )
+    p.add_argument(
         "--checked",
         action="store_true",
         help="checked mode: every invariant after every scheduler call, and the "
@@ -182,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
         checked=args.checked,
         copy_impl=args.copy_impl,
     )
+    if args.instances > 1:
+        return _run_instances(args, cfg)
     from statecore.sim.run import simulate
 
     show = not args.no_progress and not args.json and sys.stderr.isatty()
@@ -204,6 +219,20 @@ def run(args: argparse.Namespace) -> int:
         if args.plot is not None:
             print(f"plot          {args.plot}")
     return 0 if report.ok else 1
+
+
+def _run_instances(args: argparse.Namespace, cfg: SimConfig) -> int:
+    """``--instances N``: the three-run comparison of :mod:`statecore.sim.multi`."""
+    from statecore.sim.multi import compare
+
+    comparison = compare(cfg, args.instances, args.redis_url, restart=args.redis_url is None)
+    if args.json:
+        import json
+
+        print(json.dumps(comparison.to_dict(), indent=2))
+    else:
+        print(comparison.format_text())
+    return 0 if comparison.ok else 1
 
 
 def _settings(args: argparse.Namespace, faults: SimFaults) -> dict[str, object]:

@@ -1,0 +1,410 @@
+"""Several engine instances sharing one Redis tier, in the simulator.
+
+Each instance is a whole simulated stack (:class:`~statecore.sim.run.SimStack`: its own
+scheduler, CPU tier, pool, workers and torch adapter, its own GPU KV tensors) whose tiering
+manager has one secondary tier, a :class:`~statecore.managers.redistier.RedisTier` on a
+shared server. The instances step in lockstep, one step each per round.
+
+**Routing.** One :class:`~statecore.sim.workload.Workload` (seeded as a single engine's would
+be) produces the turns; a router sends turn ``t`` of conversation ``c`` to instance
+``(c + t) mod N``, so a follow-up turn lands on another instance than the turn before it, as
+behind a load balancer without session affinity. Its long prefix (the previous prompt and
+output) can then only come from the shared tier, or be recomputed.
+
+**Oracle across instances.** A block's bytes are a function of its hash (and rank, tensor),
+the same in every instance, so each engine's data oracle checks loaded bytes whichever
+instance stored them.
+
+**Server restart.** With ``restart=True`` (and a server this module started), the server is
+stopped once half the requests have been issued and started again, empty, ``down_steps``
+rounds later: promotions and stores fail, lookups answer MISS, requests recompute; the run must
+still end with no violation and no data error.
+
+**Comparison.** :func:`compare` runs the same workload three times: on one instance, on N
+instances sharing the tier, and on N instances with private tiers (a namespace each, same
+server); it reports each run's hit rate and, for the shared run, the promoted chunks that
+another instance had stored (the cross-instance hits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from statecore.keys import OffloadKey
+from statecore.manager import OffloadingManager
+from statecore.managers.cpu import CPUOffloadingManager
+from statecore.managers.filetier import InlineExecutor
+from statecore.managers.redistier import RedisTier, RedisTierConfig, TierLayout
+from statecore.managers.tiering import TieringOffloadingManager
+from statecore.managers.tiers import JobResult
+from statecore.sim.engine import SimConfig, SimEngine
+from statecore.sim.report import SimReport
+from statecore.sim.run import SimStack, _report, attach_store_oracle
+from statecore.sim.workload import Turn, Workload
+
+__all__ = [
+    "Comparison",
+    "InstanceStack",
+    "MultiReport",
+    "RoutedWorkload",
+    "Router",
+    "compare",
+    "run_instances",
+]
+
+
+class InstanceStack(SimStack):
+    """A simulated stack whose tiering manager has one RedisTier (run inline)."""
+
+    redis_tier: RedisTier
+
+    def __init__(self, cfg: SimConfig, tier_config: RedisTierConfig) -> None:
+        self.tier_config = tier_config
+        super().__init__(cfg)
+
+    def _make_manager(self) -> OffloadingManager:
+        # SimStack.__init__ calls this once the pool exists
+        self.redis_tier = RedisTier(self.tier_config, self.pool, executor=InlineExecutor())
+        return TieringOffloadingManager(CPUOffloadingManager(self.cfg.cpu_slots), [self.redis_tier])
+
+
+class Router:
+    """Splits one workload's turns over ``n`` instances (module docstring)."""
+
+    def __init__(self, workload: Workload, n: int) -> None:
+        self.workload = workload
+        self.n = n
+        self._step = -1
+        self._pending: list[list[Turn]] = [[] for _ in range(n)]
+
+    def instance_of(self, turn: Turn) -> int:
+        """The instance that serves ``turn``."""
+        idx = int(turn.req_id.rsplit("t", 1)[1])
+        return (turn.conv + idx) % self.n
+
+    def arrivals(self, instance: int, step: int) -> list[Turn]:
+        """The turns of ``step`` routed to ``instance`` (the workload is asked once a step)."""
+        if step != self._step:
+            self._step = step
+            for turn in self.workload.arrivals(step):
+                self._pending[self.instance_of(turn)].append(turn)
+        out, self._pending[instance] = self._pending[instance], []
+        return out
+
+    def exhausted(self, instance: int) -> bool:
+        """No more turns for ``instance``."""
+        return self.workload.exhausted and not self._pending[instance]
+
+
+class RoutedWorkload(Workload):
+    """One instance's view of a :class:`Router` (what its engine calls its workload)."""
+
+    def __init__(self, router: Router, instance: int) -> None:  # no own random stream
+        self.router = router
+        self.instance = instance
+        self.cfg = router.workload.cfg
+
+    @property
+    def exhausted(self) -> bool:
+        """No more turns for this instance."""
+        return self.router.exhausted(self.instance)
+
+    def arrivals(self, step: int) -> list[Turn]:
+        """This instance's turns of ``step``."""
+        return self.router.arrivals(self.instance, step)
+
+    def turn_ended(self, turn: Turn, step: int, completed: bool) -> None:
+        """Tell the shared workload (it plans the follow-up)."""
+        self.router.workload.turn_ended(turn, step, completed)
+
+    def next_token(self) -> int:
+        """A sampled token from the shared stream."""
+        return self.router.workload.next_token()
+
+
+@dataclass
+class MultiReport:
+    """One run of N instances: each instance's report and the figures across them."""
+
+    instances: list[SimReport]
+    hit_rate: float
+    """Hit tokens (local and loaded) over admitted prompt tokens, all instances together."""
+    promoted_chunks: int = 0
+    cross_instance_chunks: int = 0
+    """Promoted chunks that another instance had stored."""
+    server_restarts: int = 0
+    failed_tier_jobs: int = 0
+    """Store and promotion jobs of the tier that failed (server down, missing values)."""
+    tier_stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """Every instance's run is clean."""
+        return all(r.ok for r in self.instances)
+
+    def figures(self) -> dict[str, Any]:
+        """The run's figures (for JSON)."""
+        return {
+            "hit_rate": self.hit_rate,
+            "promoted_chunks": self.promoted_chunks,
+            "cross_instance_chunks": self.cross_instance_chunks,
+            "server_restarts": self.server_restarts,
+            "failed_tier_jobs": self.failed_tier_jobs,
+            "violations": self.violations,
+            "data_errors": self.data_errors,
+            "ok": self.ok,
+            "tier": dict(self.tier_stats),
+        }
+
+    @property
+    def violations(self) -> int:
+        """Invariant violations over all instances."""
+        return sum(len(r.invariant_violations) for r in self.instances)
+
+    @property
+    def data_errors(self) -> int:
+        """Data errors over all instances."""
+        return sum(len(r.data_errors) for r in self.instances)
+
+
+def _layout(cfg: SimConfig) -> TierLayout:
+    return TierLayout(
+        "statecore-sim", "uint8", (cfg.num_tensors, cfg.page_bytes), cfg.blocks_per_chunk
+    )
+
+
+class _Attribution:
+    """Which instance stored which key first, and whose keys each promotion brought in."""
+
+    def __init__(self) -> None:
+        self.stored_by: dict[bytes, int] = {}
+        self.promoted = 0
+        self.cross = 0
+        self.failed_jobs = 0
+
+    def watch(self, tier: RedisTier, instance: int) -> None:
+        jobs: dict[int, tuple[bool, tuple[OffloadKey, ...]]] = {}
+        real_store, real_load, real_finished = (
+            tier.submit_store,
+            tier.submit_load,
+            tier.get_finished,
+        )
+
+        def submit_store(job_id: int, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
+            jobs[job_id] = (True, tuple(keys))
+            real_store(job_id, keys, slots)
+
+        def submit_load(job_id: int, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
+            jobs[job_id] = (False, tuple(keys))
+            real_load(job_id, keys, slots)
+
+        def get_finished() -> list[JobResult]:
+            results = real_finished()
+            for res in results:
+                is_store, keys = jobs.pop(res.job_id, (True, ()))
+                self.failed_jobs += not res.success
+                ok = set(keys) if res.success else set(res.successful_keys or ())
+                for key in keys:
+                    if key not in ok:
+                        continue
+                    where = tier.redis_key(key)  # namespace and key: private tiers differ
+                    if is_store:
+                        self.stored_by.setdefault(where, instance)
+                    else:
+                        self.promoted += 1
+                        if self.stored_by.get(where, instance) != instance:
+                            self.cross += 1
+            return results
+
+        tier.submit_store = submit_store  # type: ignore[method-assign]
+        tier.submit_load = submit_load  # type: ignore[method-assign]
+        tier.get_finished = get_finished  # type: ignore[method-assign]
+
+
+def run_instances(
+    cfg: SimConfig,
+    url: str,
+    instances: int = 2,
+    prefix: str = "sim",
+    shared: bool = True,
+    server: Any = None,
+    restart: bool = False,
+    down_steps: int = 10,
+) -> MultiReport:
+    """Run ``instances`` stacks in lockstep over one routed workload (module docstring).
+
+    Args:
+        cfg: every instance's configuration (``tiering`` is implied).
+        url: the Redis server.
+        instances: how many engine stacks.
+        prefix: the key prefix (``shared=False`` appends the instance number to it).
+        shared: one namespace for all (sharing) or one per instance (no sharing).
+        server: the :class:`~statecore.redisserver.LocalRedis` behind ``url``, needed to
+            restart it.
+        restart: stop the server once half the requests were issued, start it
+            ``down_steps`` rounds later.
+    """
+    cfg = dataclasses.replace(cfg, tiering=True)
+    root = random.Random(cfg.seed)
+    root.getrandbits(64)  # the engine's own stream comes first, as in SimEngine
+    router = Router(Workload(cfg.workload, random.Random(root.getrandbits(64))), instances)
+    attribution = _Attribution()
+    stacks: list[InstanceStack] = []
+    engines: list[SimEngine] = []
+    restarts = 0
+    try:
+        for i in range(instances):
+            tier_cfg = RedisTierConfig(
+                url=url,
+                layout=_layout(cfg),
+                prefix=prefix if shared else f"{prefix}{i}",
+                timeout_s=5.0,
+                lookup_ttl_steps=8,
+            )
+            # every instance draws its own faults and delays
+            stack = InstanceStack(dataclasses.replace(cfg, seed=cfg.seed + 7919 * i), tier_cfg)
+            sched = stack.scheduler
+            engine = SimEngine(
+                stack.cfg,
+                sched,
+                stack.ranks,
+                stack.kv,
+                stack.clock,
+                in_flight=lambda s=sched: len(s.jobs),  # type: ignore[misc]
+            )
+            engine.extra_pending = lambda s=sched: bool(s.stalled_jobs)  # type: ignore[misc]
+            engine.workload = RoutedWorkload(router, i)
+            attach_store_oracle(stack, engine)
+            attribution.watch(stack.redis_tier, i)
+            stacks.append(stack)
+            engines.append(engine)
+        restart_at: int | None = None
+        half = cfg.workload.num_requests // 2
+        step = 0
+        while step < cfg.steps and not all(e.workload.exhausted and not e.by_id for e in engines):
+            if restart and server is not None:
+                if restart_at is None and router.workload.issued >= half and server.running:
+                    server.stop()
+                    restart_at = step + down_steps
+                elif restart_at is not None and step >= restart_at and not server.running:
+                    server.start()
+                    restarts += 1
+            for e in engines:
+                e.step(admit=True)
+            step += 1
+        if server is not None and not server.running:
+            server.start()
+            restarts += 1
+        for e in engines:
+            for r in list(e.by_id.values()):
+                if not r.aborted:
+                    e.abort(r)
+        for e in engines:
+            e.drain()
+        reports: list[SimReport] = []
+        tier_stats: dict[str, int] = {}
+        for stack, engine in zip(stacks, engines, strict=True):
+            rep = _report(stack.cfg, stack, engine)
+            for name, value in rep.bytes_moved.items():
+                if name.startswith("redis"):
+                    key = name.split(".", 1)[1]
+                    tier_stats[key] = tier_stats.get(key, 0) + value
+            reports.append(rep)
+        hits = sum(e.stats.local_hit_tokens + e.stats.tokens_loaded for e in engines)
+        admitted = sum(e.admitted_prompt_tokens for e in engines)
+        return MultiReport(
+            instances=reports,
+            hit_rate=hits / admitted if admitted else 0.0,
+            promoted_chunks=attribution.promoted,
+            cross_instance_chunks=attribution.cross,
+            server_restarts=restarts,
+            failed_tier_jobs=attribution.failed_jobs,
+            tier_stats=tier_stats,
+        )
+    finally:
+        for stack in stacks:
+            stack.close()
+
+
+@dataclass
+class Comparison:
+    """The same workload on one instance, on N sharing the tier, on N with private tiers."""
+
+    single: MultiReport
+    shared: MultiReport
+    private: MultiReport
+
+    @property
+    def ok(self) -> bool:
+        """Every run is clean."""
+        return self.single.ok and self.shared.ok and self.private.ok
+
+    def to_dict(self) -> dict[str, Any]:
+        """The three runs' figures."""
+        return {
+            "single": self.single.figures(),
+            "shared": self.shared.figures(),
+            "private": self.private.figures(),
+            "ok": self.ok,
+        }
+
+    def format_text(self) -> str:
+        """The comparison as a small table, then each run's problems if any."""
+        n = len(self.shared.instances)
+        lines = [
+            f"{'run':<34} {'hit rate':>8} {'promoted':>9} {'from other':>10} "
+            f"{'violations':>10} {'data errors':>11}",
+        ]
+        for name, rep in (
+            ("1 instance", self.single),
+            (f"{n} instances, shared Redis tier", self.shared),
+            (f"{n} instances, private tiers", self.private),
+        ):
+            lines.append(
+                f"{name:<34} {rep.hit_rate:>8.3f} {rep.promoted_chunks:>9} "
+                f"{rep.cross_instance_chunks:>10} {rep.violations:>10} {rep.data_errors:>11}"
+            )
+        lines.append(
+            f"sharing gains {self.shared.hit_rate - self.private.hit_rate:+.3f} hit rate over "
+            f"private tiers ({self.shared.hit_rate / self.single.hit_rate:.2f}x of the single "
+            f"instance's); server restarts during the shared run: {self.shared.server_restarts}, "
+            f"failed tier jobs: {self.shared.failed_tier_jobs}"
+            if self.single.hit_rate
+            else "no hits at all"
+        )
+        for name, rep in (
+            ("single", self.single),
+            ("shared", self.shared),
+            ("private", self.private),
+        ):
+            for i, r in enumerate(rep.instances):
+                if not r.ok:
+                    lines.append(f"--- {name} run, instance {i} ---")
+                    lines.append(r.format_text())
+        return "\n".join(lines)
+
+
+def compare(
+    cfg: SimConfig, instances: int = 2, url: str | None = None, restart: bool = True
+) -> Comparison:
+    """Run :class:`Comparison`'s three runs; without ``url`` a local server is started."""
+    server: Any = None
+    if url is None:
+        from statecore.redisserver import LocalRedis
+
+        server = LocalRedis().start()
+        url = server.url
+    try:
+        single = run_instances(cfg, url, 1, prefix=f"single{cfg.seed}")
+        shared = run_instances(
+            cfg, url, instances, prefix=f"shared{cfg.seed}", server=server, restart=restart
+        )
+        private = run_instances(cfg, url, instances, prefix=f"private{cfg.seed}", shared=False)
+        return Comparison(single, shared, private)
+    finally:
+        if server is not None:
+            server.close()
