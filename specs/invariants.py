@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from statecore import kernels
 from statecore.errors import InvariantViolation
 from statecore.lifecycle import (
+    J_CARRIED,
     J_IN_FLIGHT,
     J_PARTIAL,
     J_STALLED,
@@ -98,7 +99,7 @@ def _ref(s: OffloadingScheduler) -> Iterator[str]:
     if loading is not None:
         expected: Counter[bytes] = Counter()
         for job in jobs.values():
-            if not job.is_store:
+            if not job.is_store and not job.carried:  # a reset emptied the index
                 expected.update(job.keys)
         if dict(expected) != dict(loading):
             yield "chunks-being-loaded index differs from the keys of live load jobs"
@@ -106,9 +107,13 @@ def _ref(s: OffloadingScheduler) -> Iterator[str]:
 
 def _epoch(s: OffloadingScheduler) -> Iterator[str]:
     lo, hi = s.stale_threshold, s.next_job_id
-    for jid in list(s.jobs) + list(s.stalled_jobs):
-        if not lo <= jid < hi:
-            yield f"job {jid} outside the current epoch [{lo}, {hi})"
+    for jid, job in list(s.jobs.items()) + list(s.stalled_jobs.items()):
+        if not 0 <= jid < hi:
+            yield f"job {jid} was never issued (next id {hi})"
+        elif jid < lo and not (job.carried and not job.is_store):
+            yield f"job {jid} outside the current epoch [{lo}, {hi}) and not a carried load"
+        elif job.carried and (job.is_store or not job.sent):
+            yield f"job {jid} is carried over a reset but is not a sent load"
 
 
 def _quorum(s: OffloadingScheduler) -> Iterator[str]:
@@ -225,6 +230,10 @@ def _lifecycle(s: OffloadingScheduler) -> Iterator[str]:
             ok = job.pending == n and job.failed == 0
         elif job.state == J_PARTIAL:
             ok = 0 < job.pending < n
+        elif job.state == J_CARRIED:
+            # a sent load, flushed (or to be flushed by the next metadata)
+            flushing = job.flushed or jid in s._batch.flush
+            ok = 0 < job.pending <= n and job.carried and not job.is_store and flushing
         else:
             ok = False
         if not ok:
@@ -260,8 +269,10 @@ INVARIANTS: dict[str, Invariant] = {
         ),
         Invariant(
             "INV-EPOCH",
-            "Every live or stalled job belongs to the current reset epoch; reports for older "
-            "epochs or never-issued ids are absorbed and counted, never applied.",
+            "Every live or stalled job belongs to the current reset epoch, except loads the "
+            "workers already ran at a reset (carried over: flushed, they complete normally); "
+            "reports for older epochs or never-issued ids are absorbed and counted, never "
+            "applied.",
             "A late pre-reset report completing a post-reset job, or crashing the engine.",
             ("checked mode", "fuzzing", "CrossHair", "unit tests"),
             _epoch,

@@ -98,7 +98,7 @@ class ManualChannel:
     def job_emitted(self, job_id: int, step: int) -> None:
         """Nothing to track."""
 
-    def reset_happened(self) -> None:
+    def reset_happened(self, carried: frozenset[int] = frozenset()) -> None:
         """Nothing to track."""
 
     def submit(self, rank: int, meta: WorkerMetadata | None, step: int) -> None:
@@ -226,8 +226,9 @@ class StackHarness:
         self.ops += 1
         self.engine.stats.resets += 1
         self.engine._guard("reset_cache", self.stack.scheduler.reset_cache)
-        self.pre_reset.extend(self.outstanding)
-        self.pre_reset.extend(self.delivered)
+        carried = self.stack.scheduler.jobs  # loads carried over the reset: still live
+        self.pre_reset.extend(r for r in self.outstanding if r.job_id not in carried)
+        self.pre_reset.extend(r for r in self.delivered if r.job_id not in carried)
         del self.pre_reset[:-64]
 
     # -- worker reports and faults -------------------------------------------------------------

@@ -80,7 +80,8 @@ STATE_PROSE: dict[str, dict[str, str]] = {
             "accepted from `no_transfer`. A lookup in this state is deferred (the engine "
             "asks again later). When the load ends, however it ends, the request returns to "
             "`no_transfer` and the engine learns it through `finished_loads` (and the blocks "
-            "to recompute through `invalid_block_ids` if it failed)."
+            "to recompute through `invalid_block_ids` if it failed). A reset leaves it here: "
+            "a load the workers already run is carried over and completes normally."
         ),
         "storing": (
             "One or more store jobs are copying the request's computed KV from its GPU blocks "
@@ -124,6 +125,16 @@ STATE_PROSE: dict[str, dict[str, str]] = {
             "completed on a partial quorum (INV-QUORUM), so a store is never visible while "
             "another rank is still copying."
         ),
+        "carried": (
+            "A load the workers were already running when `reset_cache` was called. It is in "
+            "the reset's `jobs_to_flush`, so every worker finishes it before any post-reset "
+            "store can overwrite its CPU source (the manager quarantines those slots), and "
+            "its reports still count (INV-EPOCH exempts it from the stale threshold). It "
+            "completes or fails through the one completion path like a live job, releasing "
+            "its request with valid blocks, but the reset manager hears nothing of it. A "
+            "reset never fails a request this way (vLLM's default `kv_load_failure_policy` "
+            "aborts a request whose load fails)."
+        ),
         "stalled": (
             "No full quorum arrived within `stall_timeout_s`. The job was completed with "
             "`success=False` through the one completion path (the manager drops a store's "
@@ -146,7 +157,8 @@ STATE_PROSE: dict[str, dict[str, str]] = {
             "entry whose reports never arrive expires after another `stall_timeout_s`.)"
         ),
         "discarded": (
-            "`reset_cache` dropped the job: it was flushed to the workers, the manager "
+            "`reset_cache` dropped the job (a store, or a load not yet sent to the workers): "
+            "it was flushed to the workers, the manager "
             "receives no completion for it (the manager itself is reset), and any report "
             "that still arrives for it belongs to an earlier epoch and is ignored "
             "(INV-EPOCH)."

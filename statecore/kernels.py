@@ -51,21 +51,26 @@ def classify_report(
 ) -> ReportKind:
     """Classify a report for ``job_id`` (INV-EPOCH).
 
+    A live or stalled job's report is applied even below the threshold: a load carried over
+    a reset keeps its id and completes (or stalls) on its reports.
+
     pre: 0 <= stale_threshold <= next_job_id
     pre: not (live and stalled)
-    pre: not (live or stalled) or stale_threshold <= job_id < next_job_id
-    post: (__return__ == ReportKind.STALE) == (0 <= job_id < stale_threshold)
-    post: (__return__ == ReportKind.LIVE) == (live and job_id >= stale_threshold)
+    pre: not (live or stalled) or 0 <= job_id < next_job_id
+    post: __return__ != ReportKind.STALE or 0 <= job_id < stale_threshold
+    post: live or stalled or not 0 <= job_id < stale_threshold or __return__ == ReportKind.STALE
+    post: (__return__ == ReportKind.LIVE) == live
+    post: (__return__ == ReportKind.STALLED) == stalled
     post: __return__ != ReportKind.UNKNOWN or job_id >= next_job_id or job_id < 0
     """
     if job_id < 0:
         return ReportKind.UNKNOWN
-    if job_id < stale_threshold:
-        return ReportKind.STALE
     if live:
         return ReportKind.LIVE
     if stalled:
         return ReportKind.STALLED
+    if job_id < stale_threshold:
+        return ReportKind.STALE
     if job_id >= next_job_id:
         return ReportKind.UNKNOWN
     return ReportKind.DUPLICATE
@@ -141,7 +146,8 @@ def reset_plan(
     """What ``reset_cache`` flushes and the new stale threshold (INV-EPOCH).
 
     Every live and stalled job is flushed to the workers (loads too), and the threshold moves
-    to the next job id, so that every report for a job issued before the reset is inert.
+    to the next job id, so that every report for a job issued before the reset is inert,
+    except a carried load's (it stays live; see :func:`classify_report`).
 
     pre: 0 <= stale_threshold <= next_job_id
     pre: all(stale_threshold <= j < next_job_id for j in live | stalled)

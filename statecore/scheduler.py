@@ -14,8 +14,10 @@ follows the hooks of vLLM's offloading connector (``get_num_new_matched_tokens``
   its late reports (seed 000);
 * worker-reported failures complete jobs with ``success=False``; failed or stalled loads are
   reported as invalid GPU blocks so the engine recomputes them;
-* ``reset_cache`` flushes every job, clears every request's in-flight set and makes every
-  earlier report inert (the seed-004 fix);
+* ``reset_cache`` flushes every job and makes every earlier report inert (the seed-004 fix),
+  except for loads the workers already run: those are carried over, complete normally and
+  release their requests, so a reset never fails a request (vLLM's default
+  ``kv_load_failure_policy`` aborts a request whose load fails);
 * bad input never asserts: it raises a typed :mod:`statecore.errors` error with the state
   unchanged, or is absorbed and counted (see :class:`SchedulerCounters`).
 
@@ -171,12 +173,15 @@ class JobRecord:
         deferred_registered: whether ``deferred_fence`` is in the fence index.
         flushed: the job was put in a step's ``jobs_to_flush``: every worker finishes it
             before that step writes any GPU block or submits any load.
+        sent: the job went out in a step's metadata (loads are created before that).
+        carried: a sent load that outlived a reset: it completes without the manager.
     """
 
     __slots__ = (
         "_shadow",
         "_sm",
         "blocks",
+        "carried",
         "created_at",
         "deferred_fence",
         "deferred_registered",
@@ -190,6 +195,7 @@ class JobRecord:
         "pending",
         "req",
         "seen",
+        "sent",
         "stalled_at",
         "state",
     )
@@ -222,6 +228,8 @@ class JobRecord:
         self.deferred_fence = deferred_fence
         self.deferred_registered = False
         self.flushed = False
+        self.sent = is_store  # a store is created while its metadata is built
+        self.carried = False
         self.state = 0
         JOB.attach(self)
 
@@ -240,6 +248,7 @@ class SchedulerCounters:
     jobs_failed: int = 0
     jobs_stalled: int = 0
     jobs_discarded: int = 0
+    loads_carried: int = 0
     stalled_retired: int = 0
     stalled_expired: int = 0
     late_reports: int = 0
@@ -275,8 +284,8 @@ class ConnectorOutputResult:
     """What the engine learns from :meth:`OffloadingScheduler.update_connector_output`.
 
     Attributes:
-        finished_loads: requests whose load job ended (completed, failed, stalled or
-            discarded by a reset); they may resume.
+        finished_loads: requests whose load job ended (completed, failed, stalled, or
+            discarded by a reset before it was sent); they may resume.
         invalid_block_ids: GPU blocks of loads that did not complete successfully: their
             content is not trustworthy and must be recomputed.
     """
@@ -702,6 +711,8 @@ class OffloadingScheduler:
         self._awaiting_signal.clear()
         self.counters.flushes_requested += len(batch.flush)
         jobs = self._jobs
+        for job_id in batch.loads:
+            jobs[job_id].sent = True
         for job_id in batch.flush:
             job = jobs.get(job_id)
             if job is not None:
@@ -1063,12 +1074,16 @@ class OffloadingScheduler:
     def reset_cache(self) -> None:
         """Drop everything offloaded (sleep, weight update).
 
-        Every in-flight and stalled job is put in the next ``jobs_to_flush`` (loads too: an
-        old load must not read a CPU slot that a post-reset store reuses); loads in flight
-        are reported to the engine as finished with their blocks invalid (recompute); every
-        job is discarded (its reports become inert: the stale threshold moves to the next job
-        id); finished requests are finalised; the manager is reset; surviving requests lose
-        their in-flight sets and rewind their store cursors to chunk 0 (seed 004).
+        Every in-flight and stalled job is put in the next ``jobs_to_flush``, and the stale
+        threshold moves to the next job id (INV-EPOCH). Stores, stalled jobs and loads not
+        sent yet are discarded: their reports become inert, and an unsent load ends at once
+        with its blocks invalid (recompute). A load the workers already run is *carried
+        over*: the flush makes every worker finish it before any post-reset store can
+        overwrite its CPU source (the manager quarantines the slots of pinned keys), its
+        reports still count, and it completes as usual, releasing its request with valid
+        blocks; only the reset manager hears nothing of it. Finished requests without a
+        carried load are finalised; the manager is reset; surviving requests rewind their
+        store cursors to chunk 0 (seed 004).
         """
         batch = self._batch
         flush, threshold = kernels.reset_plan(
@@ -1078,20 +1093,19 @@ class OffloadingScheduler:
             self._stale_threshold,
         )
         batch.flush.update(flush)
+        for job_id in list(batch.loads):
+            job = self._jobs[job_id]
+            self._finished_loads.add(job.req.req_id)
+            self._invalid_blocks.update(job.blocks)
         batch.loads.clear()
         for job in list(self._jobs.values()):
-            if not job.is_store:
-                self._finished_loads.add(job.req.req_id)
-                self._invalid_blocks.update(job.blocks)
             JOB.fire(job, JE_RESET)
         for job in list(self._stalled.values()):
             JOB.fire(job, JE_RESET)
-        self.counters.jobs_discarded += len(self._jobs)  # stalled ones already ended
-        self._jobs.clear()
         self._stalled.clear()
-        self._fence.clear()
+        self._fence.clear()  # loads hold no fence; every store is gone
         if self._loading_keys is not None:
-            self._loading_keys.clear()
+            self._loading_keys.clear()  # the reset manager knows none of these keys
         for rec in list(self._reqs.values()):
             REQUEST.fire(rec, RE_RESET)
         self._awaiting_signal.clear()
@@ -1118,7 +1132,7 @@ class OffloadingScheduler:
         try:
             if job.is_store:
                 self.manager.complete_store(job.keys, rec.ctx, success)
-            else:
+            elif not job.carried:  # a carried load's keys went with the reset
                 self.manager.complete_load(job.keys, rec.ctx)
         except ManagerError:
             c.manager_errors += 1
@@ -1126,7 +1140,7 @@ class OffloadingScheduler:
                 raise
         if not job.is_store:
             loading = self._loading_keys
-            if loading is not None:
+            if loading is not None and not job.carried:
                 for k in job.keys:
                     n = loading.get(k, 0) - 1
                     if n > 0:
@@ -1163,6 +1177,17 @@ class OffloadingScheduler:
         del self._stalled[job.job_id]
         self.counters.stalled_retired += 1
 
+    def discard_job(self, job: JobRecord) -> None:
+        """A reset drops the job: forget it (its request forgets it too); no completion."""
+        del self._jobs[job.job_id]
+        job.req.jobs.discard(job.job_id)
+        self.counters.jobs_discarded += 1
+
+    def carry_load(self, job: JobRecord) -> None:
+        """A reset carries the sent load over (it is in the reset's flush)."""
+        job.carried = True
+        self.counters.loads_carried += 1
+
     def flush_request(self, req: RequestRecord) -> None:
         """Flush every in-flight job of a preempted request."""
         self._batch.flush.update(req.jobs)
@@ -1185,8 +1210,7 @@ class OffloadingScheduler:
         self._awaiting_signal.pop(req.req_id, None)
 
     def rewind_request(self, req: RequestRecord) -> None:
-        """After a reset: forget the request's jobs and rewind its store cursors."""
-        req.jobs.clear()
+        """After a reset: rewind the request's store cursors (its carried load stays)."""
         req.store_floor = 0
         for gs in req.groups:
             gs.cursor = 0

@@ -60,6 +60,7 @@ RE_RESET = _re["reset"]
 _js, _je = JOB.state_index, JOB.event_index
 J_IN_FLIGHT = _js["in_flight"]
 J_PARTIAL = _js["partial"]
+J_CARRIED = _js["carried"]
 J_STALLED = _js["stalled"]
 J_COMPLETED = _js["completed"]
 J_FAILED = _js["failed"]

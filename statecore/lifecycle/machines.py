@@ -18,6 +18,12 @@ Transitions are named after the call or report that triggers them:
   sent to the manager in ``build_connector_meta``), ``reset`` (``reset_cache``);
 * job: ``worker_report`` (aggregated worker counts applied), ``stall_timeout`` (no quorum
   within the stall timeout), ``reset`` (``reset_cache``).
+
+A reset discards every store and every load not yet sent to the workers, but a load the
+workers already run is *carried over*: it is flushed like every other job, completes through
+the one completion path (without reaching the reset manager) and releases its request as a
+normal hit would, so no request fails because of a reset (vLLM's default
+``kv_load_failure_policy`` aborts a request whose load fails).
 """
 
 from __future__ import annotations
@@ -61,7 +67,13 @@ class LifecycleEffects(Protocol):
         """Forget the request's state."""
 
     def rewind_request(self, req: Any) -> None:
-        """After a reset: forget its jobs and rewind its store cursors to chunk 0."""
+        """After a reset: rewind its store cursors to chunk 0 (carried loads stay)."""
+
+    def discard_job(self, job: Any) -> None:
+        """A reset drops the job: forget it in its request; no completion."""
+
+    def carry_load(self, job: Any) -> None:
+        """A reset carries a sent load over: it completes, without the reset manager."""
 
 
 EFFECT_HOOKS: tuple[str, ...] = tuple(
@@ -120,7 +132,7 @@ def release_request(model: Any) -> None:
 
 
 def rewind_request(model: Any) -> None:
-    """Forget the request's (reset) jobs and rewind its store cursors."""
+    """Rewind the request's store cursors (its discarded jobs are already forgotten)."""
     model.owner.rewind_request(model)
 
 
@@ -129,6 +141,9 @@ class RequestLifecycle(StateMachine):
 
     INV-EXCL is structural here: ``loading`` holds exactly one load job and accepts no
     ``store_created``; ``alloc_load`` is accepted only from ``no_transfer``.
+
+    ``reset`` fires after every job of the reset was discarded or carried over, so ``jobs``
+    then holds only carried loads: a request keeps waiting for its carried load.
     """
 
     no_transfer = State("no transfer", initial=True)
@@ -178,11 +193,15 @@ class RequestLifecycle(StateMachine):
     ) | finished_pending_final.to(finished_draining, cond=has_jobs, on=notify_finished)
     reset = (
         no_transfer.to(no_transfer, on=rewind_request)
-        | loading.to(no_transfer, on=rewind_request)
+        | loading.to(loading, cond=has_jobs, on=rewind_request)
+        | loading.to(no_transfer, cond=no_jobs, on=rewind_request)
         | storing.to(no_transfer, on=rewind_request)
-        | preempted_draining.to(no_transfer, on=rewind_request)
-        | finished_pending_final.to(released, on=[notify_finished, release_request])
-        | finished_draining.to(released, on=release_request)
+        | preempted_draining.to(preempted_draining, cond=has_jobs, on=rewind_request)
+        | preempted_draining.to(no_transfer, cond=no_jobs, on=rewind_request)
+        | finished_pending_final.to(finished_draining, cond=has_jobs, on=notify_finished)
+        | finished_pending_final.to(released, cond=no_jobs, on=[notify_finished, release_request])
+        | finished_draining.to.itself(internal=True, cond=has_jobs)
+        | finished_draining.to(released, cond=no_jobs, on=release_request)
     )
 
 
@@ -210,6 +229,16 @@ def drained(model: Any) -> bool:
     return bool(model.pending == 0)
 
 
+def carries_over(model: Any) -> bool:
+    """A load the workers already run (sent in a step's metadata): it survives a reset."""
+    return bool(not model.is_store and model.sent)
+
+
+def dropped_at_reset(model: Any) -> bool:
+    """A store, or a load not sent to the workers yet: a reset discards it."""
+    return bool(model.is_store or not model.sent)
+
+
 def complete_ok(model: Any) -> None:
     """Complete the job with ``success=True``."""
     model.owner.complete_job(model, True)
@@ -230,16 +259,29 @@ def forget_stalled(model: Any) -> None:
     model.owner.forget_stalled(model)
 
 
+def discard_job(model: Any) -> None:
+    """A reset drops the job: no completion reaches the manager."""
+    model.owner.discard_job(model)
+
+
+def carry_load(model: Any) -> None:
+    """A reset carries the sent load over: flushed, it completes normally."""
+    model.owner.carry_load(model)
+
+
 class JobLifecycle(StateMachine):
     """Scheduler-side lifecycle of one transfer job (load or store).
 
     ``pending`` counts workers that have not reported; ``failed`` counts failure reports.
     Terminal outcomes (INV-TERM): ``completed``, ``failed``, ``retired`` (a stalled job whose
     late reports drained) and ``discarded`` (by reset; no completion reaches the manager).
+    ``carried`` is a sent load that outlived a reset: flushed to the workers, it completes
+    (or fails) on its reports like any live job, but no completion reaches the reset manager.
     """
 
     in_flight = State("in flight", initial=True)
     partial = State("partially reported")
+    carried = State("carried over a reset, flushing")
     stalled = State("stalled, absorbing late reports")
     completed = State("completed", final=True)
     failed = State("failed", final=True)
@@ -253,8 +295,22 @@ class JobLifecycle(StateMachine):
         | partial.to.itself(internal=True, cond=outstanding)
         | partial.to(completed, cond=all_ok, on=complete_ok)
         | partial.to(failed, cond=any_failed, on=complete_failed)
+        | carried.to.itself(internal=True, cond=outstanding)
+        | carried.to(completed, cond=all_ok, on=complete_ok)
+        | carried.to(failed, cond=any_failed, on=complete_failed)
         | stalled.to.itself(internal=True, cond=outstanding)
         | stalled.to(retired, cond=drained, on=forget_stalled)
     )
-    stall_timeout = in_flight.to(stalled, on=stall_job) | partial.to(stalled, on=stall_job)
-    reset = in_flight.to(discarded) | partial.to(discarded) | stalled.to(discarded)
+    stall_timeout = (
+        in_flight.to(stalled, on=stall_job)
+        | partial.to(stalled, on=stall_job)
+        | carried.to(stalled, on=stall_job)
+    )
+    reset = (
+        in_flight.to(carried, cond=carries_over, on=carry_load)
+        | in_flight.to(discarded, cond=dropped_at_reset, on=discard_job)
+        | partial.to(carried, cond=carries_over, on=carry_load)
+        | partial.to(discarded, cond=dropped_at_reset, on=discard_job)
+        | carried.to.itself(internal=True)
+        | stalled.to(discarded)
+    )

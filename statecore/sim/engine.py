@@ -258,6 +258,8 @@ class SimEngine:
         )
         self.check_each_step = check_each_step
         self.store_oracle: Callable[[int, Any], list[str]] | None = None
+        self._load_job_of: dict[str, int] = {}  # request -> its emitted load job
+        self._failed_jobs: set[int] = set()  # jobs some rank reported failed
         """Verifies the stored bytes of a store job that completed successfully."""
         self.live_jobs: Callable[[], Any] = lambda: ()
         self._stores: dict[int, Any] = {}
@@ -331,7 +333,8 @@ class SimEngine:
             self.channel.injected["reset"] += 1
             self.stats.resets += 1
             self._guard("reset_cache", self.conn.reset_cache)
-            self.channel.reset_happened()
+            # loads carried over the reset stay live: their reports are not stale
+            self.channel.reset_happened(frozenset(getattr(self.conn, "jobs", ())))
         if admit:
             for turn in self.workload.arrivals(k):
                 self._arrive(turn, k)
@@ -356,6 +359,8 @@ class SimEngine:
             meta = ConnectorMetadata()
         for job_id in (*meta.load_jobs, *meta.store_jobs):
             self.channel.job_emitted(job_id, k)
+        for job_id, job in meta.load_jobs.items():
+            self._load_job_of[job.req_id] = job_id
         if self.store_oracle is not None:
             for job_id, job in meta.store_jobs.items():
                 self._stores[job_id] = job
@@ -367,7 +372,10 @@ class SimEngine:
             self._compute(r, n)
         for rank, s in enumerate(self.stacks):
             s.end_step(meta)
-            self.channel.submit(rank, s.report(), k)
+            rank_report = s.report()
+            if rank_report is not None and rank_report.failed:
+                self._failed_jobs.update(rank_report.failed)
+            self.channel.submit(rank, rank_report, k)
         self.feed(self.channel.deliver(k))
         self._after_compute(k, scheduled)
         if self.check_each_step:
@@ -695,10 +703,12 @@ class SimEngine:
             hashes = r.req.block_hashes
             valid_end = start + n
             first, last = start // tpb, self._blocks_for(start + n)
+            job_id = self._load_job_of.pop(rid, None)
             for i in range(first, last):
                 if r.blocks[i] in invalid:
                     valid_end = min(valid_end, i * tpb)
                     claimed.update(r.blocks[i:last])
+                    self._unexplained_invalid(k, rid, job_id)
                     break
             for i in range(first, valid_end // tpb):
                 b = r.blocks[i]
@@ -722,6 +732,23 @@ class SimEngine:
             self.stats.harness_anomalies.append(
                 f"step {k}: invalid_block_ids {sorted(stray)[:8]} belong to no ended load"
             )
+
+    def _unexplained_invalid(self, k: int, rid: str, job_id: int | None) -> None:
+        """A load ended with invalid blocks: only a failure or a stall may explain it.
+
+        Under vLLM's default ``kv_load_failure_policy`` ("fail") the engine aborts such a
+        request, so a load invalidated for any other reason (a cache reset) fails a user
+        request: an engine error.
+        """
+        if job_id is None:
+            return  # never sent to the workers (the engine never waited on a transfer)
+        if job_id in self._failed_jobs or job_id in getattr(self.conn, "stalled_jobs", {}):
+            return
+        self.stats.errors.append(
+            f"step {k}: request {rid}: load job {job_id} ended with invalid blocks though no "
+            "rank failed it and it did not stall (vLLM's default kv_load_failure_policy "
+            "'fail' would fail the request)"
+        )
 
     # -- checks --------------------------------------------------------------------------------
 

@@ -182,10 +182,11 @@ class ReportChannel:
         self._jobs[job_id] = _JobTrack(self.num_workers, epoch=self._epoch)
         self._max_id = max(self._max_id, job_id)
 
-    def reset_happened(self) -> None:
-        """``reset_cache`` was called: every id emitted so far is now pre-reset."""
+    def reset_happened(self, carried: frozenset[int] = frozenset()) -> None:
+        """``reset_cache`` was called: every id emitted so far, except the loads ``carried``
+        over the reset (still live), is now pre-reset."""
         self._epoch += 1
-        self._pre_reset_ids.extend(self._emitted_at)
+        self._pre_reset_ids.extend(j for j in self._emitted_at if j not in carried)
         if len(self._pre_reset_ids) > 4096:
             del self._pre_reset_ids[:-4096]
 

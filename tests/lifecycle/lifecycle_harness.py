@@ -54,7 +54,17 @@ class ReqRec:
 class JobRec:
     """A job record (the fields the job guards and actions read)."""
 
-    __slots__ = ("_shadow", "_sm", "failed", "job_id", "owner", "pending", "state")
+    __slots__ = (
+        "_shadow",
+        "_sm",
+        "failed",
+        "is_store",
+        "job_id",
+        "owner",
+        "pending",
+        "sent",
+        "state",
+    )
     _shadow: str
     _sm: Any
 
@@ -63,6 +73,8 @@ class JobRec:
         self.owner = owner
         self.pending = 2
         self.failed = 0
+        self.is_store = True  # a store: a reset discards it
+        self.sent = True
         self.state = JOB.initial
 
 
@@ -140,6 +152,8 @@ WITNESSES: dict[str, dict[str, Any]] = {
     "all_ok": {"pending": 0, "failed": 0},
     "any_failed": {"pending": 0, "failed": 1},
     "drained": {"pending": 0, "failed": 0},
+    "carries_over": {"is_store": False, "sent": True},
+    "dropped_at_reset": {"is_store": True},
 }
 """For each guard function (by name), record data that makes it true."""
 
@@ -150,6 +164,8 @@ NEGATIVE_WITNESSES: dict[str, dict[str, Any]] = {
     "all_ok": {"pending": 1},
     "any_failed": {"pending": 1},
     "drained": {"pending": 1},
+    "carries_over": {"is_store": True},
+    "dropped_at_reset": {"is_store": False, "sent": True},
 }
 """For each guard function, record data that makes it false (for ``unless=`` guards)."""
 

@@ -85,10 +85,21 @@ class Mutant:
 # -- the mutations ------------------------------------------------------------------------------
 
 
-def _rewind_keeping_jobs(self: OffloadingScheduler, req: Any) -> None:
-    for gs in req.groups:  # seed 004: the per-request in-flight set is NOT cleared
-        gs.cursor = 0
-        gs.skip = 0
+def _discard_keeping_request_set(self: OffloadingScheduler, job: Any) -> None:
+    del self._jobs[job.job_id]  # seed 004: the request's in-flight set keeps the job
+    self.counters.jobs_discarded += 1
+
+
+_real_reset = OffloadingScheduler.reset_cache
+
+
+def _reset_invalidating_sent_loads(self: OffloadingScheduler) -> None:
+    for job in self.jobs.values():  # the old reset: every load is written off, its blocks
+        if not job.is_store:  # invalid, though the workers run it (the engine fails it)
+            job.sent = False
+            self._finished_loads.add(job.req.req_id)
+            self._invalid_blocks.update(job.blocks)
+    _real_reset(self)
 
 
 def _apply_quorum_one(pending: int, ok: int, bad: int) -> tuple[int, int, int, int]:
@@ -148,9 +159,15 @@ MUTANTS: dict[str, Mutant] = dict(
         ),
         _mutant(
             "reset_keeps_request_job_sets",
-            "reset_cache rewinds store cursors but keeps each request's in-flight job set",
+            "reset_cache discards jobs but keeps them in each request's in-flight job set",
             "seed 004: reset leaves requests waiting on discarded jobs",
-            (OffloadingScheduler, "rewind_request", _rewind_keeping_jobs),
+            (OffloadingScheduler, "discard_job", _discard_keeping_request_set),
+        ),
+        _mutant(
+            "reset_invalidates_sent_loads",
+            "reset_cache writes off loads the workers run: finished, blocks invalid",
+            "issue 15: a reset fails a request under vLLM's default kv_load_failure_policy",
+            (OffloadingScheduler, "reset_cache", _reset_invalidating_sent_loads),
         ),
         _mutant(
             "quorum_of_one",

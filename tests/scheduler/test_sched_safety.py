@@ -6,7 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sched_harness import Harness, config, finished_order, make_manager, offloaded, prefill
+from sched_harness import (
+    Harness,
+    admit_with_load,
+    config,
+    finished_order,
+    make_manager,
+    offloaded,
+    prefill,
+)
 from statecore.specs.fakes import RecordingManager
 
 from statecore import (
@@ -191,18 +199,73 @@ def test_seed_004_reset_with_store_in_flight(kind: str) -> None:
 def test_reset_finalises_finished_requests_and_releases_loads(kind: str) -> None:
     h = Harness(make_manager(kind), config())
     offloaded(h, "a", list(range(16)))
+    offloaded(h, "e", list(range(100, 116)))
     h.add("b", list(range(16)) + [1])
     assert h.admit("b") == (16, True)
     h.add("c", list(range(50, 54)))
-    prefill(h, "c")
+    prefill(h, "c")  # its step also sends b's load to the workers
+    (load,) = h.sched.requests["b"].jobs
     h.finish("c")  # finished, not yet signalled
+    h.add("d", list(range(100, 116)) + [2])
+    assert h.admit("d") == (16, True)  # d's load is created but not sent yet
     h.sched.reset_cache()
     assert "c" not in h.sched.requests
     assert [m for m, r in finished_order(h.manager) if r == "c"].count("on_request_finished") == 1
     result = h.report()
-    assert "b" in result.finished_loads and result.invalid_block_ids  # recompute, not trust
+    # d's load never reached the workers: it ends at once, its blocks to recompute
+    assert result.finished_loads == {"d"} and result.invalid_block_ids
+    h.step()
+    result = h.report([load])  # b's load was carried over: it completes with valid blocks
+    assert result.finished_loads == {"b"} and not result.invalid_block_ids
     assert not h.sched.jobs and not h.sched.fence_index and not h.sched.loading_keys
     assert not h.sched.has_pending_push_work()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_reset_carries_a_sent_load_over_and_it_completes_valid(kind: str, workers: int) -> None:
+    h = Harness(make_manager(kind), config(workers=workers))
+    offloaded(h, "a", list(range(16)))
+    load = admit_with_load(h, "b", list(range(16)) + [1], 16)
+    if workers == 2:
+        h.report([load], workers=1)  # one rank already reported before the reset
+    h.sched.reset_cache()
+    assert h.sched.request_state("b") == "loading"  # still waiting on its load
+    assert h.sched.jobs[load].carried and h.sched.counters.loads_carried == 1
+    assert h.sched.get_num_new_matched_tokens(h.reqs["b"], 0) == (None, False)  # deferred
+    meta = h.step()
+    assert load in meta.jobs_to_flush  # every worker finishes it before post-reset stores
+    result = h.report([load], workers=1)  # the remaining rank; its report is not stale
+    assert result.finished_loads == {"b"} and not result.invalid_block_ids
+    assert h.sched.counters.stale_reports == 0 and h.sched.counters.jobs_completed >= 1
+    assert h.sched.request_state("b") == "no_transfer" and not h.sched.jobs
+    before = snapshot(h)
+    h.report([load])  # a late duplicate after completion: below the threshold, inert
+    assert snapshot(h) == before and h.sched.counters.stale_reports == 1
+
+
+def test_carried_load_that_fails_reports_its_blocks_invalid(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    offloaded(h, "a", list(range(16)))
+    load = admit_with_load(h, "b", list(range(16)) + [1], 16)
+    h.sched.reset_cache()
+    h.step()
+    result = h.report(failed=[load])
+    assert result.finished_loads == {"b"} and result.invalid_block_ids
+    assert h.sched.counters.jobs_failed == 1 and not h.sched.jobs
+
+
+def test_reset_keeps_a_finished_request_until_its_carried_load_ends(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    offloaded(h, "a", list(range(16)))
+    load = admit_with_load(h, "b", list(range(16)) + [1], 16)
+    h.finish("b")  # aborted while loading
+    h.sched.reset_cache()
+    assert h.sched.request_state("b") == "finished_draining"
+    assert [m for m, r in finished_order(h.manager) if r == "b"].count("on_request_finished") == 1
+    h.step()
+    h.report([load])
+    assert "b" not in h.sched.requests and not h.sched.has_pending_push_work()
+    assert [m for m, r in finished_order(h.manager) if r == "b"].count("on_request_finished") == 1
 
 
 # -- 8. stalls (seed 000) ------------------------------------------------------------------------
