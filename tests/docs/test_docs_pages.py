@@ -153,15 +153,19 @@ def _defined_names(path: Path) -> set[str]:
 
 
 def _mutant_names() -> set[str]:
-    tree = ast.parse((ROOT / "tests/mutants/test_mutants.py").read_text(encoding="utf-8"))
-    for node in tree.body:
-        if (
-            isinstance(node, ast.AnnAssign | ast.Assign)
-            and "MUTANTS" in ast.unparse(node)
-            and isinstance(node.value, ast.Dict)
-        ):
-            return {str(k.value) for k in node.value.keys if isinstance(k, ast.Constant)}
-    raise AssertionError("MUTANTS not found in tests/mutants/test_mutants.py")
+    """The names in the mutant catalogue (``_mutant("name", ...)`` entries)."""
+    tree = ast.parse((ROOT / "tests/mutants/catalogue.py").read_text(encoding="utf-8"))
+    names = {
+        str(node.args[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "_mutant"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+    }
+    assert names, "no _mutant(...) entry found in tests/mutants/catalogue.py"
+    return names
 
 
 def _labelled(text: str, label: str) -> list[str]:
