@@ -259,7 +259,7 @@ class SimEngine:
         self.check_each_step = check_each_step
         self.store_oracle: Callable[[int, Any], list[str]] | None = None
         self._load_job_of: dict[str, int] = {}  # request -> its emitted load job
-        self._failed_jobs: set[int] = set()  # jobs some rank reported failed
+        self._failed_jobs: set[int] = set()  # jobs a delivered report failed
         """Verifies the stored bytes of a store job that completed successfully."""
         self.live_jobs: Callable[[], Any] = lambda: ()
         self._stores: dict[int, Any] = {}
@@ -372,10 +372,7 @@ class SimEngine:
             self._compute(r, n)
         for rank, s in enumerate(self.stacks):
             s.end_step(meta)
-            rank_report = s.report()
-            if rank_report is not None and rank_report.failed:
-                self._failed_jobs.update(rank_report.failed)
-            self.channel.submit(rank, rank_report, k)
+            self.channel.submit(rank, s.report(), k)
         self.feed(self.channel.deliver(k))
         self._after_compute(k, scheduled)
         if self.check_each_step:
@@ -389,6 +386,8 @@ class SimEngine:
 
     def feed(self, report: WorkerMetadata | None) -> None:
         """Hand an aggregated worker report to the connector and apply the loads that ended."""
+        if report is not None and report.failed:
+            self._failed_jobs.update(report.failed)  # what explains a load's invalid blocks
         result = self._guard("update_connector_output", self.conn.update_connector_output, report)
         if result is not None:
             self._loads_ended(self.step_no, result.finished_loads, result.invalid_block_ids)
