@@ -452,6 +452,7 @@ class _StagingRing:
         self.live: dict[int, _StagedJob] = {}  # submitted, not reported, in submission order
         self.done: list[TransferResult] = []
         self.closing = False
+        self.dead = False
         self.thread: threading.Thread | None = None
         if not inline:
             self.thread = threading.Thread(target=self._run, name="statecore-staging", daemon=True)
@@ -461,14 +462,18 @@ class _StagingRing:
         """The ring's size and memory cost, for the log."""
         where = "thread" if self.thread is not None else "inline"
         total = self.chunks * self.chunk_bytes
-        return (
-            f"{self.chunks} x {self.chunk_bytes >> 10} KiB ({total >> 20} MiB device + "
-            f"{total >> 20} MiB pinned host, {where})"
+        mem = (
+            f"{total >> 20} MiB device + {total >> 20} MiB pinned host"
+            if self.be.is_cuda
+            else f"{total >> 20} MiB host"
         )
+        return f"{self.chunks} x {self.chunk_bytes >> 10} KiB ({mem}, {where})"
 
     # -- the calling (engine) thread ----------------------------------------------------------
     def submit(self, job: _StagedJob) -> None:
         with self.cond:
+            if self.dead:
+                raise TransferError(f"job {job.job_id}: the staging thread has died")
             self.live[job.job_id] = job
             if self.thread is not None:
                 self.jobs.append(job)
@@ -509,6 +514,19 @@ class _StagingRing:
 
     # -- the staging thread (or the calling thread when inline) -------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # pragma: no cover - every step above catches its own
+            log.critical("staging thread died: %s; failing every job in flight", exc)
+            with self.cond:
+                self.dead = True
+                for job in self.live.values():
+                    job.ok = False
+                    self.done.append(self._result(job))
+                self.live.clear()
+                self.cond.notify_all()
+
+    def _loop(self) -> None:
         with self.be._device_ctx():
             while True:
                 with self.cond:
@@ -852,9 +870,15 @@ class TorchTransferBackend:
         self._build_group_tables()
         if self.impl == "staging":
             inline = not self.is_cuda if staging_thread is None else not staging_thread
-            self._staging = _StagingRing(
-                self, max(staging_chunk_bytes, *self.page_bytes), staging_chunks, inline
-            )
+            try:
+                self._staging = _StagingRing(
+                    self, max(staging_chunk_bytes, *self.page_bytes), staging_chunks, inline
+                )
+            except BaseException:  # e.g. no device memory left for the ring
+                self._unregister()
+                if self._executor is not None:
+                    self._executor.shutdown(wait=False)
+                raise
         log.info(
             "TorchTransferBackend: device %s, copy implementation %s%s",
             self.device,

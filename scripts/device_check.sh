@@ -1,34 +1,50 @@
 #!/usr/bin/env bash
 # One prepared run on the GPU machine (H200) for the worker / torch transfer adapter.
 #
-# Run from the repository root with $OUT set (the device tool sets it), e.g. with an
-# 8-minute limit:   bash scripts/device_check.sh
+# Run from the repository root with $OUT set (the device tool sets it), e.g. with a 9-minute
+# limit:   bash scripts/device_check.sh
 # Everything is tee'd into $OUT/device_log.txt. Each stage has its own timeout and the script
-# goes on after a failed stage; stages are skipped when the overall budget (BUDGET_S,
-# default 450 s) is nearly spent. The last lines print a summary of the stages.
+# goes on after a failed stage; a stage is skipped when what is left of the overall budget
+# (BUDGET_S, default 480 s; the stage timeouts below add up to less) is under 20 s. The last
+# lines print a summary of the stages.
 #
-# Stages (most important first):
-#   env      nvidia-smi, python, torch/triton versions, CUDA visible, cuda-python attribute
-#   install  make `statecore` (with statecore.adapters) importable: pip -e, else a symlink tree
-#   smoke    cudaHostRegister on a plain mmap, backend construction, which copy impl is chosen
-#   cuda     pytest tests/worker -m cuda
-#   bench    statecore bench transfer --device cuda (Triton path, all block sizes)
-#   staging  same benchmark, staging fallback, 16 and 64 KiB
-#   cpu      pytest tests/worker (the CPU tests too)
+# Dry run: on a machine without a CUDA device (or with DRY_RUN=1) every CUDA stage is skipped
+# with the reason, the measuring stages only check that they load (--dry-run), and the
+# budget is printed: that is how the script is tried on the CPU machine.
+#
+# Stages (most important first; the measuring ones are scripts/device_stages.py):
+#   env           nvidia-smi, python, torch/triton versions, CUDA visible
+#   install       make `statecore` importable: pip -e, else a symlink tree for PYTHONPATH
+#   registration  a real failed cudaHostRegister in the pool's registration, then a kernel; a
+#                 double registration, then a kernel; staging over an unregistered pool;
+#                 rebuilding a backend on the same pool after shutdown
+#   bytes         load and store byte checks at 64 and 256 KiB pages (Triton and staging)
+#   bigpool       a pool region > 4 GiB touched at its far end; registration seconds per GB
+#   firstjob      first-job latency per kernel variant (compile at construction, not in jobs)
+#   vllm          vLLM-shaped layout: 32 layers, K and V split, two groups, bf16
+#   contention    slowdown of a matmul loop on the compute stream while copies run
+#   cuda          pytest tests/worker -m cuda (byte-exact round trips, FIFO, stream order)
+#   bench         statecore bench transfer --device cuda (Triton and staging)
 set -u -o pipefail
-set -x
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/device_out}"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/device_log.txt") 2>&1
-BUDGET_S="${BUDGET_S:-450}"
+BUDGET_S="${BUDGET_S:-480}"
 START=$(date +%s)
 PY="${PYTHON:-python3}"
 declare -a SUMMARY=()
 
-stage() {  # stage NAME MAX_SECONDS COMMAND...
-    local name=$1 max=$2
-    shift 2
+# stage NAME MAX_SECONDS NEEDS(cuda|any) COMMAND...
+STAGES_S=0
+stage() {
+    local name=$1 max=$2 needs=$3
+    shift 3
+    if [[ $needs == cuda && -n $DRY_REASON ]]; then
+        echo "=================== stage $name: SKIPPED ($DRY_REASON)"
+        SUMMARY+=("$name: SKIPPED ($DRY_REASON), bound ${max}s")
+        return
+    fi
     local left=$((BUDGET_S - ($(date +%s) - START) - 5))
     if ((left < 20)); then
         SUMMARY+=("$name: SKIPPED (budget spent)")
@@ -40,11 +56,12 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...
     # bash -c so that stages may be shell functions (exported below)
     timeout --kill-after=10 "$max" bash -c '"$@"' _ "$@"
     local rc=$?
-    SUMMARY+=("$name: rc=$rc in $(($(date +%s) - t0))s")
+    SUMMARY+=("$name: rc=$rc in $(($(date +%s) - t0))s (bound ${max}s)")
 }
 
 env_info() {
-    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv \
+        || echo "nvidia-smi: not available"
     uname -a
     command -v "$PY"
     "$PY" - <<'EOF'
@@ -63,13 +80,6 @@ try:
     print("triton", triton.__version__)
 except Exception as exc:
     print("TRITON MISSING:", exc)
-try:
-    from cuda.bindings import runtime as rt
-    err, v = rt.cudaDeviceGetAttribute(
-        rt.cudaDeviceAttr.cudaDevAttrCanUseHostPointerForRegisteredMem, 0)
-    print("canUseHostPointerForRegisteredMem", err, v)
-except Exception as exc:
-    print("cuda-python attribute query unavailable:", exc)
 for mod in ("pytest", "hypothesis", "numpy"):
     try:
         __import__(mod)
@@ -95,44 +105,43 @@ install_statecore() {
     (cd /tmp && PYTHONPATH="$shadow" "$PY" -c "import statecore.adapters.torch, statecore.worker")
 }
 
-smoke() {
-    "$PY" -P - <<'EOF'
-import logging, mmap
-logging.basicConfig(level=logging.INFO)
-import torch
-cudart = torch.cuda.cudart()
-buf = mmap.mmap(-1, 1 << 20)
-t = torch.frombuffer(buf, dtype=torch.uint8)
-res = cudart.cudaHostRegister(t.data_ptr(), t.numel(), 3)
-print("cudaHostRegister on mmap ->", res)
-if int(getattr(res, "value", res)) == 0:
-    print("cudaHostUnregister ->", cudart.cudaHostUnregister(t.data_ptr()))
-from statecore.adapters.torch import TorchTransferBackend
-from statecore.pool import CPUPool
-cache = torch.zeros((64, 4096), dtype=torch.uint8, device="cuda")
-be = TorchTransferBackend([cache], CPUPool(64, [4096]), 1)
-print("impl chosen:", be.impl, "pool registered:", be.pool_registered)
-be.shutdown()
-EOF
-}
+# Why the CUDA stages cannot run here (empty: they can).
+DRY_REASON=""
+if [[ -n ${DRY_RUN:-} ]]; then
+    DRY_REASON="DRY_RUN is set"
+elif ! command -v nvidia-smi >/dev/null 2>&1; then
+    DRY_REASON="no CUDA device: nvidia-smi not found"
+elif ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    DRY_REASON="no CUDA device: torch.cuda.is_available() is False"
+fi
+
+MEASURING=(registration:40 bytes:40 bigpool:50 firstjob:60 vllm:40 contention:45)
+BOUNDS=(env:20 install:60 "${MEASURING[@]}" cuda:60 bench:50)
+for b in "${BOUNDS[@]}"; do STAGES_S=$((STAGES_S + ${b#*:})); done
+echo "device_check: budget BUDGET_S=${BUDGET_S}s; stage bounds add up to ${STAGES_S}s: ${BOUNDS[*]}"
+((STAGES_S > BUDGET_S)) && echo "device_check: WARNING stage bounds exceed the budget"
+[[ -n $DRY_REASON ]] && echo "device_check: DRY RUN: CUDA stages skipped ($DRY_REASON)"
 
 export PY
-export -f env_info install_statecore smoke
-stage env 40 env_info
-if [ -z "${SKIP_INSTALL:-}" ]; then
-    stage install 90 install_statecore
+export -f env_info install_statecore
+stage env 20 any env_info
+if [[ -z ${SKIP_INSTALL:-} ]]; then
+    stage install 60 cuda install_statecore
 fi
 if [ -f /tmp/statecore_pythonpath ]; then
     export PYTHONPATH="$(cat /tmp/statecore_pythonpath)${PYTHONPATH:+:$PYTHONPATH}"
 fi
-stage smoke 90 smoke
-stage cuda 150 "$PY" -P -m pytest tests/worker -m cuda -v -p no:cacheprovider
-stage bench 150 "$PY" -P -m statecore bench transfer --device cuda --impl triton \
-    --total-mib 1024 --repeat 5
-stage staging 70 "$PY" -P -m statecore bench transfer --device cuda --impl staging \
-    --total-mib 512 --repeat 3 --block-kib 16,64
-stage cpu 60 "$PY" -P -m pytest tests/worker -q -p no:cacheprovider
+for b in "${MEASURING[@]}"; do
+    name=${b%%:*} bound=${b#*:}
+    if [[ -n $DRY_REASON ]]; then
+        # the stage's code must at least load and know its name
+        "$PY" scripts/device_stages.py "$name" --dry-run || SUMMARY+=("$name: DRY RUN FAILED")
+    fi
+    stage "$name" "$bound" cuda "$PY" scripts/device_stages.py "$name" --device cuda
+done
+stage cuda 60 cuda "$PY" -P -m pytest tests/worker -m cuda -v -p no:cacheprovider
+stage bench 50 cuda "$PY" -P -m statecore bench transfer --device cuda --impl all \
+    --total-mib 512 --repeat 3 --block-kib 16,64,256
 
-set +x
-echo "=================== summary ($(($(date +%s) - START))s)"
+echo "=================== summary ($(($(date +%s) - START))s of budget ${BUDGET_S}s)"
 printf '%s\n' "${SUMMARY[@]}"
