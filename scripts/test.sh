@@ -18,6 +18,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/_system.sh"
 # fail rather than skip without one)
 ensure_debian_packages redis-server:redis-server ||
     echo "warning: redis-server is missing and could not be installed" >&2
+# the docs gate draws the lifecycle diagrams with Graphviz, and tests/docs/test_site_offline.py
+# opens the built site in headless Chromium with the network off (under CI it fails, rather
+# than skips, without Chromium)
+ensure_debian_packages dot:graphviz chromium:chromium ||
+    echo "warning: graphviz or chromium is missing and could not be installed" >&2
 
 # Modules with PEP 316 contracts (`pre:`/`post:` docstring lines) for CrossHair: the scheduler's
 # kernels, the worker's block mapping, the eviction policies. A listed module that is missing is

@@ -53,8 +53,8 @@ def test_lifecycle_page_covers_every_state_and_transition(life: Lifecycle) -> No
     table = text.split("\n## Transitions\n", 1)[1].split("\n## ", 1)[0]
     rows = [ln for ln in table.splitlines() if re.match(r"\| `\w+` \| `\w+` \|", ln)]
     assert len(rows) == len(lc.transitions)
-    assert f'--8<-- "{life.name}.mmd"' in text
-    assert (DOCS / "diagrams" / f"{life.name}.mmd").is_file()
+    assert f'--8<-- "{life.name}.svg"' in text
+    assert (DOCS / "diagrams" / f"{life.name}.svg").is_file()
 
 
 def test_state_prose_must_match_the_states() -> None:

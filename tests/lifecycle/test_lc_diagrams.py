@@ -25,6 +25,8 @@ def test_check_lists_stale_and_missing_files(
 ) -> None:
     written = diagrams.write(tmp_path, svg=False)
     assert sorted(p.name for p in written) == sorted(diagrams.rendered_files())
+    for svg in DIAGRAMS.glob("*.svg"):
+        shutil.copy(svg, tmp_path / svg.name)
     assert diagrams.main(["--check", "--out", str(tmp_path)]) == 0
     (tmp_path / "job.mmd").write_text("stateDiagram-v2\n", encoding="utf-8")
     (tmp_path / "request.md").unlink()
@@ -57,9 +59,11 @@ def test_svg_goes_through_dot_and_is_skipped_without_it(
     monkeypatch.setenv("PATH", str(bin_dir))
     out = tmp_path / "out"
     diagrams.write(out)
-    for name, lc in LIFECYCLES.items():
-        svg = (out / f"{name}.svg").read_text(encoding="utf-8")
-        assert svg == f'<svg args="-Tsvg">\n{diagrams.render_dot(lc)}</svg>\n'
+    for life in diagrams.LIFECYCLES:
+        svg = (out / f"{life.name}.svg").read_text(encoding="utf-8")
+        drawn = f'<svg args="-Tsvg">\n{diagrams.render_dot(life.table)}</svg>\n'
+        assert svg == diagrams.svg_header(life) + "\n" + drawn
+    assert diagrams.stale_svgs(out) == []
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     bare = tmp_path / "bare"
     assert diagrams.main(["--out", str(bare)]) == 0
@@ -128,3 +132,34 @@ def test_label_format() -> None:
     assert "worker_report [all_ok] / complete_ok" in labels
     assert "reset" in labels
     assert "stall_timeout / stall_job" in labels
+
+
+def test_svg_is_checked_by_what_it_was_drawn_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An SVG whose recorded DOT digest is not the current one is stale, whatever its bytes
+    (so the check does not depend on the Graphviz version); a missing one is stale too."""
+    diagrams.write(tmp_path, svg=False)
+    request = diagrams.LIFECYCLES[0]
+    committed = (DIAGRAMS / f"{request.name}.svg").read_text(encoding="utf-8")
+    assert committed.splitlines()[0] == diagrams.svg_header(request)
+    body = committed.split("\n", 1)[1]
+    (tmp_path / f"{request.name}.svg").write_text(
+        diagrams.svg_header(request) + "\n<svg>drawn by another Graphviz</svg>\n",
+        encoding="utf-8",
+    )
+    assert diagrams.stale_svgs(tmp_path) == [tmp_path / "job.svg"]  # job.svg is missing
+    other = diagrams.svg_header(request).replace("sha256 ", "sha256 0")
+    (tmp_path / f"{request.name}.svg").write_text(other + "\n" + body, encoding="utf-8")
+    assert diagrams.main(["--check", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "request.svg" in out and "job.svg" in out
+
+
+@pytest.mark.parametrize("life", diagrams.LIFECYCLES, ids=lambda life: life.name)
+def test_committed_svg_shows_every_state(life: diagrams.Lifecycle) -> None:
+    svg = (DIAGRAMS / f"{life.name}.svg").read_text(encoding="utf-8")
+    assert svg.splitlines()[1].startswith("<svg")
+    texts = set(re.findall(r"<text[^>]*>([^<]*)</text>", svg))
+    labels = {str(state.name) for state in life.table.machine.states}
+    assert labels <= {t.replace("&#45;", "-") for t in texts}
