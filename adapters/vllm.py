@@ -9,6 +9,11 @@ Load it with::
         kv_connector_extra_config={"num_cpu_chunks": 40000, "eviction_policy": "lru"},
     )
 
+A shared Redis/Valkey tier below the CPU tier is one more extra-config key (see
+:func:`build_scheduler` for where the CPU pool must live)::
+
+    "secondary_tiers": [{"kind": "redis", "url": "redis://cache:6379/0", "cluster": False}]
+
 The scheduler role runs :class:`statecore.OffloadingScheduler` over a
 :class:`statecore.managers.CPUOffloadingManager`; the worker role runs
 :class:`statecore.worker.OffloadingWorker` over a transfer backend (the torch adapter once
@@ -63,8 +68,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from statecore.config import GroupConfig, SchedulerConfig
 from statecore.errors import ConfigError
 from statecore.keys import key_group, key_hash
-from statecore.manager import OffloadingEvent
+from statecore.manager import OffloadingEvent, OffloadingManager
 from statecore.managers.cpu import CPUOffloadingManager
+from statecore.managers.redistier import TierLayout
+from statecore.managers.tierconfig import TIER_KINDS
+from statecore.managers.tiering import TieringOffloadingManager
+from statecore.pool import CPUPool
 from statecore.scheduler import OffloadingScheduler
 from statecore.views import ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, WorkerMetadata
@@ -88,6 +97,8 @@ __all__ = [
     "build_scheduler",
     "cpu_chunks_from_config",
     "scheduler_config_from_vllm",
+    "secondary_tier_specs",
+    "tier_layout_from_vllm",
     "to_kv_events",
     "to_scheduler_output",
 ]
@@ -386,23 +397,94 @@ def cpu_chunks_from_config(
     return int(cpu_bytes) // aligned
 
 
-def build_scheduler(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> OffloadingScheduler:
-    """The statecore scheduler and CPU manager the scheduler role runs.
+def tier_layout_from_vllm(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, blocks_per_chunk: int
+) -> TierLayout:
+    """The layout a shared secondary tier namespaces its keys by: the model, the KV-cache
+    dtype, the block shape of every KV-cache group (block size, KV heads, head size, as the
+    group's spec gives them) and ``blocks_per_chunk``."""
+    model_cfg = getattr(vllm_config, "model_config", None)
+    model = str(getattr(model_cfg, "model", "unknown"))
+    revision = getattr(model_cfg, "revision", None)
+    if revision:
+        model = f"{model}@{revision}"
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype == "auto":
+        cache_dtype = str(getattr(model_cfg, "dtype", "auto"))
+    shape: list[int] = []
+    for grp in kv_cache_config.kv_cache_groups:
+        spec = grp.kv_cache_spec
+        shape.append(int(spec.block_size))
+        for attr in ("num_kv_heads", "head_size"):
+            value = getattr(spec, attr, None)
+            if value is not None:
+                shape.append(int(value))
+        shape.append(len(grp.layer_names))
+    return TierLayout(model, cache_dtype, tuple(shape), blocks_per_chunk)
+
+
+def secondary_tier_specs(vllm_config: VllmConfig) -> list[dict[str, Any]]:
+    """The ``secondary_tiers`` of the extra config: a list of tier specs, each a mapping with
+    ``kind`` (``"file"`` or ``"redis"``) and that kind's options (see
+    :mod:`statecore.managers.tierconfig`); empty when absent."""
+    raw = _extra(vllm_config).get("secondary_tiers") or []
+    if not isinstance(raw, list | tuple):
+        raise ConfigError(
+            f"statecore connector: secondary_tiers must be a list of tier specs, got {raw!r}"
+        )
+    specs: list[dict[str, Any]] = []
+    for i, spec in enumerate(raw):
+        if not isinstance(spec, Mapping) or spec.get("kind") not in TIER_KINDS:
+            raise ConfigError(
+                f"statecore connector: secondary_tiers[{i}] must be a mapping with kind in "
+                f"{TIER_KINDS}, got {spec!r}"
+            )
+        specs.append(dict(spec))
+    return specs
+
+
+def build_scheduler(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pool: CPUPool | None = None
+) -> OffloadingScheduler:
+    """The statecore scheduler and manager the scheduler role runs.
 
     Extra-config keys for the manager: ``eviction_policy`` (``lru``, ``arc`` or
-    ``module:Class``), ``store_threshold``, ``max_tracker_size``. KV events are recorded when
-    vLLM's ``kv_events_config.enable_kv_cache_events`` is on.
+    ``module:Class``), ``store_threshold``, ``max_tracker_size``, and ``secondary_tiers``
+    (:func:`secondary_tier_specs`): with tiers, the manager is a
+    :class:`~statecore.managers.tiering.TieringOffloadingManager` whose tiers copy to and
+    from ``pool``, the CPU pool of the process's workers; the tiers then need that pool in
+    this process (a one-process deployment passes it), and without one this raises
+    :class:`~statecore.errors.ConfigError`. KV events are recorded when vLLM's
+    ``kv_events_config.enable_kv_cache_events`` is on.
     """
     cfg = scheduler_config_from_vllm(vllm_config, kv_cache_config)
     extra = _extra(vllm_config)
     events_cfg = getattr(vllm_config, "kv_events_config", None)
-    manager = CPUOffloadingManager(
-        cpu_chunks_from_config(vllm_config, kv_cache_config, cfg.blocks_per_chunk),
+    tiers = secondary_tier_specs(vllm_config)
+    num_chunks = cpu_chunks_from_config(vllm_config, kv_cache_config, cfg.blocks_per_chunk)
+    if tiers and pool is None:
+        raise ConfigError(
+            "statecore connector: secondary_tiers need the CPU pool in the scheduler's "
+            "process, and vLLM's multi-process executors keep it in the workers; run one "
+            "process (build_scheduler(..., pool=...)) or leave secondary_tiers out "
+            "(docs/guides/redis-tier.md)"
+        )
+    if pool is not None and pool.num_slots != num_chunks:
+        raise ConfigError(
+            f"statecore connector: the pool has {pool.num_slots} slots, the config asks for "
+            f"{num_chunks} CPU chunks"
+        )
+    cpu = CPUOffloadingManager(
+        num_chunks,
         policy=str(extra.get("eviction_policy", "lru")),
         enable_events=bool(events_cfg is not None and events_cfg.enable_kv_cache_events),
         store_threshold=int(extra.get("store_threshold", 0)),
         max_tracker_size=int(extra.get("max_tracker_size", 64_000)),
     )
+    manager: OffloadingManager = cpu
+    if tiers and pool is not None:
+        layout = tier_layout_from_vllm(vllm_config, kv_cache_config, cfg.blocks_per_chunk)
+        manager = TieringOffloadingManager.from_config(cpu, pool, tiers, layout)
     return OffloadingScheduler(cfg, manager)
 
 
