@@ -144,6 +144,12 @@ def main(argv: Sequence[str]) -> int:
                 print(f"{page >> 10:>5}K {impl:>8} unavailable: {exc}")
                 continue
             label = be.impl
+            reg = getattr(be, "registration", None)
+            if cuda and reg is not None and reg.bytes:
+                print(
+                    f"{page >> 10:>5}K {label:>8} pool registration {reg.bytes / 1e9:.2f} GB in "
+                    f"{reg.seconds:.3f} s ({reg.seconds / (reg.bytes / 1e9):.3f} s/GB)"
+                )
 
             def run(js: list[TransferJob], flags: list[bool], be: Any = be) -> None:
                 ids = list(range(len(js)))

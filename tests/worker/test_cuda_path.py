@@ -10,10 +10,12 @@ real runtime does. :func:`~cuda_fakes.findings` checks what no backend may leave
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
 import random
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -223,14 +225,14 @@ def test_dead_context_raises_and_releases_the_pool() -> None:
 # -- the choice of copy implementation and the warm-up ----------------------------------------
 
 
-def _interpreted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Let the setup consider Triton on the CPU; record the warm-up's launches instead of
-    running them (the kernel itself runs in the interpreter check)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let the setup consider Triton on the CPU (the tests below replace what would launch
+    the kernel; the kernel itself runs in the interpreter check). The kernel module is
+    imported first without the interpreter, so this process keeps the compiled-kernel
+    decoration."""
     if torch_adapter.triton_copy() is None:
         pytest.skip("Triton is not installed (it is in the test extra on Linux)")
-    launched: list[tuple[int, int]] = []
-    return launched
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def test_no_host_pointer_capability_means_no_self_test(
@@ -285,14 +287,19 @@ def test_self_test_that_kills_the_context_is_not_a_fallback(
     assert rt.registered == {}
 
 
-def test_kernel_length_argument_is_not_specialised() -> None:
-    """Jobs of 1, 16 or 17 copies must run the variant the warm-up compiled."""
-    kernel = torch_adapter.triton_copy()
-    if kernel is None:
-        pytest.skip("Triton is not installed (it is in the test extra on Linux)")
-    fn = kernel._copy_pages_kernel
-    if hasattr(fn, "params"):  # a JITFunction (not the interpreter's wrapper)
-        assert [p.name for p in fn.params if p.do_not_specialize] == ["n"]
+def test_kernel_length_argument_is_not_specialised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs of 1, 16 or 17 copies must run the variant the warm-up compiled: the kernel, as
+    compiled for a GPU (not the interpreter's wrapper), does not specialise on ``n``."""
+    pytest.importorskip("triton", reason="Triton is not installed (it is in the test extra)")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    path = Path(torch_adapter.__file__).with_name("_triton_copy.py")
+    spec = importlib.util.spec_from_file_location("_triton_copy_fresh", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = module._copy_pages_kernel
+    assert [p.name for p in fn.params if p.do_not_specialize] == ["n"]
+    assert module.block_words(8, 1) == 1 and module.block_words(8, 1 << 20) == 1024
 
 
 # -- the staging ring ----------------------------------------------------------------------------
