@@ -76,27 +76,47 @@ def _reduce_slotted(obj: Any) -> tuple[Any, ...]:
     return (_rebuild, (cls, tuple(getattr(obj, n, _UNSET) for n in _SLOTS[cls])))
 
 
+def _reduce_by_constructor(obj: Any) -> tuple[Any, ...]:
+    cls = type(obj)
+    return (cls, tuple(getattr(obj, n) for n in _SLOTS[cls]))
+
+
+def _empty_report(rank: int | None) -> WorkerMetadata:
+    return WorkerMetadata(rank=rank)
+
+
+def _reduce_report(obj: WorkerMetadata) -> tuple[Any, ...]:
+    if obj.is_empty() and not obj.stats.load.sizes and not obj.stats.store.sizes:
+        return (_empty_report, (obj.rank,))
+    return _reduce_by_constructor(obj)
+
+
 _TABLE: dict[type, Any] = copyreg.dispatch_table.copy()
 _SHARED_TYPES: tuple[type, ...] = (Scope, SchedulerConfig, GroupConfig)
-_SLOTTED_TYPES: tuple[type, ...] = (
+# plain (not frozen) slotted dataclasses: rebuilt by their generated __init__
+_CONSTRUCTED_TYPES: tuple[type, ...] = (
     SchedulerCounters,
     _StepBatch,
     Request,
     ReqContext,
+    DirectionStats,
+    TransferStats,
+    WorkerMetadata,
+)
+# frozen ones: rebuilt slot by slot
+_SLOTTED_TYPES: tuple[type, ...] = (
     TierFilter,
     TierMatcher,
     CPULoadStoreSpec,
     GPULoadStoreSpec,
     TransferJob,
-    DirectionStats,
-    TransferStats,
-    WorkerMetadata,
 )
 for _cls in _SHARED_TYPES:
     _TABLE[_cls] = _reduce_shared
-for _cls in _SLOTTED_TYPES:
+for _cls in _SLOTTED_TYPES + _CONSTRUCTED_TYPES:
     _SLOTS[_cls] = tuple(n for c in _cls.__mro__ for n in c.__dict__.get("__slots__", ()))
-    _TABLE[_cls] = _reduce_slotted
+    _TABLE[_cls] = _reduce_slotted if _cls in _SLOTTED_TYPES else _reduce_by_constructor
+_TABLE[WorkerMetadata] = _reduce_report
 
 
 def _enum_reducer(cls: type[enum.Enum]) -> None:
