@@ -60,6 +60,8 @@ class Result:
         transitions: actions applied (every enabled action of every explored state).
         depth: deepest level reached.
         seconds: wall time.
+        cpu_seconds: CPU time of this process (on a shared machine, the time the explorer
+            really had a core).
         complete: every state within the depth bound was explored (no violation, no limit).
         exhausted: the state space closed before the depth bound (no new state at some level).
         counterexample: the first violation found, or None.
@@ -71,6 +73,7 @@ class Result:
     transitions: int = 0
     depth: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     complete: bool = False
     exhausted: bool = False
     counterexample: Counterexample | None = None
@@ -79,8 +82,13 @@ class Result:
 
     @property
     def rate(self) -> float:
-        """Distinct states per second."""
+        """Distinct states per second (wall time)."""
         return self.states / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def cpu_rate(self) -> float:
+        """Distinct states per CPU second (one core)."""
+        return self.states / self.cpu_seconds if self.cpu_seconds > 0 else 0.0
 
     def summary(self) -> str:
         """One line of figures."""
@@ -91,8 +99,9 @@ class Result:
         )
         return (
             f"scope {self.scope.name}: {verdict}; {self.states} distinct states, "
-            f"{self.transitions} transitions, depth {self.depth}, {self.seconds:.2f} s, "
-            f"{self.rate:.0f} states/s"
+            f"{self.transitions} transitions, depth {self.depth}, {self.seconds:.2f} s "
+            f"({self.cpu_seconds:.2f} s CPU), {self.rate:.0f} states/s "
+            f"({self.cpu_rate:.0f} per CPU second)"
         )
 
 
@@ -161,6 +170,7 @@ def explore(
 ) -> Result:
     """Explore every interleaving of ``scope`` breadth-first (see the module docstring)."""
     t0 = time.perf_counter()
+    c0 = time.process_time()
     res = Result(scope)
     root = World(scope)
     k0 = hash(root.key())
@@ -181,6 +191,7 @@ def explore(
     def finish(cex: Counterexample | None) -> Result:
         res.counterexample = cex
         res.seconds = time.perf_counter() - t0
+        res.cpu_seconds = time.process_time() - c0
         res.complete = cex is None and not limited
         return res
 

@@ -361,7 +361,8 @@ class World:
             self.feed(_report(rank, job_id, ok))
         else:
             raise ValueError(f"unknown action {action!r}")
-        self.manager.take_events()
+        self.manager.take_events()  # events and allocation statistics would only grow
+        self.manager.get_stats()
         self._prune_delivered()
 
     def _prune_delivered(self) -> None:
