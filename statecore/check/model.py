@@ -208,6 +208,8 @@ class EngineRequest:
         "blocks",
         "idx",
         "load",
+        "load_failed",
+        "load_job",
         "outputs",
         "req",
         "resumed",
@@ -224,6 +226,8 @@ class EngineRequest:
         self.status = UNARRIVED
         self.blocks: list[list[int]] = [[] for _ in range(n_groups)]
         self.load: tuple[int, int] | None = None
+        self.load_job = -1  # the scheduler's id of the load this request waits on
+        self.load_failed = False  # a rank reported it failed, or it stalled
         self.outputs = 0
         self.resumed = False
         self.scheduled_once = False
@@ -395,7 +399,12 @@ class World:
 
     def feed(self, meta: WorkerMetadata | None) -> None:
         """``update_connector_output``, then the engine applies the loads that ended."""
+        failed = meta.failed if meta is not None else {}
         res = _guarded(self, "update_connector_output", self.sched.update_connector_output, meta)
+        stalled = self.sched.stalled_jobs
+        for r in self.reqs:
+            if r.status == LOADING and (r.load_job in failed or r.load_job in stalled):
+                r.load_failed = True
         if res is not None:
             self._loads_ended(res.finished_loads, res.invalid_block_ids)
 
@@ -415,10 +424,17 @@ class World:
                         valid_end = min(valid_end, i * tpb)
                         break
             valid_end = max(valid_end, start)
+            if valid_end < start + n and not r.load_failed:
+                self.errors.append(
+                    f"INV-FAIL-STATE: the load of {rid} ended with invalid blocks although no "
+                    "worker reported it failed and it did not stall (the engine fails the "
+                    "request under vLLM's default kv_load_failure_policy)"
+                )
             self._verify(r, valid_end, "load ended")
             computed = min(valid_end, r.req.num_tokens - 1)
             r.req.num_computed_tokens = computed
             r.load = None
+            r.load_failed = False
             r.status = WAITING
             if r.aborted:
                 self._retire(r)
@@ -548,6 +564,7 @@ class World:
                     )
                     r.status = LOADING
                     r.load = (0, ext)
+                    r.load_job = sched.next_job_id - 1
                     continue
                 computed = 0
             else:
@@ -740,6 +757,7 @@ class World:
         ids.update(d[1] for d in self.delivered)
         ids.add(s.stale_threshold)
         ids.add(s.next_job_id)
+        ids.update(r.load_job for r in self.reqs if r.load is not None)
         ren = {j: n for n, j in enumerate(sorted(ids))}
 
         def job_key(j: Any, stalled: bool = False) -> tuple[Any, ...]:
@@ -830,6 +848,8 @@ class World:
                     r.resumed,
                     r.scheduled_once,
                     r.aborted,
+                    ren[r.load_job] if r.load is not None else -1,
+                    r.load_failed,
                 )
                 for r in self.reqs
             ),
