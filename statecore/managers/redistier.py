@@ -507,6 +507,12 @@ class RedisTier:
         while len(known) > self.config.max_known_keys:
             known.popitem(last=False)
 
+    def _unreadable(self, key: OffloadKey) -> None:
+        """``key`` could not be asked or read (server down or slow, value missing or bad):
+        it answers MISS until the answer ages out, so no request waits on a server that does
+        not answer, nor on promotions that keep failing."""
+        self._answer(key, False)
+
     def _collect_queries(self) -> None:
         if not self._queries:
             return
@@ -519,7 +525,7 @@ class RedisTier:
             if fut.exception() is not None:
                 self._stats["lookup_batches_failed"] += 1
                 for key in keys:
-                    self._answer(key, False)
+                    self._unreadable(key)
                 continue
             answers = fut.result()
             self._stats["lookups_present"] += sum(answers)
@@ -617,9 +623,7 @@ class RedisTier:
                     stats["bytes_read"] += slot_bytes
                     ok.add(key)
                     continue
-                # unreadable now (server down or slow): answer MISS until the answer ages out,
-                # so a request does not wait on promotions that keep failing
-                self._answer(key, False)
+                self._unreadable(key)
                 if status == _IO_ERROR:
                     continue
                 stats[

@@ -36,11 +36,12 @@ from typing import Any
 from statecore import kernels
 from statecore.keys import OffloadKey
 from statecore.manager import ReqContext
+from statecore.managers import redistier
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.scheduler import OffloadingScheduler
 from statecore.wire import ConnectorMetadata
 
-__all__ = ["MUTANTS", "Mutant", "patched"]
+__all__ = ["MUTANTS", "REDIS_MUTANTS", "Mutant", "patched"]
 
 
 @contextlib.contextmanager
@@ -196,3 +197,47 @@ MUTANTS: dict[str, Mutant] = dict(
     ]
 )
 """Every seeded mutant by name (see the module docstring for the interface)."""
+
+
+# -- the Redis tier's mutants (caught by tests/mutants/test_redis_mutants.py's harness) ----------
+
+
+def _unreadable_keeps_answer(self: redistier.RedisTier, key: OffloadKey) -> None:
+    return None  # a key the server cannot serve keeps its old answer (or none: RETRY again)
+
+
+def _decode_without_checks(
+    value: bytes, fingerprint: bytes, key: bytes, length: int
+) -> str | memoryview:
+    start = redistier.HEADER.size + len(key)  # trusts the header: no layout, key, checksum
+    view = memoryview(value)
+    return view[start : start + length] if len(view) >= start + length else "corrupt"
+
+
+def _fingerprint_without_layout(self: redistier.TierLayout, row_bytes: Sequence[int]) -> bytes:
+    return bytes(16)  # every layout shares one namespace and one header fingerprint
+
+
+REDIS_MUTANTS: dict[str, Mutant] = dict(
+    [
+        _mutant(
+            "redis_unreadable_keeps_answer",
+            "a key the server cannot serve (down, slow, missing) keeps answering HIT or RETRY",
+            "issue 17: requests wait on a dead server or on promotions that keep failing",
+            (redistier.RedisTier, "_unreadable", _unreadable_keeps_answer),
+        ),
+        _mutant(
+            "redis_decode_unverified",
+            "a promotion copies a value's payload without checking layout, key or checksum",
+            "issue 17: a corrupt or foreign value is loaded as a hit (wrong bytes)",
+            (redistier, "decode_value", _decode_without_checks),
+        ),
+        _mutant(
+            "redis_namespace_without_layout",
+            "the key namespace and header fingerprint ignore the layout",
+            "issue 17: engines of different layouts read each other's bytes",
+            (redistier.TierLayout, "fingerprint", _fingerprint_without_layout),
+        ),
+    ]
+)
+"""The Redis tier's seeded mutants, by name (same interface as :data:`MUTANTS`)."""
