@@ -12,11 +12,16 @@ with a drain and a leak check.
 ``RuleBasedStateMachine``) instead, with the same checks (slower per step: Hypothesis draws
 each rule and argument separately).
 
+``--manager package.module:Factory`` runs the manager conformance kit
+(:mod:`statecore.specs.conformance`) against ``Factory(capacity)`` instead
+(``--capacity``, ``--examples``, ``--steps``, ``--seed``), and prints its coverage report.
+
 Exit status: 0 when nothing was found, 1 with the shrunk reproduction printed otherwise.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -197,6 +202,22 @@ def _stateful_campaign(seconds: float, steps: int) -> tuple[int, int, float, str
     return StackMachine.steps_run - before, rounds, time.monotonic() - t0, None
 
 
+def _manager_kit(args: argparse.Namespace) -> int:
+    """``--manager package.module:Factory``: the conformance kit against a third-party manager."""
+    from .conformance import DEFAULT_EXAMPLES, DEFAULT_SHRINK_SECONDS, DEFAULT_STEPS
+    from .thirdparty import run_kit
+
+    shrink = DEFAULT_SHRINK_SECONDS if args.shrink_seconds is None else args.shrink_seconds
+    return run_kit(
+        args.manager,
+        args.capacity,
+        args.examples or DEFAULT_EXAMPLES,
+        args.steps or DEFAULT_STEPS,
+        args.seed,
+        shrink_seconds=shrink,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``statecore fuzz``."""
     from statecore.cli import command_parser, float_above, int_range
@@ -222,10 +243,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="program",
         help="generator: whole programs, or Hypothesis's stateful rule machine",
     )
+    p.add_argument(
+        "--manager",
+        metavar="MODULE:FACTORY",
+        default=None,
+        help="run the manager conformance kit against FACTORY(capacity) (package.module:Factory)",
+    )
+    p.add_argument(
+        "--capacity", metavar="N", type=int_range(0), default=4, help="--manager: capacity in keys"
+    )
+    p.add_argument(
+        "--examples", metavar="N", type=int_range(1), default=None, help="--manager: test cases"
+    )
+    p.add_argument(
+        "--steps", metavar="N", type=int_range(1), default=None, help="--manager: steps per case"
+    )
+    p.add_argument("--seed", metavar="N", type=int, default=None, help="--manager: fixed seed (CI)")
+    p.add_argument(
+        "--shrink-seconds",
+        metavar="S",
+        type=float,
+        default=None,
+        help="--manager: shrinking time cap (default 10)",
+    )
     try:
         args = p.parse_args(list(argv) if argv is not None else None)
     except SystemExit as exc:  # usage errors and --help: their status, not an exception
         return exc.code if isinstance(exc.code, int) else 2
+    if args.manager is not None:
+        return _manager_kit(args)
     if args.mode == "program":
         ops, programs, elapsed, failure = campaign(args.seconds, args.max_ops)
     else:

@@ -1,0 +1,270 @@
+"""The conformance kit as users run it: the reference manager, planted violations, reproductions.
+
+The full measurement (every planted violation x 20 seeds at the default budget) is a command,
+``python -m statecore.specs.planted --seeds 20``; here a fixed-seed slice of it runs.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import Phase
+from statecore.specs.conformance import (
+    SITUATIONS,
+    ConformanceError,
+    ManagerConformanceTests,
+    coverage_report,
+    make_manager_conformance,
+    run_conformance,
+)
+from statecore.specs.fifo import FifoManager
+from statecore.specs.fuzz import main as fuzz_main
+from statecore.specs.planted import PLANTED, run_one
+from statecore.specs.thirdparty import resolve_manager
+
+from statecore.keys import OffloadKey, key_group
+from statecore.manager import LoadStoreSpec, PrepareStoreOutput, ReqContext
+from statecore.managers import CPUOffloadingManager
+
+GENERATE = {"phases": [Phase.generate]}
+
+
+def test_reference_manager_passes_with_every_situation_reached() -> None:
+    machine = make_manager_conformance(lambda: FifoManager(4), 4, eviction="fifo")
+    run_conformance(machine, examples=150, seed=0)
+    report = coverage_report(machine)
+    assert "NOT REACHED" not in report, report
+    assert len(report.splitlines()) == 1 + len(SITUATIONS)
+
+
+@pytest.mark.parametrize("planted", PLANTED, ids=[p.name for p in PLANTED])
+def test_planted_violation_is_caught(planted: Any) -> None:
+    outcome = run_one(planted.cls, seed=0)
+    assert outcome.caught, f"{planted.name} ({planted.text}) was not caught"
+
+
+def _first_failure(cls: type[FifoManager], seed: int = 0) -> ConformanceError:
+    machine = make_manager_conformance(
+        lambda: cls(4), 4, repro_factory=f"{cls.__module__}:{cls.__name__}(4)"
+    )
+    with pytest.raises(ConformanceError) as info:
+        run_conformance(machine, seed=seed, **GENERATE)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "name, invariant, phrase",
+    [
+        ("evicts-pinned", "INV-EVICT", "pinned by"),
+        ("partial-pin", "INV-PIN", "raised but left"),
+        ("reset-keeps-ready", "RESET", "reset_cache must drop"),
+        ("no-eviction-events", "EVENTS", "missing removed events"),
+    ],
+)
+def test_message_names_invariant_and_call(name: str, invariant: str, phrase: str) -> None:
+    planted = next(p for p in PLANTED if p.name == name)
+    failure = _first_failure(planted.cls)
+    assert failure.invariant == invariant, str(failure)
+    assert phrase in failure.detail, failure.detail
+    assert failure.call.startswith(("m.", "out = m.", "events += m.")), failure.call
+
+
+@pytest.mark.parametrize("name", ["evicts-pinned", "finish-drops-pins", "failed-store-loadable"])
+def test_reproduction_is_a_standalone_failing_test(name: str, tmp_path: Path) -> None:
+    planted = next(p for p in PLANTED if p.name == name)
+    failure = _first_failure(planted.cls)
+    code = failure.reproduction
+    assert "bytes.fromhex(" in code and "def test_conformance_reproduction" in code
+    assert "hypothesis" not in code and "state." not in code  # calls the manager directly
+    path = tmp_path / "test_repro.py"
+    path.write_text(code)
+    namespace: dict[str, Any] = {"__name__": "test_repro"}
+    exec(compile(code, str(path), "exec"), namespace)
+    with pytest.raises(AssertionError, match=failure.invariant):
+        namespace["test_conformance_reproduction"]()
+
+
+class _PathSpec(LoadStoreSpec):
+    """A custom spec type: one file name per key."""
+
+    __slots__ = ("paths",)
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        self.paths = tuple(paths)
+
+
+class _FileNamed(FifoManager):
+    """The reference manager answering with its own spec type."""
+
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
+        out = super().prepare_store(keys, ctx)
+        if out is None:
+            return None
+        slots = out.store_spec.slots  # type: ignore[attr-defined]
+        spec = _PathSpec([f"slot-{s}.bin" for s in slots])
+        return PrepareStoreOutput(out.keys_to_store, spec, out.evicted_keys)
+
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> Any:
+        return _PathSpec([f"slot-{s}.bin" for s in super().prepare_load(keys, ctx).slots])
+
+
+def _paths(spec: LoadStoreSpec) -> Sequence[str]:
+    assert isinstance(spec, _PathSpec)
+    return spec.paths
+
+
+def test_custom_spec_type_locations_checked_when_declared() -> None:
+    machine = make_manager_conformance(lambda: _FileNamed(4), 4, spec_slots=_paths)
+    run_conformance(machine, examples=40, seed=1)
+    assert machine.coverage["locations-checked"] > 0  # type: ignore[attr-defined]
+    undeclared = make_manager_conformance(lambda: _FileNamed(4), 4)
+    run_conformance(undeclared, examples=10, seed=1)
+    assert "locations not checked: store spec type _PathSpec" in coverage_report(undeclared)
+
+
+class _SharesFile(_FileNamed):
+    """Bug: every key of a store is written to the same file."""
+
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
+        out = super().prepare_store(keys, ctx)
+        if out is None:
+            return None
+        spec = _PathSpec(["one.bin"] * len(out.keys_to_store))
+        return PrepareStoreOutput(out.keys_to_store, spec, out.evicted_keys)
+
+
+def test_custom_spec_type_collision_is_caught() -> None:
+    machine = make_manager_conformance(lambda: _SharesFile(4), 4, spec_slots=_paths)
+    with pytest.raises(ConformanceError, match="share a location"):
+        run_conformance(machine, seed=0, **GENERATE)
+
+
+class _KeyErrorsOnly(FifoManager):
+    """Raises plain KeyError for unknown keys (a declared, different error type)."""
+
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> Any:
+        for k in keys:
+            if k not in self.entries:
+                raise KeyError(k.hex())
+        return super().prepare_load(keys, ctx)
+
+
+class _OddGroupsOnly(FifoManager):
+    """Admission policy: stores only keys of odd KV-cache groups."""
+
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
+        return super().prepare_store([k for k in keys if key_group(k) % 2], ctx)
+
+
+def test_declared_behaviours() -> None:
+    errors = {"load-unknown": KeyError}
+    run_conformance(
+        make_manager_conformance(lambda: _KeyErrorsOnly(4), 4, errors=errors),
+        examples=40,
+        seed=0,
+    )
+    with pytest.raises(ConformanceError, match="ERRORS"):
+        run_conformance(make_manager_conformance(lambda: _KeyErrorsOnly(4), 4), seed=0, **GENERATE)
+    run_conformance(
+        make_manager_conformance(lambda: _OddGroupsOnly(4), 4, admission=True),
+        examples=40,
+        seed=0,
+    )
+    with pytest.raises(ConformanceError, match="INV-EVICT"):
+        run_conformance(make_manager_conformance(lambda: _OddGroupsOnly(4), 4), seed=0, **GENERATE)
+
+
+class _NewestFirst(FifoManager):
+    """Evicts the newest idle key first: legal, but not the declared FIFO order."""
+
+    def _victims(self, n: int, offered: set[OffloadKey]) -> list[OffloadKey] | None:
+        out = [k for k, e in reversed(self.entries.items()) if e.ready and not e.pins]
+        out = [k for k in out if k not in offered][:n]
+        return out if len(out) == n else None
+
+
+def test_declared_eviction_order() -> None:
+    lru = make_manager_conformance(lambda: CPUOffloadingManager(4, "lru"), 4, eviction="lru")
+    run_conformance(lru, examples=40, seed=0)
+    assert lru.coverage["touch"] > 0  # type: ignore[attr-defined]
+    with pytest.raises(ConformanceError, match="least recently used"):
+        run_conformance(
+            make_manager_conformance(lambda: FifoManager(4), 4, eviction="lru"),
+            seed=0,
+            **GENERATE,
+        )
+    run_conformance(make_manager_conformance(lambda: _NewestFirst(4), 4), examples=40, seed=0)
+    with pytest.raises(ConformanceError, match="EVICTION-ORDER"):
+        run_conformance(
+            make_manager_conformance(lambda: _NewestFirst(4), 4, eviction="fifo"),
+            seed=0,
+            **GENERATE,
+        )
+
+
+class TestFifoThroughBaseClass(ManagerConformanceTests):
+    """The pytest base class, as a user subclasses it (a fixed seed: the CI recipe)."""
+
+    capacity = 3
+    examples = 60
+    seed = 0
+
+    @staticmethod
+    def make_manager() -> FifoManager:
+        return FifoManager(3)
+
+
+def test_fuzz_manager_import_path(capsys: pytest.CaptureFixture[str]) -> None:
+    ok = fuzz_main(
+        ["--manager", "statecore.specs.fifo:FifoManager", "--examples", "30", "--seed", "0"]
+    )
+    out = capsys.readouterr().out
+    assert ok == 0, out
+    assert "contract situations reached" in out and "no violation found" in out
+    bad = fuzz_main(
+        [
+            "--manager",
+            "statecore.specs.planted:EvictsPinned",
+            "--seed",
+            "0",
+            "--shrink-seconds",
+            "0",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert bad == 1
+    assert "INV-EVICT" in out and "from statecore.specs.planted import EvictsPinned" in out
+    assert fuzz_main(["--manager", "statecore.specs.fifo:Nope"]) == 2
+    assert fuzz_main(["--manager", "no_such_module_xyz:F"]) == 2
+
+
+def test_resolve_manager() -> None:
+    assert resolve_manager("statecore.specs.fifo:FifoManager") is FifoManager
+    with pytest.raises(ValueError, match=r"expected package\.module:Factory"):
+        resolve_manager("statecore.specs.fifo")
+
+
+def test_measurement_table_format() -> None:
+    from statecore.specs.planted import measure
+
+    buf = io.StringIO()
+    rows = measure([0], only=["hit-while-pending"], out=buf, examples=20)
+    lines = buf.getvalue().splitlines()
+    assert lines[0].startswith("| planted violation | what it does | caught")
+    assert lines[2].startswith(
+        "| reference (unmodified) | the reference FIFO manager: must pass | 0/1 |"
+    )
+    assert lines[3].startswith(
+        "| hit-while-pending | lookup answers HIT while a store is pending | 1/1 |"
+    )
+    assert [name for name, _ in rows] == ["reference (unmodified)", "hit-while-pending"]
