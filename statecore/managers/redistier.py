@@ -276,6 +276,25 @@ def decode_value(value: bytes, fingerprint: bytes, key: bytes, length: int) -> s
     return payload
 
 
+_IOV_BATCH = 512  # buffers per sendmsg (below every platform's IOV_MAX)
+
+
+def _send_all(sock: Any, parts: Sequence[bytes | memoryview]) -> None:
+    """Send every buffer of ``parts``, in order, with gathered writes (``sendmsg``)."""
+    views = [memoryview(p) for p in parts if len(p)]
+    i = 0
+    while i < len(views):
+        sent = int(sock.sendmsg(views[i : i + _IOV_BATCH]))
+        while sent:
+            n = views[i].nbytes
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+
+
 @dataclass(slots=True)
 class _RedisJob:
     is_store: bool
@@ -435,7 +454,14 @@ class RedisTier:
         conn = conns.get_connection()
         out: list[str] = []
         try:
-            conn.send_packed_command(parts, check_health=False)
+            sock = getattr(conn, "_sock", None)
+            if sock is None:
+                conn.connect()
+                sock = getattr(conn, "_sock", None)
+            if sock is not None and hasattr(sock, "sendmsg"):
+                _send_all(sock, parts)  # gathered: one system call for many buffers
+            else:
+                conn.send_packed_command(parts, check_health=False)
             for _ in batch:
                 try:
                     reply = conn.read_response()
