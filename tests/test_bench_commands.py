@@ -45,6 +45,7 @@ def test_bench_tier_prints_store_and_load_for_every_chunk_size(
     argv = ["bench", "tier", "--chunk-kib", "64,256", "--total-mib", "1", "--repeat", "1"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    rows = re.findall(r"^\s+(\d+)K\s+(store|load)\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M)
+    row = r"^\s+(\d+)K\s+(store|load)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$"
+    rows = re.findall(row, out, re.M)
     assert sorted(rows) == [("256", "load"), ("256", "store"), ("64", "load"), ("64", "store")]
     assert "MISMATCH" not in out
