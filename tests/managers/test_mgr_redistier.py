@@ -320,7 +320,7 @@ def test_server_slower_than_timeout_fails_the_job_without_blocking_the_scheduler
         b.tier.drain()
         assert b.lookup(1) is LookupResult.HIT_PENDING
         control = srv.client()
-        control.execute_command("CLIENT", "PAUSE", 1500, "ALL")  # the server stops answering
+        control.execute_command("CLIENT", "PAUSE", 3000, "ALL")  # the server stops answering
         try:
             b.step()  # submits the promotion: returns at once, the job waits on the server
             assert b.tier.has_pending_work()
@@ -329,6 +329,7 @@ def test_server_slower_than_timeout_fails_the_job_without_blocking_the_scheduler
             assert b.lookup(1) is LookupResult.MISS
             assert b.m.get_stats()["promotions_failed"] == 1
         finally:
+            # queued behind the pause like every command: returns once the server answers
             control.execute_command("CLIENT", "UNPAUSE")
         b.m.reset_cache()
         for _ in range(3):  # the failure's MISS answer ages out (lookup_ttl_steps=2)
