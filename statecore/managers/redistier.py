@@ -35,15 +35,22 @@ promotion that finds a key missing makes it known absent.
 **Batched, pipelined, off the scheduler's path.** Each store or promotion job is one
 pipeline (split at ``max_batch_bytes``) run on an executor (a thread pool by default,
 ``workers`` threads, each job on one pooled connection); the scheduler thread only builds the
-job and collects results in :meth:`RedisTier.get_finished`. Every command has the socket
-timeout ``timeout_s``: a server slower than that fails the job (``success=False``), which the
-tiering manager turns into a recompute, exactly like a failed file read. Keep ``timeout_s``
+job and collects results in :meth:`RedisTier.get_finished`. A store's ``SET`` commands are
+written straight onto a pooled connection with gathered writes (``sendmsg``) of each
+command's header and the pool rows where they lie, so the value is never joined into one
+buffer (an injected client without a connection pool gets a plain pipeline). Every command
+has the socket timeout ``timeout_s``: a server slower than that fails the job
+(``success=False``), which the tiering manager turns into a recompute, exactly like a failed
+file read. Keep ``timeout_s``
 below the scheduler's ``stall_timeout_s``. Connections are re-established by the client on
 the next job, so the tier recovers by itself when the server is back; no retries are made
 inside a job (a retry would only delay the recompute).
 
 **Cluster.** With ``cluster=True`` the client is ``redis.cluster.RedisCluster``: keys spread
-over the hash slots of every primary, and a pipeline is split per node by the client.
+over the hash slots of every primary. A store job is split by the node owning each key's slot
+and written to each node directly (a node that fails fails only its keys; a ``MOVED`` reply
+rejects that store); promotions and lookups use the client's cluster pipeline, which follows
+``MOVED`` and refreshes the slot map.
 
 The tier's index lives only in the server; what this object keeps (the lookup answers, the
 keys being stored) is changed only by the thread that calls :meth:`RedisTier.get_finished`,
@@ -391,7 +398,9 @@ class RedisTier:
         try:
             for batch in self._batches(len(keys)):
                 if self._direct:
-                    out.extend(self._write_direct(keys, slots, batch))
+                    out.extend(self._write_direct(self.client, keys, slots, batch))
+                elif self.config.cluster:
+                    out.extend(self._write_cluster(keys, slots, batch))
                 else:
                     out.extend(self._write_pipeline(keys, slots, batch))
         except Exception:  # the server or the connection failed: every key not written
@@ -412,11 +421,38 @@ class RedisTier:
             for reply in pipe.execute(raise_on_error=False)
         ]
 
-    def _write_direct(
+    def _write_cluster(
         self, keys: tuple[OffloadKey, ...], slots: tuple[int, ...], batch: range
     ) -> list[str]:
-        """The batch's SETs written straight onto one pooled connection, the pool rows sent
-        from where they are (no joined copy of the value), then every reply read."""
+        """The batch split by the node that owns each key's hash slot, each node's part
+        written directly; a node that fails fails only its keys. A reply ``MOVED`` (the slot
+        map changed) rejects that store; the next promotion's pipeline refreshes the map."""
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for i in batch:
+            node = self.client.get_node_from_key(self.redis_key(keys[i]))
+            node_client = getattr(node, "redis_connection", None)
+            if node_client is None or not hasattr(node_client, "connection_pool"):
+                return self._write_pipeline(keys, slots, batch)
+            groups.setdefault(str(node.name), (node_client, []))[1].append(i)
+        results: dict[int, str] = {}
+        for node_client, idx in groups.values():
+            try:
+                got = self._write_direct(node_client, keys, slots, idx)
+            except Exception:  # this node is down or slow: its keys are not written
+                got = [_IO_ERROR] * len(idx)
+            results.update(zip(idx, got, strict=True))
+        return [results[i] for i in batch]
+
+    def _write_direct(
+        self,
+        client: Any,
+        keys: tuple[OffloadKey, ...],
+        slots: tuple[int, ...],
+        batch: Sequence[int],
+    ) -> list[str]:
+        """The batch's SETs written straight onto one pooled connection of ``client``, the
+        pool rows sent from where they are (no joined copy of the value), then every reply
+        read."""
         import redis
 
         pool = self.pool
@@ -450,7 +486,7 @@ class RedisTier:
             parts.extend(rows)
             tail = b"\r\n" + px
         parts.append(tail)
-        conns = self.client.connection_pool
+        conns = client.connection_pool
         conn = conns.get_connection()
         out: list[str] = []
         try:
