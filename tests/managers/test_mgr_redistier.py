@@ -472,5 +472,15 @@ def test_three_node_cluster_spreads_keys_and_serves_another_instance() -> None:
         b.m.reset_cache()
         got = [b.fetch(i) for i in ids[12:24]]
         assert all(g is None or g == chunk(i) for g, i in zip(got, ids[12:24], strict=True))
+        # a store job over every node: the live nodes' keys are written, the dead node's not
+        new = list(range(200, 224))
+        live = [node for node in cl.nodes if node.running]
+        before = sum(node.client().dbsize() for node in live)
+        a.m.get_stats()
+        a.store(*new)
+        stats = a.m.get_stats()
+        assert stats["cascades_failed"] == 1 and stats["redis0.server_errors"] == 1
+        written = sum(node.client().dbsize() for node in live) - before
+        assert 0 < written < len(new)
         a.close()
         b.close()
