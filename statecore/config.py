@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from statecore.errors import ConfigError
+from statecore import validate
+from statecore.errors import ConfigError, describe
 
 __all__ = ["GroupConfig", "SchedulerConfig"]
 
@@ -21,6 +22,11 @@ class GroupConfig:
 
     tokens_per_block: int
     sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        validate.config_int("GroupConfig", "tokens_per_block", self.tokens_per_block, 1)
+        if self.sliding_window is not None:
+            validate.config_int("GroupConfig", "sliding_window", self.sliding_window, 1)
 
     @property
     def is_sliding(self) -> bool:
@@ -59,47 +65,56 @@ class SchedulerConfig:
     _tph: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
-        if not self.groups:
-            raise ConfigError("SchedulerConfig.groups: at least one KV-cache group is needed")
-        for g, grp in enumerate(self.groups):
-            if grp.tokens_per_block <= 0:
+        owner = "SchedulerConfig"
+        groups: object = self.groups
+        if isinstance(groups, list):
+            groups = tuple(groups)
+            object.__setattr__(self, "groups", groups)
+        if type(groups) is not tuple:
+            raise ConfigError(
+                f"{owner}.groups must be a tuple of GroupConfig, got {describe(groups)}",
+                f"{owner}.groups",
+                groups,
+            )
+        if not groups:
+            raise ConfigError(f"{owner}.groups: at least one KV-cache group is needed")
+        for g, grp in enumerate(groups):
+            if type(grp) is not GroupConfig:
                 raise ConfigError(
-                    f"SchedulerConfig.groups[{g}].tokens_per_block must be > 0, "
-                    f"got {grp.tokens_per_block}"
+                    f"{owner}.groups[{g}] must be a GroupConfig, got {describe(grp)}",
+                    f"{owner}.groups[{g}]",
+                    grp,
                 )
-            if grp.sliding_window is not None and grp.sliding_window <= 0:
-                raise ConfigError(
-                    f"SchedulerConfig.groups[{g}].sliding_window must be > 0 or None, "
-                    f"got {grp.sliding_window}"
-                )
-        if self.blocks_per_chunk <= 0:
-            raise ConfigError(f"blocks_per_chunk must be > 0, got {self.blocks_per_chunk}")
+        validate.config_int(owner, "blocks_per_chunk", self.blocks_per_chunk, 1)
+        if self.tokens_per_hash is not None:
+            validate.config_int(owner, "tokens_per_hash", self.tokens_per_hash, 1)
+        validate.config_int(owner, "num_workers", self.num_workers, 1)
+        validate.config_int(
+            owner, "max_recompute_pending_tokens", self.max_recompute_pending_tokens, 0
+        )
+        validate.config_bool(owner, "offload_prompt_only", self.offload_prompt_only)
+        validate.config_bool(owner, "enable_prefix_caching", self.enable_prefix_caching)
+        validate.config_float(owner, "stall_timeout_s", self.stall_timeout_s)
+        validate.config_float(owner, "stall_check_interval_s", self.stall_check_interval_s)
         tph = self.tokens_per_hash
         if tph is None:
-            tph = min(g.tokens_per_block for g in self.groups)
-        if tph <= 0:
-            raise ConfigError(f"tokens_per_hash must be > 0, got {tph}")
-        for g, grp in enumerate(self.groups):
+            tph = min(g.tokens_per_block for g in groups)
+        for g, grp in enumerate(groups):
             tpc = grp.tokens_per_block * self.blocks_per_chunk
             if tpc % tph:
                 raise ConfigError(
                     f"group {g}: tokens per chunk {tpc} (tokens_per_block "
                     f"{grp.tokens_per_block} x blocks_per_chunk {self.blocks_per_chunk}) is not "
-                    f"a multiple of tokens_per_hash {tph}"
+                    f"a multiple of tokens_per_hash {tph}",
+                    f"{owner}.tokens_per_hash",
+                    tph,
                 )
-        if self.num_workers <= 0:
-            raise ConfigError(f"num_workers must be > 0, got {self.num_workers}")
-        if self.max_recompute_pending_tokens < 0:
+        if self.stall_check_interval_s > self.stall_timeout_s:
             raise ConfigError(
-                "max_recompute_pending_tokens must be >= 0, "
-                f"got {self.max_recompute_pending_tokens}"
-            )
-        if not self.stall_timeout_s > 0:
-            raise ConfigError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
-        if not 0 < self.stall_check_interval_s <= self.stall_timeout_s:
-            raise ConfigError(
-                "stall_check_interval_s must be > 0 and <= stall_timeout_s, "
-                f"got {self.stall_check_interval_s}"
+                f"{owner}.stall_check_interval_s must be <= stall_timeout_s "
+                f"({self.stall_timeout_s}), got {describe(self.stall_check_interval_s)}",
+                f"{owner}.stall_check_interval_s",
+                self.stall_check_interval_s,
             )
         object.__setattr__(self, "_tph", tph)
 

@@ -11,7 +11,9 @@ Writes, under ``docs/``:
   (statement, failure prevented, where it is checked, its scheduler predicate if any, and the
   modules that name it);
 * ``reference/cli.md``: every ``statecore`` command with its options, read from the argparse
-  parsers.
+  parsers;
+* ``bad-inputs.md``: the bad-input table of :mod:`statecore.specs.bad_inputs`, each case run
+  to show its typed error and message or its counted tolerance.
 
 Everything is derived from the code: the compiled lifecycles, the scheduler's source (read with
 :mod:`ast`: ``REQUEST.fire``/``JOB.fire`` calls, ``self.manager.*`` accesses and calls between
@@ -52,6 +54,7 @@ __all__ = [
     "check",
     "default_docs_dir",
     "main",
+    "render_bad_inputs_page",
     "render_cli_page",
     "render_invariants_page",
     "render_lifecycle_page",
@@ -790,7 +793,15 @@ def rendered_pages() -> dict[str, str]:
     }
     pages["invariants.md"] = render_invariants_page()
     pages["reference/cli.md"] = render_cli_page()
+    pages["bad-inputs.md"] = render_bad_inputs_page()
     return pages
+
+
+def render_bad_inputs_page() -> str:
+    """The "bad inputs" page: :mod:`statecore.specs.bad_inputs` run case by case."""
+    # specs/ is mapped into the package at build time; import it by name
+    page: str = importlib.import_module("statecore.specs.bad_inputs").render_page()
+    return page
 
 
 def default_docs_dir() -> Path | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import NewType
 
+from statecore.errors import InvalidArgumentError
+
 __all__ = ["OffloadKey", "key_group", "key_hash", "make_offload_key"]
 
 OffloadKey = NewType("OffloadKey", bytes)
@@ -18,10 +20,21 @@ _GROUP_BYTES = 4
 
 
 def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
-    """Build the key of the chunk ending with ``block_hash`` in group ``group_idx``."""
-    if not 0 <= group_idx < 2**32:
-        raise ValueError(f"group index {group_idx} does not fit in 4 bytes")
-    return OffloadKey(bytes(block_hash) + group_idx.to_bytes(_GROUP_BYTES, "big"))
+    """Build the key of the chunk ending with ``block_hash`` in group ``group_idx``.
+
+    Raises :class:`~statecore.errors.InvalidArgumentError` (a ``ValueError`` and a
+    ``TypeError``) unless ``block_hash`` is bytes and ``group_idx`` an int (not a bool) in
+    ``0 .. 2**32 - 1``.
+    """
+    if type(group_idx) is not int or not 0 <= group_idx < 2**32:
+        raise InvalidArgumentError(
+            "make_offload_key", "group_idx", group_idx, "an int in 0..2**32-1 (4 bytes)"
+        )
+    if type(block_hash) is not bytes:
+        if not isinstance(block_hash, bytes | bytearray | memoryview):
+            raise InvalidArgumentError("make_offload_key", "block_hash", block_hash, "bytes")
+        block_hash = bytes(block_hash)
+    return OffloadKey(block_hash + group_idx.to_bytes(_GROUP_BYTES, "big"))
 
 
 def key_hash(key: OffloadKey) -> bytes:

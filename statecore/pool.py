@@ -14,7 +14,8 @@ from __future__ import annotations
 import mmap
 from collections.abc import Sequence
 
-from statecore.errors import ConfigError
+from statecore import validate
+from statecore.errors import ConfigError, describe
 
 __all__ = ["CPUPool"]
 
@@ -30,10 +31,19 @@ class CPUPool:
     __slots__ = ("_maps", "_views", "num_slots", "row_bytes")
 
     def __init__(self, num_slots: int, row_bytes: Sequence[int]) -> None:
-        if num_slots < 0:
-            raise ConfigError(f"CPUPool: num_slots must be >= 0, got {num_slots}")
-        if not row_bytes or any(r <= 0 for r in row_bytes):
-            raise ConfigError(f"CPUPool: row_bytes must be positive, got {list(row_bytes)}")
+        validate.config_int("CPUPool", "num_slots", num_slots, 0)
+        if (
+            isinstance(row_bytes, str | bytes)
+            or not isinstance(row_bytes, Sequence)
+            or not row_bytes
+            or any(type(r) is not int or r <= 0 for r in row_bytes)
+        ):
+            raise ConfigError(
+                f"CPUPool.row_bytes must be a non-empty sequence of ints > 0, got "
+                f"{describe(row_bytes)}",
+                "CPUPool.row_bytes",
+                row_bytes,
+            )
         self.num_slots = num_slots
         self.row_bytes = tuple(int(r) for r in row_bytes)
         self._maps = [mmap.mmap(-1, max(1, num_slots * r)) for r in self.row_bytes]

@@ -18,8 +18,17 @@ follows the hooks of vLLM's offloading connector (``get_num_new_matched_tokens``
   except for loads the workers already run: those are carried over, complete normally and
   release their requests, so a reset never fails a request (vLLM's default
   ``kv_load_failure_policy`` aborts a request whose load fails);
-* bad input never asserts: it raises a typed :mod:`statecore.errors` error with the state
-  unchanged, or is absorbed and counted (see :class:`SchedulerCounters`).
+* bad input never asserts: every hook first runs the pure checks of
+  :mod:`statecore.validate` on all of its arguments, then mutates; a malformed argument
+  raises a typed :mod:`statecore.errors` error with the state unchanged, and documented
+  anomalies (reports for unknown jobs, a live request view turned bad, ...) are absorbed and
+  counted (see :class:`SchedulerCounters`).
+
+Admission: a lookup never changes a request's block lists or store cursors (so calling it
+for a running request is harmless). An allocation (:meth:`update_state_after_alloc`) records
+the request's complete block lists; the request's next :class:`~statecore.views.ScheduledRequest`
+starts from that fresh allocation, whether it repeats the complete lists (vLLM's new-request
+form) or carries only blocks added since.
 
 The class is sans-IO: no threads, no files, time only through the injected ``clock``.
 
@@ -41,7 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from statecore import kernels
+from statecore import kernels, validate
 from statecore.config import SchedulerConfig
 from statecore.errors import ManagerError, MetadataError, UnknownRequestError
 from statecore.keys import OffloadKey, make_offload_key
@@ -110,6 +119,7 @@ class RequestRecord:
     __slots__ = (
         "_shadow",
         "_sm",
+        "admitted",
         "ctx",
         "deferred_since",
         "groups",
@@ -155,6 +165,8 @@ class RequestRecord:
         self.store_floor = 0
         # offloadable tokens never exceed this (max_offload_tokens, prompt-only)
         self.store_cap = 1 << 62
+        # complete block lists of the last allocation, until the next scheduling applies them
+        self.admitted: list[tuple[int, ...]] | None = None
         self.state = 0
         REQUEST.attach(self)
 
@@ -418,6 +430,25 @@ class OffloadingScheduler:
             raise UnknownRequestError(req_id, "request_state")
         return REQUEST.state_name(rec)
 
+    def request_keys(self, req_id: str) -> tuple[tuple[OffloadKey, ...], ...]:
+        """The offload keys of a tracked request, per KV-cache group, in chunk order.
+
+        Key ``i`` of group ``g`` names the chunk covering tokens ``[i * tpc, (i + 1) * tpc)``
+        (``tpc = config.tokens_per_chunk(g)``), for every whole chunk the request's block
+        hashes covered when the scheduler last read them. Raises
+        :class:`~statecore.errors.UnknownRequestError` for an untracked request.
+        """
+        rec = self._reqs.get(req_id) if type(req_id) is str else None
+        if rec is None:
+            raise UnknownRequestError(req_id, "request_keys")
+        return tuple(tuple(gs.keys) for gs in rec.groups)
+
+    def _where(self, req_id: object) -> tuple[str | None, str | None]:
+        """The entity and state an error about ``req_id`` names (error path only)."""
+        rec = self._reqs.get(req_id) if type(req_id) is str else None
+        state = "untracked" if rec is None else REQUEST.state_name(rec)
+        return f"request {req_id!r}", state
+
     def check_invariants(self) -> None:
         """Evaluate every scheduler invariant; raise the first violation."""
         # specs/ is mapped into the package at build time; import it by name
@@ -427,8 +458,20 @@ class OffloadingScheduler:
     # engine hooks
 
     def on_new_request(self, request: RequestLike) -> None:
-        """First sighting of ``request``: ask the manager for its policy and track it."""
-        if request.request_id in self._reqs:
+        """First sighting of ``request``: ask the manager for its policy and track it.
+
+        Raises :class:`~statecore.errors.InvalidMetadataError` (nothing changes) for a request
+        view with a field of the wrong type or range.
+        """
+        rec = self._reqs.get(validate.request_id(request, "on_new_request"))
+        validate.request_view(
+            request,
+            "on_new_request",
+            self._where,
+            rec.n_hashes if rec is not None else 0,
+            params=rec is None,
+        )
+        if rec is not None:
             return
         self._track(request)
 
@@ -460,19 +503,47 @@ class OffloadingScheduler:
         its hit chunks. ``(n, True)`` means ``n`` tokens will be loaded asynchronously after
         :meth:`update_state_after_alloc`; ``(0, False)`` means nothing to load.
 
-        Raises :class:`~statecore.errors.LifecycleError` for a finished request.
+        A lookup changes no block list and no store cursor: the allocation that follows it
+        (:meth:`update_state_after_alloc`) does. Calling it for a running request only answers.
+
+        Raises :class:`~statecore.errors.LifecycleError` for a finished request and
+        :class:`~statecore.errors.InvalidMetadataError` for a malformed request view or
+        ``num_computed_tokens`` outside ``0..request.num_tokens`` (nothing changes then).
         """
-        rec = self._reqs.get(request.request_id)
+        call = "get_num_new_matched_tokens"
+        rid = validate.request_id(request, call)
+        rec = self._reqs.get(rid)
+        validate.request_view(
+            request, call, self._where, rec.n_hashes if rec is not None else 0, rec is None
+        )
+        if type(num_computed_tokens) is not int or not (
+            0 <= num_computed_tokens <= request.num_tokens
+        ):
+            validate._fail(
+                call,
+                "num_computed_tokens",
+                num_computed_tokens,
+                f"an int in 0..request.num_tokens ({request.num_tokens})",
+                self._where,
+                rid,
+            )
+        if max_num_new_tokens is not None and (
+            type(max_num_new_tokens) is not int or max_num_new_tokens < 0
+        ):
+            validate._fail(
+                call,
+                "max_num_new_tokens",
+                max_num_new_tokens,
+                "None or an int >= 0",
+                self._where,
+                rid,
+            )
         if rec is None:
             self.counters.implicit_new_requests += 1
             rec = self._track(request)
         REQUEST.require(rec, RE_LOOKUP)
         rec.request = request
         self.counters.lookups += 1
-        rec.store_floor = 0
-        for gs in rec.groups:  # re-admission starts from a fresh allocation
-            gs.block_ids.clear()
-            gs.cursor = 0
         if rec.jobs:
             REQUEST.fire(rec, RE_LOOKUP)
             return self._deferred(rec)
@@ -580,24 +651,37 @@ class OffloadingScheduler:
         ``num_computed + num_external_tokens`` tokens. With external tokens, create the load
         job that fills the blocks beyond the locally computed prefix.
 
+        The lists are recorded as the request's fresh allocation: its next
+        :class:`~statecore.views.ScheduledRequest` starts from them (see the module docstring).
+
         Raises :class:`~statecore.errors.UnknownRequestError` for an untracked request,
         :class:`~statecore.errors.LifecycleError` when the request cannot load now (it has
-        jobs in flight or finished), and :class:`~statecore.errors.MetadataError` for block
-        lists that do not fit; nothing changes then.
+        jobs in flight or finished), :class:`~statecore.errors.InvalidMetadataError` for a
+        malformed request view, block lists or token count, and
+        :class:`~statecore.errors.MetadataError` for block lists that do not fit; nothing
+        changes then.
         """
-        rec = self._reqs.get(request.request_id)
-        if rec is None:
-            raise UnknownRequestError(request.request_id, "update_state_after_alloc")
-        if len(block_ids) != self._n_groups:
-            raise MetadataError(
-                f"update_state_after_alloc: request {rec.req_id!r}: {len(block_ids)} block "
-                f"lists for {self._n_groups} KV-cache groups"
+        call = "update_state_after_alloc"
+        rid = validate.request_id(request, call)
+        rec = self._reqs.get(rid)
+        validate.request_view(request, call, self._where, rec.n_hashes if rec is not None else 0)
+        validate.block_lists(block_ids, self._n_groups, call, "block_ids", self._where, rid)
+        if type(num_external_tokens) is not int or num_external_tokens < 0:
+            validate._fail(
+                call, "num_external_tokens", num_external_tokens, "an int >= 0", self._where, rid
             )
-        allocated = self._batch.allocated
-        for ids in block_ids:
-            allocated.update(ids)
-        allocated.discard(0)  # the null block is never handed to an owner
-        if num_external_tokens <= 0:
+        if rec is None:
+            raise UnknownRequestError(rid, call)
+        if num_external_tokens == 0:
+            local = rec.num_local_computed
+            for g, ids in enumerate(block_ids):
+                if len(ids) < _ceil_div(local, self._tpb[g]):
+                    raise MetadataError(
+                        f"{call}: request {rid!r} group {g}: {len(ids)} blocks cannot hold the "
+                        f"{local} locally computed tokens its lookup reported (the lists are "
+                        f"the request's complete block lists)"
+                    )
+            self._note_allocation(rec, block_ids)
             return
         REQUEST.require(rec, RE_ALLOC_LOAD)
         num_cached = rec.num_local_computed + num_external_tokens
@@ -625,6 +709,7 @@ class OffloadingScheduler:
             if n_gpu > start:
                 keys.extend(gs.keys[start // bpc : end_chunk])
         src = self.manager.prepare_load(keys, rec.ctx)  # typed error, nothing changed yet
+        self._note_allocation(rec, block_ids)
         if rec.policy is OffloadPolicy.CHUNK_LEVEL:
             for g, gs in enumerate(rec.groups):
                 gs.skip = max(gs.skip, _ceil_div(num_cached, self._tpc[g]))
@@ -637,6 +722,16 @@ class OffloadingScheduler:
         self._batch.loads[job.job_id] = TransferJob(
             rec.req_id, src, GPULoadStoreSpec(tuple(dst), tuple(sizes), tuple(starts))
         )
+
+    def _note_allocation(self, rec: RequestRecord, block_ids: Sequence[Sequence[int]]) -> None:
+        """Record an allocation: fence-relevant ids, and the lists the next scheduling uses."""
+        allocated = self._batch.allocated
+        admitted: list[tuple[int, ...]] = []
+        for ids in block_ids:
+            allocated.update(ids)
+            admitted.append(tuple(ids))
+        allocated.discard(0)  # the null block is never handed to an owner
+        rec.admitted = admitted
 
     def _new_job(
         self,
@@ -679,10 +774,8 @@ class OffloadingScheduler:
         block handed out this step, build store jobs (running requests, then finished ones),
         then signal finished requests to the manager.
         """
-        if not isinstance(output, SchedulerOutput):
-            raise MetadataError(
-                f"build_connector_meta: expected SchedulerOutput, got {type(output).__name__}"
-            )
+        validate.scheduler_output(output, self._n_groups, self._where)
+        self._check_live_views(output)
         batch = self._batch
         scheduled = self._update_req_states(output)
         self.manager.on_schedule_end(
@@ -723,24 +816,52 @@ class OffloadingScheduler:
         self._batch = _StepBatch()
         return meta
 
+    def _check_live_views(self, output: SchedulerOutput) -> None:
+        """The request views ``build_connector_meta`` reads are read live: check them first."""
+        reqs = self._reqs
+        check = validate.request_view
+        for s in output.scheduled:
+            rec = reqs.get(s.req_id)
+            if rec is not None:
+                check(rec.request, "build_connector_meta", self._where, rec.n_hashes)
+        for rec in self._awaiting_signal.values():
+            check(rec.request, "build_connector_meta", self._where, rec.n_hashes)
+
+    def _admit(self, rec: RequestRecord, new_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+        """The first scheduling after an allocation: start from the allocated lists.
+
+        ``new_ids`` may repeat the complete lists (vLLM's new-request form) or carry only the
+        blocks added since the allocation; either way the request's lists become the
+        allocation followed by what is new. Cursors rewind (a fresh allocation).
+        """
+        admitted = rec.admitted or []
+        rec.admitted = None
+        rec.store_floor = 0
+        out: list[list[int]] = []
+        for gs, adm, ids in zip(rec.groups, admitted, new_ids, strict=True):
+            gs.block_ids.clear()
+            gs.cursor = 0
+            n = len(adm)
+            if n and (len(ids) < n or tuple(ids[:n]) != adm):
+                out.append([*adm, *ids])
+            else:
+                out.append(list(ids))
+        return out
+
     def _update_req_states(self, output: SchedulerOutput) -> list[RequestRecord]:
         allocated = self._batch.allocated
         scheduled: list[RequestRecord] = []
         swa_pre_len: list[tuple[GroupState, int]] = []
         reqs = self._reqs
-        n_groups = self._n_groups
         sliding = self._sliding if self._any_sliding else None
         for s in output.scheduled:
             rec = reqs.get(s.req_id)
             if rec is None:
                 self.counters.unknown_scheduled_requests += 1
                 continue
-            new_ids = s.new_block_ids
-            if len(new_ids) != n_groups:
-                raise MetadataError(
-                    f"build_connector_meta: request {s.req_id!r}: {len(new_ids)} "
-                    f"block lists for {n_groups} KV-cache groups"
-                )
+            new_ids: Sequence[Sequence[int]] = s.new_block_ids
+            if rec.admitted is not None:
+                new_ids = self._admit(rec, new_ids)
             request = rec.request
             if len(request.block_hashes) != rec.n_hashes:
                 self._update_keys(rec)
@@ -906,14 +1027,19 @@ class OffloadingScheduler:
         invalid counts (not a positive int) are ignored and counted. Then the stall check runs
         (at most once per ``stall_check_interval_s``).
 
-        Raises :class:`~statecore.errors.MetadataError` (nothing changes) when ``meta`` is not
-        a :class:`~statecore.WorkerMetadata`.
+        Raises :class:`~statecore.errors.InvalidMetadataError` (a
+        :class:`~statecore.errors.MetadataError`; nothing changes) when ``meta`` is not a
+        :class:`~statecore.WorkerMetadata` or None, or one of its fields has the wrong type
+        (a per-job map that is not a dict, ``stats`` that is not a
+        :class:`~statecore.wire.TransferStats` of finite non-negative numbers, ...). The
+        whole report is rejected then, not a part of it.
+
+        Duplicates: a count-only report delivered twice cannot be told from two workers'
+        reports. Workers that set ``WorkerMetadata.rank`` (as :class:`~statecore.OffloadingWorker`
+        does) also send rank masks; the scheduler then counts each rank at most once per job
+        and counts a repeated rank in ``duplicate_reports``.
         """
-        if meta is not None and not isinstance(meta, WorkerMetadata):
-            raise MetadataError(
-                f"update_connector_output: expected WorkerMetadata or None, "
-                f"got {type(meta).__name__}"
-            )
+        validate.worker_metadata(meta)
         c = self.counters
         if meta is not None:
             load, store = meta.stats.load, meta.stats.store
@@ -1023,9 +1149,15 @@ class OffloadingScheduler:
         ``on_new_request`` and ``on_request_finished`` at once. Always returns
         ``(False, None)``.
 
-        Raises :class:`~statecore.errors.LifecycleError` when the request already finished.
+        Raises :class:`~statecore.errors.LifecycleError` when the request already finished and
+        :class:`~statecore.errors.InvalidMetadataError` for a malformed request view.
         """
-        rec = self._reqs.get(request.request_id)
+        call = "request_finished"
+        rid = validate.request_id(request, call)
+        rec = self._reqs.get(rid)
+        validate.request_view(
+            request, call, self._where, rec.n_hashes if rec is not None else 0, rec is None
+        )
         if rec is None:
             self.counters.untracked_finishes += 1
             ctx = ReqContext(
@@ -1084,6 +1216,10 @@ class OffloadingScheduler:
         blocks; only the reset manager hears nothing of it. Finished requests without a
         carried load are finalised; the manager is reset; surviving requests rewind their
         store cursors to chunk 0 (seed 004).
+
+        The engine learns about the loads that ended here from the *next*
+        :meth:`update_connector_output` (call it with ``None`` if no report is due): their
+        requests are in ``finished_loads`` and their blocks in ``invalid_block_ids``.
         """
         batch = self._batch
         flush, threshold = kernels.reset_plan(

@@ -152,7 +152,17 @@ class WorkerMetadata:
         return not (self.completed or self.failed) and self.stats.is_empty()
 
     def aggregate(self, other: WorkerMetadata) -> WorkerMetadata:
-        """A new report with both reports' counts summed and rank masks merged per job."""
+        """A new report with both reports' counts summed and rank masks merged per job.
+
+        Raises :class:`~statecore.errors.InvalidMetadataError` when either report has a field
+        of the wrong type (see :func:`statecore.validate.worker_metadata`).
+        """
+        from statecore import validate
+
+        validate.worker_metadata(self, "aggregate", entries=True)
+        if other is None:
+            validate._fail("aggregate", "other", other, "a WorkerMetadata")
+        validate.worker_metadata(other, "aggregate", entries=True)
         return WorkerMetadata(
             _sum(self.completed, other.completed),
             _sum(self.failed, other.failed),

@@ -33,7 +33,8 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from statecore.errors import LifecycleError, SpecError, TransferError
+from statecore import validate
+from statecore.errors import ConfigError, LifecycleError, SpecError, TransferError, describe
 from statecore.manager import CPULoadStoreSpec
 from statecore.wire import ConnectorMetadata, GPULoadStoreSpec, TransferJob, WorkerMetadata
 
@@ -288,6 +289,16 @@ class OffloadingWorker:
     )
 
     def __init__(self, backend: TransferBackend, rank: int = 0, store_writer: bool = True) -> None:
+        for method in ("submit", "poll", "wait", "shutdown"):
+            if not callable(getattr(backend, method, None)):
+                raise ConfigError(
+                    f"OffloadingWorker.backend must be a TransferBackend (no {method}()), got "
+                    f"{describe(backend)}",
+                    "OffloadingWorker.backend",
+                    backend,
+                )
+        validate.config_int("OffloadingWorker", "rank", rank, 0)
+        validate.config_bool("OffloadingWorker", "store_writer", store_writer)
         self._backend = backend
         self.rank = rank
         self.store_writer = store_writer
@@ -311,8 +322,13 @@ class OffloadingWorker:
 
     # -- per-step hooks ---------------------------------------------------------------------
     def start_step(self, meta: ConnectorMetadata) -> None:
-        """Flush handling, then submit this step's loads (before the step's compute)."""
+        """Flush handling, then submit this step's loads (before the step's compute).
+
+        Raises :class:`~statecore.errors.InvalidMetadataError` (nothing submitted) when
+        ``meta`` is not a well-formed :class:`~statecore.wire.ConnectorMetadata`.
+        """
         self._check_open("start_step")
+        validate.connector_metadata(meta, "start_step")
         self._pulled = set()
         for job_id in meta.jobs_to_flush:
             job = meta.store_jobs.get(job_id)
@@ -334,6 +350,7 @@ class OffloadingWorker:
     def end_step(self, meta: ConnectorMetadata) -> None:
         """After the step's compute: queue its stores for the start of the next step."""
         self._check_open("end_step")
+        validate.connector_metadata(meta, "end_step")
         for job_id, job in meta.store_jobs.items():
             if job_id in self._pulled:
                 continue
@@ -353,6 +370,7 @@ class OffloadingWorker:
     def wait(self, job_ids: Collection[int]) -> None:
         """Block until those of ``job_ids`` in flight are done (they are reported next poll)."""
         self._check_open("wait")
+        validate.id_collection(job_ids, "wait", "job_ids")
         self._wait(job_ids)
 
     def shutdown(self) -> None:
@@ -435,7 +453,10 @@ class OffloadingWorker:
 def aggregate(reports: Iterable[WorkerMetadata]) -> WorkerMetadata:
     """Merge several ranks' reports: counts add up per job id, statistics concatenate."""
     out = WorkerMetadata()
-    for r in reports:
+    for i, r in enumerate(reports):
+        validate.worker_metadata(r, "aggregate", entries=True)
+        if r is None:
+            validate._fail("aggregate", f"reports[{i}]", r, "a WorkerMetadata")
         out = out.aggregate(r)
     return out
 

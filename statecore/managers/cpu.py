@@ -29,12 +29,14 @@ from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+from statecore import validate
 from statecore.errors import (
     ConfigError,
     InvariantViolation,
     KeyNotReadyError,
     PinUnderflowError,
     UnknownKeyError,
+    describe,
 )
 from statecore.keys import OffloadKey
 from statecore.manager import (
@@ -103,6 +105,13 @@ class _Entry:
 
 def _resolve_policy(policy: str | CachePolicy, capacity: int) -> CachePolicy:
     if not isinstance(policy, str):
+        if not isinstance(policy, CachePolicy):
+            raise ConfigError(
+                "CPUOffloadingManager.policy must be 'lru', 'arc', 'package.module:Class' or a "
+                f"CachePolicy, got {describe(policy)}",
+                "CPUOffloadingManager.policy",
+                policy,
+            )
         return policy
     builtin = BUILTIN_POLICIES.get(policy)
     if builtin is not None:
@@ -145,13 +154,11 @@ class CPUOffloadingManager(OffloadingManager):
         store_threshold: int = 1,
         max_tracker_size: int = 64_000,
     ) -> None:
-        if num_slots < 0:
-            raise ConfigError(f"CPUOffloadingManager: num_slots must be >= 0, got {num_slots}")
-        if store_threshold < 0 or max_tracker_size < 1:
-            raise ConfigError(
-                "CPUOffloadingManager: store_threshold must be >= 0 and max_tracker_size >= 1, "
-                f"got {store_threshold} and {max_tracker_size}"
-            )
+        owner = "CPUOffloadingManager"
+        validate.config_int(owner, "num_slots", num_slots, 0)
+        validate.config_bool(owner, "enable_events", enable_events)
+        validate.config_int(owner, "store_threshold", store_threshold, 0)
+        validate.config_int(owner, "max_tracker_size", max_tracker_size, 1)
         self.capacity = num_slots
         self.policy: CachePolicy = _resolve_policy(policy, num_slots)
         self.enable_events = enable_events
@@ -177,6 +184,8 @@ class CPUOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         """MISS, HIT_PENDING (write in flight) or HIT; counts the lookup for the reuse filter."""
+        if type(key) is not bytes or len(key) < 4:
+            validate.offload_key(key, "lookup")
         tracker = self._tracker
         if tracker is not None:
             count = tracker.pop(key, 0)
@@ -309,6 +318,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     def prepare_read(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
         """Pin ``keys`` for any reader (GPU load or cascade to a secondary tier)."""
+        validate.offload_keys(keys, "prepare_load")
         entries = self._validate_pinnable(keys, "prepare_load")
         policy = self.policy
         evictable = self._evictable
@@ -326,6 +336,7 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_read(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Release the pins of one :meth:`prepare_read`."""
         call = "complete_load"
+        validate.offload_keys(keys, call)
         get = self._entries.get
         entries: list[_Entry] = []
         for key in keys:
@@ -351,6 +362,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Tell the policy ``keys`` were used (the first key ends up most recent)."""
+        validate.offload_keys(keys, "touch")
         self.policy.touch(keys)
 
     # -- stores ---------------------------------------------------------------------------------
@@ -377,6 +389,7 @@ class CPUOffloadingManager(OffloadingManager):
         workers do not order, i.e. promotions): room is made among the other free slots, by
         eviction if needed, and ``None`` is returned when that is impossible.
         """
+        validate.offload_keys(keys, "prepare_store")
         entries = self._entries
         tracker = self._tracker
         skipped = 0
@@ -484,6 +497,8 @@ class CPUOffloadingManager(OffloadingManager):
         writing them) unless ``quarantine=False``: the writer is known to be done (a promotion
         whose result arrived).
         """
+        validate.offload_keys(keys, "complete_store")
+        validate.flag(success, "complete_store", "success")
         entries = self._entries
         policy = self.policy
         changed: list[OffloadKey] = []

@@ -5,9 +5,14 @@ File layout (big-endian): a header ``magic "SCKV" | version (1 byte) | pad | key
 payload: the slot's row of every pool region, concatenated. The file name is the key in hex
 with the suffix ``.chunk``.
 
-* **Atomic writes.** A chunk is written to a temporary file in the same directory (optionally
-  fsynced) and renamed over its final name, so a reader sees the old file, the new one, or
-  none, never half of one. A crash can leave only temporary files, removed at the next start.
+* **Atomic writes.** A chunk is written to a temporary file in the same directory and renamed
+  over its final name, so a reader sees the old file, the new one, or none, never half of one.
+  A crash can leave only temporary files, removed at the next start.
+* **Durability** (``fsync=True``): the temporary file is fsynced before the rename and the
+  directory after it, in that order, so that once the job reports success both the bytes and
+  the directory entry naming them survive a power loss (the manager believes the chunk is
+  there). Without ``fsync`` a power loss may lose recent chunks; a torn file is still caught
+  by its checksum.
 * **No extra copies.** Stores write the pool rows (``memoryview``) straight to the file; loads
   ``readinto`` the primary slot's rows, then verify length and checksum. A slot that fails
   verification is reported as a failed job; the tiering manager then drops the slot (it was
@@ -45,7 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from statecore.errors import ConfigError
+from statecore import validate
+from statecore.errors import ConfigError, InvalidArgumentError, describe
 from statecore.keys import OffloadKey
 from statecore.manager import (
     LookupResult,
@@ -146,8 +152,8 @@ class FileTier:
         max_bytes: size limit of all chunk files; ``None`` for no limit.
         workers: threads of the default executor.
         executor: an executor to use instead (not shut down by :meth:`shutdown`).
-        fsync: fsync each file before renaming it (durability across power loss; a torn
-            file is caught by its checksum either way).
+        fsync: fsync each file before renaming it and the directory after (durability across
+            power loss; a torn file is caught by its checksum either way).
         name: prefix of the tier's statistics.
         policy: what :meth:`on_new_request` answers.
     """
@@ -165,10 +171,38 @@ class FileTier:
         name: str = "file",
         policy: OffloadPolicy = OffloadPolicy.CHUNK_LEVEL,
     ) -> None:
-        if max_bytes is not None and max_bytes < 0:
-            raise ConfigError(f"FileTier: max_bytes must be >= 0, got {max_bytes}")
-        if executor is None and workers < 1:
-            raise ConfigError(f"FileTier: workers must be >= 1, got {workers}")
+        owner = "FileTier"
+        if not isinstance(directory, str | os.PathLike):
+            raise ConfigError(
+                f"FileTier.directory must be a str or a path, got {describe(directory)}",
+                "FileTier.directory",
+                directory,
+            )
+        if not isinstance(pool, CPUPool):
+            raise ConfigError(
+                f"FileTier.pool must be a CPUPool, got {describe(pool)}", "FileTier.pool", pool
+            )
+        if max_bytes is not None:
+            validate.config_int(owner, "max_bytes", max_bytes, 0)
+        if executor is None:
+            validate.config_int(owner, "workers", workers, 1)
+        elif not isinstance(executor, Executor):
+            raise ConfigError(
+                f"FileTier.executor must be None or an Executor, got {describe(executor)}",
+                "FileTier.executor",
+                executor,
+            )
+        validate.config_bool(owner, "fsync", fsync)
+        if not isinstance(name, str):
+            raise ConfigError(
+                f"FileTier.name must be a str, got {describe(name)}", "FileTier.name", name
+            )
+        if not isinstance(policy, OffloadPolicy):
+            raise ConfigError(
+                f"FileTier.policy must be an OffloadPolicy, got {describe(policy)}",
+                "FileTier.policy",
+                policy,
+            )
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         lock = _lock_directory(self.directory)
@@ -303,11 +337,21 @@ class FileTier:
                     f.flush()
                     os.fsync(f.fileno())
             os.replace(tmp, final)
+            if self.fsync:
+                self._fsync_directory()
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             return _IO_ERROR, 0
         return _OK, _HEADER.size + len(key) + pool.slot_bytes
+
+    def _fsync_directory(self) -> None:
+        """Make the rename durable: fsync the directory holding the entry."""
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _read_chunks(
         self, keys: tuple[OffloadKey, ...], slots: tuple[int, ...]
@@ -347,6 +391,7 @@ class FileTier:
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         """HIT when ``key`` has a file (verified only when loaded)."""
+        validate.offload_key(key, "lookup")
         return LookupResult.HIT if key in self._index else LookupResult.MISS
 
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
@@ -355,6 +400,7 @@ class FileTier:
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Make the indexed ``keys`` most recently used."""
+        validate.offload_keys(keys, "touch")
         index = self._index
         for key in reversed(keys):
             if key in index:
@@ -362,6 +408,7 @@ class FileTier:
 
     def submit_store(self, job_id: int, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
         """Write the chunks of primary ``slots`` that the tier does not hold yet."""
+        self._check_submit(job_id, keys, slots, "submit_store")
         todo_keys: list[OffloadKey] = []
         todo_slots: list[int] = []
         for key, slot in zip(keys, slots, strict=True):
@@ -377,6 +424,7 @@ class FileTier:
 
     def submit_load(self, job_id: int, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
         """Read ``keys`` into primary ``slots``, verifying each before reporting success."""
+        self._check_submit(job_id, keys, slots, "submit_load")
         key_tuple = tuple(keys)
         for key in key_tuple:
             self._loading[key] += 1
@@ -384,6 +432,13 @@ class FileTier:
                 self._index.move_to_end(key)
         future = self._executor.submit(self._read_chunks, key_tuple, tuple(slots))
         self._jobs[job_id] = _FileJob(False, key_tuple, (), future)
+
+    def _check_submit(self, job_id: object, keys: object, slots: object, call: str) -> None:
+        """A new int job id, offload keys and one pool slot per key (nothing changes else)."""
+        if type(job_id) is not int or job_id in self._jobs:
+            raise InvalidArgumentError(call, "job_id", job_id, "an int not already submitted")
+        validate.offload_keys(keys, call)
+        validate.slot_list(slots, len(keys), call, self.pool.num_slots)  # type: ignore[arg-type]
 
     def get_finished(self) -> list[JobResult]:
         """Results of finished jobs, in submission order; applies them to the index."""

@@ -26,10 +26,13 @@ Principles:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from statecore import validate
+from statecore.errors import ConfigError, ManagerStateError, describe
 from statecore.keys import OffloadKey
 from statecore.manager import (
     LoadStoreSpec,
@@ -80,9 +83,35 @@ class TieringOffloadingManager(OffloadingManager):
         secondaries: the secondary tiers, in lookup order.
     """
 
+    FINALIZED_MEMORY = 65_536
+    """How many finalised request ids are remembered to reject a second finish."""
+
     def __init__(
         self, primary: CPUOffloadingManager, secondaries: Sequence[SecondaryTier] = ()
     ) -> None:
+        if not isinstance(primary, CPUOffloadingManager):
+            raise ConfigError(
+                "TieringOffloadingManager.primary must be a CPUOffloadingManager, got "
+                f"{describe(primary)}",
+                "TieringOffloadingManager.primary",
+                primary,
+            )
+        given: object = secondaries
+        if isinstance(given, str | bytes) or not isinstance(given, Sequence):
+            raise ConfigError(
+                "TieringOffloadingManager.secondaries must be a sequence of SecondaryTier, got "
+                f"{describe(secondaries)}",
+                "TieringOffloadingManager.secondaries",
+                secondaries,
+            )
+        for i, tier in enumerate(secondaries):
+            if not isinstance(tier, SecondaryTier):
+                raise ConfigError(
+                    f"TieringOffloadingManager.secondaries[{i}] must be a SecondaryTier, got "
+                    f"{describe(tier)}",
+                    f"TieringOffloadingManager.secondaries[{i}]",
+                    tier,
+                )
         self.primary = primary
         self.secondaries: tuple[SecondaryTier, ...] = tuple(secondaries)
         self._jobs: dict[int, _TierJob] = {}
@@ -93,6 +122,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._polled_this_step = False
         self._hits_this_step: set[OffloadKey] = set()
         self._req_state: dict[str, _RequestState] = {}
+        self._finalized: OrderedDict[str, None] = OrderedDict()
         self._next_job_id = 0
         self._stats: dict[str, int] = {
             "cascades_submitted": 0,
@@ -188,6 +218,8 @@ class TieringOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         """Primary first; a hit in an allowed secondary tier starts a promotion (HIT_PENDING)."""
+        validate.offload_key(key, "lookup")
+        validate.req_context(ctx, "lookup")
         self._poll()
         result = self.primary.lookup(key, ctx)
         if result is LookupResult.HIT:
@@ -230,6 +262,7 @@ class TieringOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
         """Poll the tiers (once per step), then pin ``keys`` in the primary."""
+        validate.offload_keys(keys, "prepare_load")
         self._poll()
         return self.primary.prepare_load(keys, ctx)
 
@@ -239,6 +272,7 @@ class TieringOffloadingManager(OffloadingManager):
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Touch the primary and every secondary tier."""
+        validate.offload_keys(keys, "touch")
         self.primary.touch(keys, ctx)
         for tier in self.secondaries:
             tier.touch(keys, ctx)
@@ -259,6 +293,8 @@ class TieringOffloadingManager(OffloadingManager):
         For tiers that asked for request-level offloading, offered keys already ready in the
         primary are cascaded at once (they will not be stored again).
         """
+        validate.offload_keys(keys, "prepare_store")
+        validate.req_context(ctx, "prepare_store")
         self._poll()
         state = self._state(ctx)
         out = self.primary.prepare_store(keys, ctx)
@@ -276,6 +312,9 @@ class TieringOffloadingManager(OffloadingManager):
         self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
     ) -> None:
         """Complete the primary write; on success cascade the keys it made ready to every tier."""
+        validate.offload_keys(keys, "complete_store")
+        validate.req_context(ctx, "complete_store")
+        validate.flag(success, "complete_store", "success")
         changed = self.primary.complete_write(keys, ctx, success)
         if success:
             self._cascade(changed, ctx, range(len(self.secondaries)))
@@ -288,6 +327,8 @@ class TieringOffloadingManager(OffloadingManager):
 
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
         """Create the request's state; REQUEST_LEVEL if any secondary tier asks for it."""
+        validate.req_context(ctx, "on_new_request")
+        self._finalized.pop(ctx.req_id, None)
         self.primary.on_new_request(ctx)
         state = self._state(ctx)
         level = tuple(
@@ -300,7 +341,24 @@ class TieringOffloadingManager(OffloadingManager):
         return RequestOffloadingContext(policy)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
-        """Tell the primary now; the secondary tiers once no primary store is pending."""
+        """Tell the primary now; the secondary tiers once no primary store is pending.
+
+        A request the manager never saw is finalised at once. Raises
+        :class:`~statecore.errors.ManagerStateError` (nothing changes) for a request that
+        already finished: a second call would re-create it and notify every tier again. The
+        last ``FINALIZED_MEMORY`` finalised request ids are remembered for this check;
+        ``on_new_request`` with such an id starts a new request under it.
+        """
+        validate.req_context(ctx, "on_request_finished")
+        state = self._req_state.get(ctx.req_id)
+        if ctx.req_id in self._finalized or (state is not None and state.is_finished):
+            raise ManagerStateError(
+                f"request {ctx.req_id!r}",
+                "already finished and finalised"
+                if state is None
+                else f"already finished ({state.pending_primary_stores} primary stores pending)",
+                "on_request_finished",
+            )
         self.primary.on_request_finished(ctx)
         state = self._state(ctx)
         state.is_finished = True
@@ -312,6 +370,10 @@ class TieringOffloadingManager(OffloadingManager):
         for tier in self.secondaries:
             tier.on_request_finished(state.ctx)
         del self._req_state[state.ctx.req_id]
+        finalized = self._finalized
+        finalized[state.ctx.req_id] = None
+        if len(finalized) > self.FINALIZED_MEMORY:
+            finalized.popitem(last=False)
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
         """Poll (if not yet this step), submit the step's promotions, start a new step.

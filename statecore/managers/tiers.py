@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from statecore import validate
 from statecore.keys import OffloadKey
 from statecore.manager import (
     LookupResult,
@@ -160,10 +161,14 @@ class MemoryTier:
 
     def submit_store(self, job_id: int, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
         """Queue a store of ``keys`` from primary ``slots``."""
+        validate.offload_keys(keys, "submit_store")
+        validate.slot_list(slots, len(keys), "submit_store")
         self._submit(_MemJob(job_id, True, tuple(keys), tuple(slots)))
 
     def submit_load(self, job_id: int, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
         """Queue a load of ``keys`` into primary ``slots``."""
+        validate.offload_keys(keys, "submit_load")
+        validate.slot_list(slots, len(keys), "submit_load")
         self._submit(_MemJob(job_id, False, tuple(keys), tuple(slots)))
 
     def get_finished(self) -> list[JobResult]:

@@ -233,3 +233,45 @@ def test_one_tier_owns_a_directory(tmp_path: Path) -> None:
     del again
     gc.collect()
     FileTier(tmp_path, pool, executor=InlineExecutor()).shutdown()  # released with the object
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_fsync_orders_file_rename_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: bool
+) -> None:
+    """With ``fsync=True`` a stored chunk is durable before its job reports success: the
+    temporary file is fsynced, renamed into place, then the directory is fsynced (a rename is
+    only durable once its directory is). Without it, nothing is fsynced."""
+    import stat
+
+    from statecore.managers import filetier
+
+    ops: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync_spy(fd: int) -> None:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            assert os.path.samestat(st, os.stat(tmp_path)), "fsynced a foreign directory"
+            ops.append("fsync dir")
+        else:
+            ops.append("fsync file")
+        real_fsync(fd)
+
+    def replace_spy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        ops.append("rename " + ("chunk" if str(dst).endswith(".chunk") else str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(filetier.os, "fsync", fsync_spy)
+    monkeypatch.setattr(filetier.os, "replace", replace_spy)
+    m, pool, tier = build(tmp_path, fsync=fsync)
+    store_bytes(m, pool, 1, 2)
+    assert k(1) in tier and k(2) in tier
+    if fsync:
+        assert ops == ["fsync file", "rename chunk", "fsync dir"] * 2
+    else:
+        assert ops == ["rename chunk"] * 2
+    tier.shutdown()
+    again = FileTier(tmp_path, CPUPool(4, ROWS), executor=InlineExecutor())
+    assert k(1) in again and k(2) in again  # the renamed files are found after a restart
+    again.shutdown()

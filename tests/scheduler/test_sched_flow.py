@@ -84,13 +84,20 @@ def test_quorum_spans_workers_and_steps(kind: str) -> None:
         ({"stall_timeout_s": 0}, "stall_timeout_s"),
         ({"stall_check_interval_s": 400.0}, "stall_check_interval_s"),
         ({"groups": (GroupConfig(16),), "tokens_per_hash": 5}, "multiple of tokens_per_hash"),
-        ({"groups": (GroupConfig(0),)}, "tokens_per_block"),
-        ({"groups": (GroupConfig(16, sliding_window=0),)}, "sliding_window"),
     ],
 )
 def test_config_validation(kwargs: dict[str, object], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         SchedulerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [({"tokens_per_block": 0}, "tokens_per_block"), ({"sliding_window": 0}, "sliding_window")],
+)
+def test_group_config_validation(kwargs: dict[str, int], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        GroupConfig(**{"tokens_per_block": 16, **kwargs})
 
 
 def test_config_derived_sizes() -> None:

@@ -382,7 +382,7 @@ def test_bad_reports_are_absorbed_counted_and_change_nothing(kind: str) -> None:
     assert snapshot(h) == before
     c = h.sched.counters
     assert (c.unknown_reports, c.invalid_report_counts) == (1, 2)
-    with pytest.raises(MetadataError, match="expected WorkerMetadata"):
+    with pytest.raises(MetadataError, match="must be a WorkerMetadata"):
         h.sched.update_connector_output({"completed": {job_id: 2}})  # type: ignore[arg-type]
     assert snapshot(h) == before
     # more reports than workers: the job completes exactly once, the excess is counted
@@ -400,7 +400,7 @@ def test_unknown_request_ids_get_typed_errors(kind: str) -> None:
     assert h.sched.counters.implicit_new_requests == 1
     with pytest.raises(MetadataError):
         h.sched.build_connector_meta("not an output")  # type: ignore[arg-type]
-    with pytest.raises(MetadataError, match="KV-cache groups"):
+    with pytest.raises(MetadataError, match="one per KV-cache group"):
         h.sched.update_state_after_alloc(ghost, [[1], [2]], 0)
 
 

@@ -1,0 +1,472 @@
+"""The validation layer: pure checks run at the top of every public entry point.
+
+Theory of operation. statecore's public calls (the scheduler's hooks, the manager and tier
+APIs, the worker's per-step hooks, the wire types' helpers, the configuration and key
+constructors) first hand their arguments to one function of this module, and only then touch
+any state. A check either returns (the arguments are well formed) or raises a typed
+:mod:`statecore.errors` error naming the call, the argument (with the path into it, e.g.
+``new_block_ids[0][3]``), the bad value and, where the caller knows them, the entity and its
+state. Because every check runs before the first mutation, a rejected call leaves every
+observable state (records, counters, indexes, the manager) exactly as it was; the garbage
+fuzzer (``tests/fuzz/test_fuzz_garbage.py``) asserts that with snapshots.
+
+Rules the checks apply everywhere:
+
+* an integer is an ``int`` and never a ``bool`` (``True`` is not a token count);
+* a float is a finite ``int`` or ``float`` (NaN and infinities are rejected);
+* a sequence argument is a ``list``/``tuple`` (or any ``Sequence`` that is not ``str`` or
+  ``bytes``); a set argument is a ``set``/``frozenset``;
+* an offload key is ``bytes`` of at least 4 bytes (block hash + group index).
+
+Checks are pure (no state, no I/O) and cheap on the happy path: one ``type(x) is int`` per
+scalar, one pass per id list; the detailed diagnosis (which element, why) is computed only on
+the error path. Per-entry anomalies that are *documented tolerances* (a report count that is
+not a positive int, a report for an unknown job) are not rejected here: the scheduler absorbs
+and counts them (see :class:`~statecore.scheduler.SchedulerCounters`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any, NoReturn
+
+from statecore.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    InvalidKeyError,
+    InvalidMetadataError,
+    describe,
+)
+
+__all__ = [
+    "MISSING",
+    "Where",
+    "block_lists",
+    "config_bool",
+    "config_float",
+    "config_int",
+    "connector_metadata",
+    "flag",
+    "id_collection",
+    "is_int",
+    "nonneg_int",
+    "offload_key",
+    "offload_keys",
+    "req_context",
+    "request_id",
+    "request_view",
+    "scheduler_output",
+    "slot_list",
+    "worker_metadata",
+]
+
+Where = Callable[[object], tuple[str | None, str | None]]
+"""Given a request id, the (entity, state) an error should name (computed on error only)."""
+
+MISSING: Any = object()
+"""Sentinel for an attribute a foreign object does not have."""
+
+_SEQ = (list, tuple)
+_SETS = (set, frozenset)
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an ``int`` and not a ``bool``."""
+    return type(value) is int
+
+
+def _nowhere(req_id: object) -> tuple[str | None, str | None]:
+    return None, None
+
+
+def _fail(
+    call: str,
+    argument: str,
+    value: object,
+    expected: str,
+    where: Where = _nowhere,
+    req_id: object = None,
+    error: type[InvalidArgumentError] = InvalidMetadataError,
+) -> NoReturn:
+    entity, state = where(req_id) if req_id is not None else (None, None)
+    raise error(call, argument, value, expected, entity, state)
+
+
+def nonneg_int(
+    value: object,
+    call: str,
+    argument: str,
+    maximum: int | None = None,
+    error: type[InvalidArgumentError] = InvalidArgumentError,
+) -> None:
+    """``value`` is an int (not a bool) ``>= 0`` (and ``<= maximum`` when given)."""
+    if type(value) is int and value >= 0 and (maximum is None or value <= maximum):
+        return
+    expected = "an int >= 0" if maximum is None else f"an int in 0..{maximum}"
+    raise error(call, argument, value, expected)
+
+
+def _is_seq(value: object) -> bool:
+    return type(value) in _SEQ or (
+        isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
+    )
+
+
+def _int_list(ids: Any, call: str, argument: str, where: Where, req_id: object, what: str) -> None:
+    """A sequence of ints >= 0 (GPU block ids, slots)."""
+    if not _is_seq(ids):
+        _fail(call, argument, ids, f"a sequence of {what} (ints >= 0)", where, req_id)
+    seq: Sequence[Any] = ids
+    if not seq:
+        return
+    types = set(map(type, seq))
+    if types == {int} and min(seq) >= 0:
+        return
+    for i, b in enumerate(seq):
+        if type(b) is not int or b < 0:
+            _fail(call, f"{argument}[{i}]", b, f"a {what} (int >= 0)", where, req_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduler hooks
+
+_VIEW_INTS = ("num_tokens", "num_prompt_tokens", "num_computed_tokens")
+
+
+def request_id(request: Any, call: str) -> str:
+    """The request's ``request_id``, checked to be a ``str``."""
+    rid = getattr(request, "request_id", MISSING)
+    if type(rid) is not str and not isinstance(rid, str):
+        if rid is MISSING:
+            _fail(call, "request", request, "a RequestLike (no request_id attribute)")
+        _fail(call, "request.request_id", rid, "a str")
+    return str(rid)
+
+
+def request_view(
+    request: Any,
+    call: str,
+    where: Where = _nowhere,
+    hashes_seen: int = 0,
+    params: bool = False,
+) -> str:
+    """Check a :class:`~statecore.views.RequestLike` as the scheduler is about to read it.
+
+    Checks the id, the three token counts (ints >= 0, prompt <= total), ``block_hashes`` (a
+    sequence whose entries from ``hashes_seen`` on are bytes: earlier ones were checked when
+    first read), the two flags (bools) and, with ``params``, ``kv_transfer_params`` (None or
+    a mapping). Returns the request id. An attribute that is missing or raises when read is
+    reported as a bad value.
+    """
+    rid = request_id(request, call)
+    try:
+        nt = request.num_tokens
+        np_ = request.num_prompt_tokens
+        nc = request.num_computed_tokens
+        hashes = request.block_hashes
+        skip = request.skip_reading_prefix_cache
+        aborted = request.is_aborted
+        kv = request.kv_transfer_params if params else None
+    except Exception as exc:
+        _fail(call, "request", request, f"a RequestLike ({describe(exc)})", where, rid)
+    if not (
+        type(nt) is int
+        and type(np_) is int
+        and type(nc) is int
+        and 0 <= np_ <= nt
+        and nc >= 0
+        and type(skip) is bool
+        and type(aborted) is bool
+    ):
+        for name, value in zip(_VIEW_INTS, (nt, np_, nc), strict=True):
+            if type(value) is not int or value < 0:
+                _fail(call, f"request.{name}", value, "an int >= 0", where, rid)
+        if np_ > nt:
+            _fail(call, "request.num_prompt_tokens", np_, f"<= num_tokens ({nt})", where, rid)
+        for name, value in (("skip_reading_prefix_cache", skip), ("is_aborted", aborted)):
+            if type(value) is not bool:
+                _fail(call, f"request.{name}", value, "a bool", where, rid)
+    if type(hashes) is not list and not _is_seq(hashes):
+        _fail(call, "request.block_hashes", hashes, "a sequence of bytes", where, rid)
+    n = len(hashes)
+    if n > hashes_seen:
+        for i in range(hashes_seen, n):
+            h = hashes[i]
+            if not isinstance(h, bytes):
+                _fail(call, f"request.block_hashes[{i}]", h, "bytes", where, rid)
+    if params and kv is not None and not isinstance(kv, Mapping):
+        _fail(call, "request.kv_transfer_params", kv, "None or a mapping", where, rid)
+    return rid
+
+
+def block_lists(
+    block_ids: Any, n_groups: int, call: str, argument: str, where: Where, req_id: object
+) -> None:
+    """One sequence of GPU block ids (ints >= 0) per KV-cache group."""
+    if not _is_seq(block_ids) or len(block_ids) != n_groups:
+        _fail(
+            call,
+            argument,
+            block_ids,
+            f"a sequence of {n_groups} block-id sequences (one per KV-cache group)",
+            where,
+            req_id,
+        )
+    for g, ids in enumerate(block_ids):
+        if type(ids) is tuple and not ids:
+            continue
+        _int_list(ids, call, f"{argument}[{g}]", where, req_id, "GPU block id")
+
+
+def _id_set(value: Any, call: str, argument: str, kind: type, what: str) -> None:
+    if type(value) not in _SETS and not isinstance(value, AbstractSet):
+        _fail(call, argument, value, f"a set of {what}")
+    for v in value:
+        ok = type(v) is int and v >= 0 if kind is int else isinstance(v, str)
+        if not ok:
+            _fail(call, f"{argument} item", v, what)
+
+
+def scheduler_output(output: object, n_groups: int, where: Where) -> None:
+    """Check a whole :class:`~statecore.views.SchedulerOutput` before any entry is applied.
+
+    Every scheduled entry (request id, per-group block lists, token count, resumed flag) and
+    every id set is checked, so that a bad second entry can no longer leave the first one
+    applied.
+    """
+    from statecore.views import ScheduledRequest, SchedulerOutput
+
+    call = "build_connector_meta"
+    if not isinstance(output, SchedulerOutput):
+        _fail(call, "output", output, "a SchedulerOutput")
+    scheduled = output.scheduled
+    if type(scheduled) not in _SEQ and not _is_seq(scheduled):
+        _fail(call, "output.scheduled", scheduled, "a sequence of ScheduledRequest")
+    for i, s in enumerate(scheduled):
+        if type(s) is not ScheduledRequest:
+            _fail(call, f"output.scheduled[{i}]", s, "a ScheduledRequest")
+        rid = s.req_id
+        if type(rid) is not str:
+            _fail(call, f"output.scheduled[{i}].req_id", rid, "a str")
+        ids = s.new_block_ids
+        if type(ids) is not tuple or len(ids) != n_groups:
+            block_lists(ids, n_groups, call, f"output.scheduled[{i}].new_block_ids", where, rid)
+        else:
+            for g, group_ids in enumerate(ids):
+                if group_ids:
+                    _int_list(
+                        group_ids,
+                        call,
+                        f"output.scheduled[{i}].new_block_ids[{g}]",
+                        where,
+                        rid,
+                        "GPU block id",
+                    )
+                elif not _is_seq(group_ids):
+                    _fail(
+                        call,
+                        f"output.scheduled[{i}].new_block_ids[{g}]",
+                        group_ids,
+                        "a sequence of GPU block ids",
+                        where,
+                        rid,
+                    )
+        n = s.num_scheduled_tokens
+        if type(n) is not int or n < 0:
+            _fail(call, f"output.scheduled[{i}].num_scheduled_tokens", n, "an int >= 0", where, rid)
+        if type(s.resumed_from_preemption) is not bool:
+            _fail(
+                call,
+                f"output.scheduled[{i}].resumed_from_preemption",
+                s.resumed_from_preemption,
+                "a bool",
+                where,
+                rid,
+            )
+    for name in ("new_req_ids", "finished_req_ids", "preempted_req_ids"):
+        value = getattr(output, name)
+        if value:
+            _id_set(value, call, f"output.{name}", str, "request ids (str)")
+        elif type(value) not in _SETS and not isinstance(value, AbstractSet):
+            _fail(call, f"output.{name}", value, "a set of request ids (str)")
+    extra = output.extra_allocated_block_ids
+    if extra:
+        _id_set(extra, call, "output.extra_allocated_block_ids", int, "GPU block ids (ints >= 0)")
+    elif type(extra) not in _SETS and not isinstance(extra, AbstractSet):
+        _fail(call, "output.extra_allocated_block_ids", extra, "a set of GPU block ids")
+
+
+def _finite(value: object) -> bool:
+    return (type(value) is int or type(value) is float) and math.isfinite(value)
+
+
+def worker_metadata(
+    meta: object, call: str = "update_connector_output", entries: bool = False
+) -> None:
+    """Check the *shape* of a :class:`~statecore.wire.WorkerMetadata` (or None).
+
+    The four per-job maps must be dicts (their entries are checked by the scheduler, which
+    absorbs and counts a count that is not a positive int), ``stats`` a
+    :class:`~statecore.wire.TransferStats` of finite, non-negative numbers, ``rank`` None or
+    an int >= 0. With ``entries`` (for :meth:`~statecore.wire.WorkerMetadata.aggregate`,
+    which does arithmetic on them) every job id and count must be an int too.
+    """
+    from statecore.wire import DirectionStats, TransferStats, WorkerMetadata
+
+    if meta is None:
+        return
+    if type(meta) is not WorkerMetadata and not isinstance(meta, WorkerMetadata):
+        _fail(call, "meta", meta, "a WorkerMetadata or None")
+    for name in ("completed", "failed", "completed_ranks", "failed_ranks"):
+        d = getattr(meta, name)
+        if type(d) is not dict and not isinstance(d, Mapping):
+            _fail(call, f"meta.{name}", d, "a dict of job id -> int")
+        if entries:
+            for job_id, n in d.items():
+                if type(job_id) is not int:
+                    _fail(call, f"meta.{name} key", job_id, "a job id (int)")
+                if type(n) is not int:
+                    _fail(call, f"meta.{name}[{job_id}]", n, "an int")
+    rank = meta.rank
+    if rank is not None and (type(rank) is not int or rank < 0):
+        _fail(call, "meta.rank", rank, "None or an int >= 0")
+    stats = meta.stats
+    if type(stats) is not TransferStats:
+        _fail(call, "meta.stats", stats, "a TransferStats")
+    for direction in ("load", "store"):
+        ds = getattr(stats, direction)
+        if type(ds) is not DirectionStats:
+            _fail(call, f"meta.stats.{direction}", ds, "a DirectionStats")
+        if type(ds.bytes) is not int or ds.bytes < 0:
+            _fail(call, f"meta.stats.{direction}.bytes", ds.bytes, "an int >= 0")
+        if not _finite(ds.seconds) or ds.seconds < 0:
+            _fail(call, f"meta.stats.{direction}.seconds", ds.seconds, "a finite number >= 0")
+        if type(ds.sizes) is not list:
+            _fail(call, f"meta.stats.{direction}.sizes", ds.sizes, "a list of ints")
+
+
+def id_collection(value: Any, call: str, argument: str) -> None:
+    """A collection (not str/bytes) of job ids (ints)."""
+    if isinstance(value, str | bytes | bytearray) or not isinstance(value, Collection):
+        _fail(call, argument, value, "a collection of job ids (ints)")
+    for v in value:
+        if type(v) is not int:
+            _fail(call, f"{argument} item", v, "a job id (int)")
+
+
+def connector_metadata(meta: object, call: str) -> None:
+    """Check a :class:`~statecore.wire.ConnectorMetadata` as a worker is about to run it.
+
+    The job maps must map int job ids to :class:`~statecore.wire.TransferJob` objects and the
+    flush set must hold int job ids. The specs inside a job are checked by the backend at
+    submission (a bad spec fails that job, reported as failed).
+    """
+    from statecore.wire import ConnectorMetadata, TransferJob
+
+    if type(meta) is not ConnectorMetadata:
+        _fail(call, "meta", meta, "a ConnectorMetadata")
+    for name in ("load_jobs", "store_jobs"):
+        jobs = getattr(meta, name)
+        if type(jobs) is not dict and not isinstance(jobs, Mapping):
+            _fail(call, f"meta.{name}", jobs, "a mapping of job id -> TransferJob")
+        for job_id, job in jobs.items():
+            if type(job_id) is not int:
+                _fail(call, f"meta.{name} key", job_id, "a job id (int)")
+            if type(job) is not TransferJob:
+                _fail(call, f"meta.{name}[{job_id}]", job, "a TransferJob")
+    flush = meta.jobs_to_flush
+    if type(flush) not in _SETS and not isinstance(flush, AbstractSet):
+        _fail(call, "meta.jobs_to_flush", flush, "a set of job ids (ints)")
+    for job_id in flush:
+        if type(job_id) is not int:
+            _fail(call, "meta.jobs_to_flush item", job_id, "a job id (int)")
+
+
+# ---------------------------------------------------------------------------------------------
+# managers and tiers
+
+
+def offload_keys(keys: Any, call: str, argument: str = "keys") -> None:
+    """A sequence of offload keys: ``bytes`` of at least 4 bytes each.
+
+    Raises :class:`~statecore.errors.InvalidKeyError` (a
+    :class:`~statecore.errors.ManagerError`).
+    """
+    if type(keys) not in _SEQ and not _is_seq(keys):
+        raise InvalidKeyError(call, argument, keys, "a sequence of offload keys (bytes)")
+    for k in keys:
+        if type(k) is not bytes or len(k) < 4:
+            for i, key in enumerate(keys):
+                if type(key) is not bytes or len(key) < 4:
+                    raise InvalidKeyError(
+                        call, f"{argument}[{i}]", key, "an offload key (bytes, >= 4 bytes)"
+                    )
+
+
+def offload_key(key: object, call: str, argument: str = "key") -> None:
+    """One offload key (``bytes`` of at least 4 bytes)."""
+    if type(key) is not bytes or len(key) < 4:
+        raise InvalidKeyError(call, argument, key, "an offload key (bytes, >= 4 bytes)")
+
+
+def slot_list(slots: Any, n: int, call: str, capacity: int | None = None) -> None:
+    """``n`` slot ids (ints >= 0, below ``capacity`` when given), one per key."""
+    if not _is_seq(slots) or len(slots) != n:
+        raise InvalidArgumentError(call, "slots", slots, f"a sequence of {n} slot ids")
+    for i, s in enumerate(slots):
+        if type(s) is not int or s < 0 or (capacity is not None and s >= capacity):
+            limit = "" if capacity is None else f" below {capacity}"
+            raise InvalidArgumentError(call, f"slots[{i}]", s, f"a slot id (int >= 0{limit})")
+
+
+def req_context(ctx: object, call: str) -> None:
+    """A :class:`~statecore.manager.ReqContext` with a str ``req_id``."""
+    from statecore.manager import ReqContext
+
+    if type(ctx) is not ReqContext and not isinstance(ctx, ReqContext):
+        raise InvalidArgumentError(call, "ctx", ctx, "a ReqContext")
+    if not isinstance(ctx.req_id, str):
+        raise InvalidArgumentError(call, "ctx.req_id", ctx.req_id, "a str")
+
+
+def flag(value: object, call: str, argument: str) -> None:
+    """A ``bool`` argument (``success``, ...): truthy strings are not accepted."""
+    if type(value) is not bool:
+        raise InvalidArgumentError(call, argument, value, "a bool")
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration
+
+
+def config_int(owner: str, name: str, value: object, minimum: int = 0) -> None:
+    """A configuration integer: an int (not a bool) ``>= minimum``."""
+    if type(value) is int and value >= minimum:
+        return
+    raise ConfigError(
+        f"{owner}.{name} must be an int >= {minimum}, got {describe(value)}",
+        f"{owner}.{name}",
+        value,
+    )
+
+
+def config_float(owner: str, name: str, value: object, minimum: float = 0.0) -> None:
+    """A configuration number: a finite int or float (not a bool) ``> minimum``."""
+    if _finite(value) and value > minimum:  # type: ignore[operator]
+        return
+    raise ConfigError(
+        f"{owner}.{name} must be a finite number > {minimum:g}, got {describe(value)}",
+        f"{owner}.{name}",
+        value,
+    )
+
+
+def config_bool(owner: str, name: str, value: object) -> None:
+    """A configuration flag: a ``bool``."""
+    if type(value) is bool:
+        return
+    raise ConfigError(
+        f"{owner}.{name} must be a bool, got {describe(value)}", f"{owner}.{name}", value
+    )
