@@ -61,7 +61,19 @@ from statecore.managers import (
 from statecore.wire import DirectionStats, TransferStats
 from statecore.worker import MemoryBackend, OffloadingWorker, aggregate
 
-__all__ = ["CASES", "Case", "Foreign", "Outcome", "Stack", "observe", "render_page", "run_case"]
+__all__ = [
+    "CASES",
+    "Case",
+    "Foreign",
+    "Outcome",
+    "Stack",
+    "observe",
+    "observe_cpu",
+    "observe_scheduler",
+    "observe_worker",
+    "render_page",
+    "run_case",
+]
 
 TPB = 4
 NAN = math.nan
@@ -163,9 +175,8 @@ def stack() -> Iterator[Stack]:
             st.close()
 
 
-def observe(st: Stack) -> dict[str, Any]:
-    """Everything a caller can observe of the stack, as plain comparable data."""
-    s = st.sched
+def observe_scheduler(s: OffloadingScheduler) -> dict[str, Any]:
+    """Everything a caller can observe of a scheduler (records, indexes, counters)."""
     reqs = {
         rid: (
             s.request_state(rid),
@@ -174,6 +185,7 @@ def observe(st: Stack) -> dict[str, Any]:
             rec.admitted and tuple(rec.admitted),
             rec.n_hashes,
             rec.num_local_computed,
+            rec.num_scheduled,
             rec.request,
         )
         for rid, rec in s.requests.items()
@@ -182,20 +194,36 @@ def observe(st: Stack) -> dict[str, Any]:
         jid: (j.state, j.pending, j.failed, j.seen, j.keys, j.blocks, j.flushed)
         for jid, j in s.jobs.items()
     }
-    mgr = st.manager
-    entries = {k: (mgr.ref_count(k), mgr.slot_of(k)) for k in mgr.present_keys()}
-    tiering = st.tiering
     return {
         "requests": reqs,
         "jobs": jobs,
-        "stalled": sorted(s.stalled_jobs),
+        "stalled": {jid: (j.pending, j.failed, j.seen) for jid, j in s.stalled_jobs.items()},
         "fence": {b: sorted(j) for b, j in s.fence_index.items()},
         "loading": dict(s.loading_keys or {}),
         "next_job_id": s.next_job_id,
         "stale_threshold": s.stale_threshold,
         "counters": s.counters.as_dict(),
         "has_pending": s.has_pending_push_work(),
-        "manager": (entries, mgr.counters()),
+    }
+
+
+def observe_cpu(mgr: CPUOffloadingManager) -> tuple[Any, ...]:
+    """A CPU manager's entries (reference count and slot per key) and counters."""
+    entries = {k: (mgr.ref_count(k), mgr.slot_of(k)) for k in mgr.present_keys()}
+    return entries, mgr.counters()
+
+
+def observe_worker(worker: OffloadingWorker) -> tuple[Any, ...]:
+    """A worker's jobs in flight, deferred stores and ignored results."""
+    return worker.in_flight, worker.deferred, worker.ignored_results
+
+
+def observe(st: Stack) -> dict[str, Any]:
+    """Everything a caller can observe of the stack, as plain comparable data."""
+    tiering = st.tiering
+    return {
+        "scheduler": observe_scheduler(st.sched),
+        "manager": observe_cpu(st.manager),
         "tiering": (
             tiering.tracked_requests(),
             tiering.in_flight_jobs(),
@@ -204,7 +232,7 @@ def observe(st: Stack) -> dict[str, Any]:
             len(st.tier.submitted),
         ),
         "file_tier": (st.file_tier.indexed_keys(), st.file_tier.has_pending_work()),
-        "worker": (st.worker.in_flight, st.worker.deferred, st.worker.ignored_results),
+        "worker": observe_worker(st.worker),
     }
 
 
@@ -265,11 +293,8 @@ def run_case(case: Case) -> Outcome:
         except Exception as exc:  # the bug this table exists to find
             return Outcome(None, "", {}, False, f"{type(exc).__name__}: {exc}")
         after = observe(st)
-        moved = {
-            k: int(v - before["counters"][k])
-            for k, v in after["counters"].items()
-            if v != before["counters"][k]
-        }
+        was, now = before["scheduler"]["counters"], after["scheduler"]["counters"]
+        moved = {k: int(v - was[k]) for k, v in now.items() if v != was[k]}
         return Outcome(None, "", moved, after == before)
 
 
@@ -483,58 +508,75 @@ CASES: list[Case] = [
     Case(
         S,
         "build_connector_meta",
-        "a good entry, then scheduled[1].new_block_ids=(None,)",
-        lambda s: s.sched.build_connector_meta(_out(_good_a(), ScheduledRequest("b", (None,), 1))),
+        "a good entry, then one with two block lists for one KV-cache group",
+        lambda s: s.sched.build_connector_meta(
+            _out(_good_a(), ScheduledRequest("b", ((6,), (7,)), 1))
+        ),
         IM,
     ),
     Case(
-        S,
-        "build_connector_meta",
-        "a good entry, then a foreign object",
-        lambda s: s.sched.build_connector_meta(_out(_good_a(), Foreign())),
+        X,
+        "ScheduledRequest",
+        "new_block_ids=(None,)",
+        lambda s: ScheduledRequest("b", (None,), 1),
         IM,
     ),
     Case(
-        S,
-        "build_connector_meta",
+        X,
+        "ScheduledRequest",
         "num_scheduled_tokens=-1",
-        lambda s: s.sched.build_connector_meta(_out(ScheduledRequest("a", ((),), -1))),
+        lambda s: ScheduledRequest("a", ((),), -1),
         IM,
     ),
     Case(
-        S,
-        "build_connector_meta",
+        X,
+        "ScheduledRequest",
         "new_block_ids=((5.0,),)",
-        lambda s: s.sched.build_connector_meta(_out(ScheduledRequest("a", ((5.0,),), 1))),
+        lambda s: ScheduledRequest("a", ((5.0,),), 1),
         IM,
     ),
     Case(
-        S,
-        "build_connector_meta",
+        X,
+        "ScheduledRequest",
         "resumed_from_preemption='yes'",
-        lambda s: s.sched.build_connector_meta(_out(ScheduledRequest("a", ((),), 1, "yes"))),
+        lambda s: ScheduledRequest("a", ((),), 1, "yes"),
         IM,
     ),
     Case(
-        S,
-        "build_connector_meta",
+        X,
+        "ScheduledRequest",
+        "req_id=None",
+        lambda s: ScheduledRequest(None, ((),), 1),
+        IM,
+    ),
+    Case(
+        X,
+        "SchedulerOutput",
+        "scheduled=[a good entry, a foreign object]",
+        lambda s: _out(_good_a(), Foreign()),
+        IM,
+    ),
+    Case(
+        X,
+        "SchedulerOutput",
         "preempted_req_ids={1}",
-        lambda s: s.sched.build_connector_meta(_out(preempted_req_ids=frozenset({1}))),
+        lambda s: _out(preempted_req_ids=frozenset({1})),
         IM,
     ),
     Case(
-        S,
-        "build_connector_meta",
+        X,
+        "SchedulerOutput",
         "extra_allocated_block_ids={-1}",
-        lambda s: s.sched.build_connector_meta(_out(extra_allocated_block_ids=frozenset({-1}))),
+        lambda s: _out(extra_allocated_block_ids=frozenset({-1})),
         IM,
     ),
     Case(
         S,
         "build_connector_meta",
-        "a live request view turned bad (num_computed_tokens=None)",
+        "a live request view turned bad since the last hook (num_computed_tokens=None)",
         lambda s: s.sched.build_connector_meta(_out(_good_a())),
-        IM,
+        None,
+        "invalid_request_views",
         prepare=lambda s: setattr(s.a, "num_computed_tokens", None),
     ),
     Case(
@@ -961,7 +1003,7 @@ _AREAS = {
     M: "CPU manager (`CPUOffloadingManager`)",
     T: "Tiering manager and secondary tiers",
     W: "Worker (`OffloadingWorker`)",
-    X: "Wire types",
+    X: "Wire types and views",
     C: "Configuration",
     K: "Offload keys",
 }

@@ -121,6 +121,7 @@ class RequestRecord:
         "_sm",
         "admitted",
         "ctx",
+        "hashes_ok",
         "deferred_since",
         "groups",
         "jobs",
@@ -167,6 +168,7 @@ class RequestRecord:
         self.store_cap = 1 << 62
         # complete block lists of the last allocation, until the next scheduling applies them
         self.admitted: list[tuple[int, ...]] | None = None
+        self.hashes_ok = 0  # block hashes already validated (a prefix of the view's list)
         self.state = 0
         REQUEST.attach(self)
 
@@ -250,6 +252,10 @@ class JobRecord:
 class SchedulerCounters:
     """Cumulative counters. Every tolerated anomaly has its own counter.
 
+    ``invalid_request_views`` counts request views found malformed while
+    ``build_connector_meta`` read them live (a field turned bad after the hook that validated
+    it): that request's keys and stores are skipped for the step, nothing else changes.
+
     Job outcomes: ``jobs_created = live + completed + failed + stalled + discarded``.
     """
 
@@ -279,6 +285,7 @@ class SchedulerCounters:
     untracked_finishes: int = 0
     unknown_scheduled_requests: int = 0
     invalid_transfer_params: int = 0
+    invalid_request_views: int = 0
     manager_errors: int = 0
     fence_pairs_missing: int = 0
     load_bytes: int = 0
@@ -315,6 +322,28 @@ class _StepBatch:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+_SEQ = (list, tuple)
+
+
+def _alloc_args_ok(block_ids: Any, n_groups: int, num_external_tokens: Any) -> bool:
+    """The common case of :meth:`OffloadingScheduler.update_state_after_alloc`'s arguments,
+    checked at C speed (the validation layer diagnoses anything else)."""
+    if (
+        type(num_external_tokens) is not int
+        or num_external_tokens < 0
+        or type(block_ids) not in _SEQ
+        or len(block_ids) != n_groups
+    ):
+        return False
+    try:
+        for ids in block_ids:
+            if ids and (type(ids) not in _SEQ or type(sum(ids)) is not int or min(ids) < 0):
+                return False
+    except TypeError:
+        return False
+    return True
 
 
 def _param(params: Mapping[str, Any] | None, name: str) -> tuple[int | None, bool]:
@@ -425,7 +454,7 @@ class OffloadingScheduler:
 
     def request_state(self, req_id: str) -> str:
         """The lifecycle state name of a tracked request."""
-        rec = self._reqs.get(req_id)
+        rec = self._reqs.get(req_id) if type(req_id) is str else None
         if rec is None:
             raise UnknownRequestError(req_id, "request_state")
         return REQUEST.state_name(rec)
@@ -468,7 +497,7 @@ class OffloadingScheduler:
             request,
             "on_new_request",
             self._where,
-            rec.n_hashes if rec is not None else 0,
+            rec.hashes_ok if rec is not None else 0,
             params=rec is None,
         )
         if rec is not None:
@@ -480,6 +509,7 @@ class OffloadingScheduler:
         ctx = ReqContext(req_id=request.request_id, kv_transfer_params=params)
         policy = self.manager.on_new_request(ctx).policy
         rec = RequestRecord(self, request, ctx, policy, self._n_groups)
+        rec.hashes_ok = len(request.block_hashes)  # the caller validated the view
         rec.max_load_tokens, bad_load = _param(params, "max_load_tokens")
         rec.max_offload_tokens, bad_off = _param(params, "max_offload_tokens")
         self.counters.invalid_transfer_params += int(bad_load) + int(bad_off)
@@ -514,7 +544,7 @@ class OffloadingScheduler:
         rid = validate.request_id(request, call)
         rec = self._reqs.get(rid)
         validate.request_view(
-            request, call, self._where, rec.n_hashes if rec is not None else 0, rec is None
+            request, call, self._where, rec.hashes_ok if rec is not None else 0, rec is None
         )
         if type(num_computed_tokens) is not int or not (
             0 <= num_computed_tokens <= request.num_tokens
@@ -543,6 +573,7 @@ class OffloadingScheduler:
             rec = self._track(request)
         REQUEST.require(rec, RE_LOOKUP)
         rec.request = request
+        rec.hashes_ok = len(request.block_hashes)
         self.counters.lookups += 1
         if rec.jobs:
             REQUEST.fire(rec, RE_LOOKUP)
@@ -566,17 +597,33 @@ class OffloadingScheduler:
         return None, False
 
     def _update_keys(self, rec: RequestRecord) -> None:
-        hashes = rec.request.block_hashes
+        """Turn the request's new block hashes into keys (all groups, or none of them).
+
+        Hooks that take the request validate its view first; ``build_connector_meta`` reads
+        the views live, so a ``block_hashes`` turned bad is absorbed there: the keys stay as
+        they were and ``invalid_request_views`` counts it.
+        """
+        hashes: Any = rec.request.block_hashes
+        if type(hashes) is not list and not validate.is_sequence(hashes):
+            self.counters.invalid_request_views += 1
+            return
         n_hashes = len(hashes)
         if n_hashes == rec.n_hashes:
             return
-        rec.n_hashes = n_hashes
+        new: list[tuple[list[OffloadKey], list[bytes], int]] = []
         for g, gs in enumerate(rec.groups):
             hpc = self._hpc[g]
-            keys = gs.keys
-            if len(keys) < n_hashes // hpc:
-                for idx in range(len(keys), n_hashes // hpc):
-                    keys.append(make_offload_key(hashes[idx * hpc + hpc - 1], g))
+            have = len(gs.keys)
+            if have < n_hashes // hpc:
+                ends = [hashes[idx * hpc + hpc - 1] for idx in range(have, n_hashes // hpc)]
+                for h in ends:
+                    if type(h) is not bytes and not isinstance(h, bytes | bytearray | memoryview):
+                        self.counters.invalid_request_views += 1
+                        return
+                new.append((gs.keys, ends, g))
+        rec.n_hashes = n_hashes
+        for keys, ends, g in new:
+            keys.extend([make_offload_key(h, g) for h in ends])
 
     def _lookup(
         self, rec: RequestRecord, num_computed: int, max_num_new_tokens: int | None
@@ -662,25 +709,28 @@ class OffloadingScheduler:
         changes then.
         """
         call = "update_state_after_alloc"
-        rid = validate.request_id(request, call)
-        rec = self._reqs.get(rid)
-        validate.request_view(request, call, self._where, rec.n_hashes if rec is not None else 0)
-        validate.block_lists(block_ids, self._n_groups, call, "block_ids", self._where, rid)
-        if type(num_external_tokens) is not int or num_external_tokens < 0:
+        # the request id is the only field of the view read here
+        rid = getattr(request, "request_id", None)
+        if type(rid) is not str:
+            rid = validate.request_id(request, call)
+        if not _alloc_args_ok(block_ids, self._n_groups, num_external_tokens):
+            validate.block_lists(block_ids, self._n_groups, call, "block_ids", self._where, rid)
             validate._fail(
                 call, "num_external_tokens", num_external_tokens, "an int >= 0", self._where, rid
             )
+        rec = self._reqs.get(rid)
         if rec is None:
             raise UnknownRequestError(rid, call)
         if num_external_tokens == 0:
             local = rec.num_local_computed
-            for g, ids in enumerate(block_ids):
-                if len(ids) < _ceil_div(local, self._tpb[g]):
-                    raise MetadataError(
-                        f"{call}: request {rid!r} group {g}: {len(ids)} blocks cannot hold the "
-                        f"{local} locally computed tokens its lookup reported (the lists are "
-                        f"the request's complete block lists)"
-                    )
+            if local:
+                for g, ids in enumerate(block_ids):
+                    if len(ids) < -(-local // self._tpb[g]):
+                        raise MetadataError(
+                            f"{call}: request {rid!r} group {g}: {len(ids)} blocks cannot hold "
+                            f"the {local} locally computed tokens its lookup reported (the "
+                            f"lists are the request's complete block lists)"
+                        )
             self._note_allocation(rec, block_ids)
             return
         REQUEST.require(rec, RE_ALLOC_LOAD)
@@ -775,7 +825,6 @@ class OffloadingScheduler:
         then signal finished requests to the manager.
         """
         validate.scheduler_output(output, self._n_groups, self._where)
-        self._check_live_views(output)
         batch = self._batch
         scheduled = self._update_req_states(output)
         self.manager.on_schedule_end(
@@ -816,17 +865,6 @@ class OffloadingScheduler:
         self._batch = _StepBatch()
         return meta
 
-    def _check_live_views(self, output: SchedulerOutput) -> None:
-        """The request views ``build_connector_meta`` reads are read live: check them first."""
-        reqs = self._reqs
-        check = validate.request_view
-        for s in output.scheduled:
-            rec = reqs.get(s.req_id)
-            if rec is not None:
-                check(rec.request, "build_connector_meta", self._where, rec.n_hashes)
-        for rec in self._awaiting_signal.values():
-            check(rec.request, "build_connector_meta", self._where, rec.n_hashes)
-
     def _admit(self, rec: RequestRecord, new_ids: Sequence[Sequence[int]]) -> list[list[int]]:
         """The first scheduling after an allocation: start from the allocated lists.
 
@@ -863,7 +901,8 @@ class OffloadingScheduler:
             if rec.admitted is not None:
                 new_ids = self._admit(rec, new_ids)
             request = rec.request
-            if len(request.block_hashes) != rec.n_hashes:
+            hashes = request.block_hashes
+            if type(hashes) is not list or len(hashes) != rec.n_hashes:
                 self._update_keys(rec)
             rec.num_scheduled = s.num_scheduled_tokens
             if s.resumed_from_preemption:
@@ -880,11 +919,12 @@ class OffloadingScheduler:
                     allocated.update(ids)
             # most steps are decode steps that cannot complete a chunk: skip store building
             floor = rec.store_floor
-            if floor and (
-                rec.store_cap < floor
-                or request.num_computed_tokens + s.num_scheduled_tokens < floor
-            ):
-                continue
+            if floor:
+                if rec.store_cap < floor:
+                    continue
+                nc = request.num_computed_tokens
+                if type(nc) is int and nc + s.num_scheduled_tokens < floor:
+                    continue  # (a view turned bad is counted in _build_store_jobs)
             scheduled.append(rec)
         allocated.update(output.extra_allocated_block_ids)
         allocated.discard(0)  # the null block is never handed to an owner
@@ -902,22 +942,35 @@ class OffloadingScheduler:
         self, rec: RequestRecord, store_jobs: dict[int, TransferJob], finished: bool
     ) -> None:
         request = rec.request
-        if request.is_aborted:
-            target = request.num_computed_tokens
+        # the view is read live: a field turned bad since the last hook skips this request's
+        # stores for the step (counted in invalid_request_views), nothing else
+        nc = request.num_computed_tokens
+        nt = request.num_tokens
+        n_prompt = request.num_prompt_tokens
+        aborted = request.is_aborted
+        if not (
+            type(nc) is int
+            and type(nt) is int
+            and type(n_prompt) is int
+            and type(aborted) is bool
+            and nc >= 0
+            and 0 <= n_prompt <= nt
+        ):
+            self.counters.invalid_request_views += 1
+            return
+        if aborted:
+            target = nc
         elif finished:
             # the last sampled token has no KV; and never more than was computed (a request
             # that finishes mid-prefill must not store blocks that were never written)
-            target = min(
-                max(request.num_prompt_tokens, request.num_tokens - 1),
-                request.num_computed_tokens,
-            )
+            target = min(max(n_prompt, nt - 1), nc)
         else:
-            target = request.num_computed_tokens + rec.num_scheduled
-        n_off = min(target, request.num_tokens)
+            target = nc + rec.num_scheduled
+        n_off = min(target, nt)
         if rec.max_offload_tokens is not None:
             n_off = min(n_off, rec.max_offload_tokens)
         if self.config.offload_prompt_only:
-            n_off = min(n_off, request.num_prompt_tokens)
+            n_off = min(n_off, n_prompt)
         if n_off < rec.store_floor:
             return  # the common decode step: no new whole chunk yet
         if not REQUEST.accepts(rec, RE_STORE_CREATED):
@@ -1156,7 +1209,7 @@ class OffloadingScheduler:
         rid = validate.request_id(request, call)
         rec = self._reqs.get(rid)
         validate.request_view(
-            request, call, self._where, rec.n_hashes if rec is not None else 0, rec is None
+            request, call, self._where, rec.hashes_ok if rec is not None else 0, rec is None
         )
         if rec is None:
             self.counters.untracked_finishes += 1

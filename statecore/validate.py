@@ -39,6 +39,8 @@ from statecore.errors import (
     InvalidMetadataError,
     describe,
 )
+from statecore.views import ScheduledRequest as _ScheduledRequest
+from statecore.views import SchedulerOutput as _SchedulerOutput
 
 __all__ = [
     "MISSING",
@@ -51,13 +53,16 @@ __all__ = [
     "flag",
     "id_collection",
     "is_int",
+    "is_sequence",
     "nonneg_int",
     "offload_key",
     "offload_keys",
     "req_context",
     "request_id",
     "request_view",
+    "scheduled_request",
     "scheduler_output",
+    "scheduler_output_fields",
     "slot_list",
     "worker_metadata",
 ]
@@ -108,6 +113,12 @@ def nonneg_int(
     raise error(call, argument, value, expected)
 
 
+def is_sequence(value: object) -> bool:
+    """Whether ``value`` is a sequence argument: a list, a tuple, or any ``Sequence`` that is
+    not ``str``/``bytes``."""
+    return _is_seq(value)
+
+
 def _is_seq(value: object) -> bool:
     return type(value) in _SEQ or (
         isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
@@ -121,9 +132,11 @@ def _int_list(ids: Any, call: str, argument: str, where: Where, req_id: object, 
     seq: Sequence[Any] = ids
     if not seq:
         return
-    types = set(map(type, seq))
-    if types == {int} and min(seq) >= 0:
-        return
+    try:  # fast path, C speed: a float makes the sum a float; None/str raise
+        if type(sum(seq)) is int and min(seq) >= 0:
+            return
+    except TypeError:
+        pass
     for i, b in enumerate(seq):
         if type(b) is not int or b < 0:
             _fail(call, f"{argument}[{i}]", b, f"a {what} (int >= 0)", where, req_id)
@@ -192,10 +205,13 @@ def request_view(
         _fail(call, "request.block_hashes", hashes, "a sequence of bytes", where, rid)
     n = len(hashes)
     if n > hashes_seen:
-        for i in range(hashes_seen, n):
-            h = hashes[i]
-            if not isinstance(h, bytes):
-                _fail(call, f"request.block_hashes[{i}]", h, "bytes", where, rid)
+        try:  # C speed: join raises on anything that is not bytes-like
+            b"".join(hashes[hashes_seen:n] if hashes_seen else hashes)
+        except TypeError:
+            for i in range(hashes_seen, n):
+                h = hashes[i]
+                if not isinstance(h, bytes | bytearray | memoryview):
+                    _fail(call, f"request.block_hashes[{i}]", h, "bytes", where, rid)
     if params and kv is not None and not isinstance(kv, Mapping):
         _fail(call, "request.kv_transfer_params", kv, "None or a mapping", where, rid)
     return rid
@@ -204,7 +220,21 @@ def request_view(
 def block_lists(
     block_ids: Any, n_groups: int, call: str, argument: str, where: Where, req_id: object
 ) -> None:
-    """One sequence of GPU block ids (ints >= 0) per KV-cache group."""
+    """One sequence of GPU block ids (ints >= 0) per KV-cache group.
+
+    An ``int`` subclass such as ``bool`` is taken as the int it equals (the fast path sums the
+    ids, which keeps the check at C speed); ``None``, strings, floats and negatives are
+    rejected.
+    """
+    if type(block_ids) in _SEQ and len(block_ids) == n_groups:
+        try:
+            for ids in block_ids:
+                if ids and (type(ids) not in _SEQ or type(sum(ids)) is not int or min(ids) < 0):
+                    break
+            else:
+                return
+        except TypeError:
+            pass
     if not _is_seq(block_ids) or len(block_ids) != n_groups:
         _fail(
             call,
@@ -224,78 +254,79 @@ def _id_set(value: Any, call: str, argument: str, kind: type, what: str) -> None
     if type(value) not in _SETS and not isinstance(value, AbstractSet):
         _fail(call, argument, value, f"a set of {what}")
     for v in value:
-        ok = type(v) is int and v >= 0 if kind is int else isinstance(v, str)
+        ok = isinstance(v, int) and v >= 0 if kind is int else isinstance(v, str)
         if not ok:
             _fail(call, f"{argument} item", v, what)
 
 
-def scheduler_output(output: object, n_groups: int, where: Where) -> None:
-    """Check a whole :class:`~statecore.views.SchedulerOutput` before any entry is applied.
+def scheduled_request(s: Any, call: str) -> None:
+    """Diagnose a :class:`~statecore.views.ScheduledRequest` built with a malformed field
+    (raises naming it); when every field is acceptable, store the block lists as tuples."""
+    rid = s.req_id
+    if not isinstance(rid, str):
+        _fail(call, "req_id", rid, "a str")
+    ids = s.new_block_ids
+    if not _is_seq(ids):
+        _fail(call, "new_block_ids", ids, "a sequence of block-id sequences, one per group")
+    for g, group in enumerate(ids):
+        _int_list(group, call, f"new_block_ids[{g}]", _nowhere, rid, "GPU block id")
+    n = s.num_scheduled_tokens
+    if type(n) is not int or n < 0:
+        _fail(call, "num_scheduled_tokens", n, "an int >= 0")
+    if type(s.resumed_from_preemption) is not bool:
+        _fail(call, "resumed_from_preemption", s.resumed_from_preemption, "a bool")
+    object.__setattr__(s, "new_block_ids", tuple(tuple(group) for group in ids))
 
-    Every scheduled entry (request id, per-group block lists, token count, resumed flag) and
-    every id set is checked, so that a bad second entry can no longer leave the first one
-    applied.
-    """
-    from statecore.views import ScheduledRequest, SchedulerOutput
 
-    call = "build_connector_meta"
-    if not isinstance(output, SchedulerOutput):
-        _fail(call, "output", output, "a SchedulerOutput")
+def scheduler_output_fields(output: Any) -> None:
+    """Diagnose a :class:`~statecore.views.SchedulerOutput` built with a malformed field
+    (raises naming it); when every field is acceptable, normalise it (tuple of entries, the
+    per-entry group counts)."""
+    call = "SchedulerOutput"
     scheduled = output.scheduled
-    if type(scheduled) not in _SEQ and not _is_seq(scheduled):
-        _fail(call, "output.scheduled", scheduled, "a sequence of ScheduledRequest")
+    if not _is_seq(scheduled):
+        _fail(call, "scheduled", scheduled, "a sequence of ScheduledRequest")
     for i, s in enumerate(scheduled):
-        if type(s) is not ScheduledRequest:
-            _fail(call, f"output.scheduled[{i}]", s, "a ScheduledRequest")
-        rid = s.req_id
-        if type(rid) is not str:
-            _fail(call, f"output.scheduled[{i}].req_id", rid, "a str")
-        ids = s.new_block_ids
-        if type(ids) is not tuple or len(ids) != n_groups:
-            block_lists(ids, n_groups, call, f"output.scheduled[{i}].new_block_ids", where, rid)
-        else:
-            for g, group_ids in enumerate(ids):
-                if group_ids:
-                    _int_list(
-                        group_ids,
-                        call,
-                        f"output.scheduled[{i}].new_block_ids[{g}]",
-                        where,
-                        rid,
-                        "GPU block id",
-                    )
-                elif not _is_seq(group_ids):
-                    _fail(
-                        call,
-                        f"output.scheduled[{i}].new_block_ids[{g}]",
-                        group_ids,
-                        "a sequence of GPU block ids",
-                        where,
-                        rid,
-                    )
-        n = s.num_scheduled_tokens
-        if type(n) is not int or n < 0:
-            _fail(call, f"output.scheduled[{i}].num_scheduled_tokens", n, "an int >= 0", where, rid)
-        if type(s.resumed_from_preemption) is not bool:
-            _fail(
-                call,
-                f"output.scheduled[{i}].resumed_from_preemption",
-                s.resumed_from_preemption,
-                "a bool",
-                where,
-                rid,
-            )
+        if type(s) is not _ScheduledRequest:
+            _fail(call, f"scheduled[{i}]", s, "a ScheduledRequest")
     for name in ("new_req_ids", "finished_req_ids", "preempted_req_ids"):
-        value = getattr(output, name)
-        if value:
-            _id_set(value, call, f"output.{name}", str, "request ids (str)")
-        elif type(value) not in _SETS and not isinstance(value, AbstractSet):
-            _fail(call, f"output.{name}", value, "a set of request ids (str)")
-    extra = output.extra_allocated_block_ids
-    if extra:
-        _id_set(extra, call, "output.extra_allocated_block_ids", int, "GPU block ids (ints >= 0)")
-    elif type(extra) not in _SETS and not isinstance(extra, AbstractSet):
-        _fail(call, "output.extra_allocated_block_ids", extra, "a set of GPU block ids")
+        _id_set(getattr(output, name), call, name, str, "request ids (str)")
+    _id_set(
+        output.extra_allocated_block_ids,
+        call,
+        "extra_allocated_block_ids",
+        int,
+        "GPU block ids (ints >= 0)",
+    )
+    object.__setattr__(output, "scheduled", tuple(scheduled))
+    object.__setattr__(
+        output, "group_counts", frozenset(len(s.new_block_ids) for s in output.scheduled)
+    )
+
+
+def scheduler_output(output: object, n_groups: int, where: Where) -> None:
+    """Check a :class:`~statecore.views.SchedulerOutput` before any of its entries is applied.
+
+    The output validated its own fields when it was built (see :mod:`statecore.views`); what
+    is left depends on the scheduler: every entry carries one block list per KV-cache group.
+    O(1) in the common case (the output computed its set of group counts).
+    """
+    call = "build_connector_meta"
+    if type(output) is not _SchedulerOutput:
+        _fail(call, "output", output, "a SchedulerOutput")
+    counts = output.group_counts
+    if not counts or (len(counts) == 1 and n_groups in counts):
+        return
+    for i, s in enumerate(output.scheduled):
+        if len(s.new_block_ids) != n_groups:
+            block_lists(
+                s.new_block_ids,
+                n_groups,
+                call,
+                f"output.scheduled[{i}].new_block_ids",
+                where,
+                s.req_id,
+            )
 
 
 def _finite(value: object) -> bool:

@@ -3,8 +3,15 @@
 An engine adapts its own objects to these with a thin layer. :class:`RequestLike` is a
 protocol read live (the scheduler keeps the object and reads its attributes when it needs them),
 so an engine's mutable request object can be passed as is when its attribute names match, or
-wrapped in a small proxy. :class:`Request`, :class:`ScheduledRequest` and
-:class:`SchedulerOutput` are plain dataclasses for tests, the simulator and adapters.
+wrapped in a small proxy; each hook checks the fields it reads. :class:`Request` is a plain
+dataclass for tests, the simulator and adapters.
+
+:class:`ScheduledRequest` and :class:`SchedulerOutput` are frozen and validated when they are
+built (the boundary where an engine's step enters statecore): a malformed field raises
+:class:`~statecore.errors.InvalidMetadataError` naming it, and the per-group block lists are
+stored as tuples, so a built output cannot be changed afterwards. ``build_connector_meta``
+then only checks what depends on the scheduler's configuration (the number of KV-cache
+groups), before applying any entry.
 """
 
 from __future__ import annotations
@@ -64,17 +71,37 @@ class Request:
     is_aborted: bool = False
 
 
+_SEQ = (list, tuple)
+
+
+def _ids_ok(ids: Any) -> bool:
+    """A list/tuple of ints >= 0 (C-speed check: a float turns the sum into a float)."""
+    if type(ids) not in _SEQ:
+        return False
+    if not ids:
+        return True
+    try:
+        return type(sum(ids)) is int and min(ids) >= 0
+    except TypeError:
+        return False
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     """One request scheduled in a step.
 
     Attributes:
         req_id: the request id.
-        new_block_ids: per KV-cache group, the GPU block ids newly given to the request in
-            this step (appended to what it held; the full list when resumed).
+        new_block_ids: per KV-cache group, the GPU block ids given to the request since it was
+            last scheduled, appended to what it held. The first scheduling after an allocation
+            (:meth:`~statecore.OffloadingScheduler.update_state_after_alloc`) may instead repeat
+            the complete lists, as vLLM does for new and resumed requests: both forms work.
+            Stored as a tuple of tuples.
         num_scheduled_tokens: tokens computed for it in this step.
         resumed_from_preemption: it was preempted earlier and starts from a fresh allocation;
             ``new_block_ids`` then holds its complete block lists.
+
+    Raises :class:`~statecore.errors.InvalidMetadataError` when built with a malformed field.
     """
 
     req_id: str
@@ -82,17 +109,47 @@ class ScheduledRequest:
     num_scheduled_tokens: int
     resumed_from_preemption: bool = False
 
+    def __post_init__(self) -> None:
+        ids: Any = self.new_block_ids
+        n = self.num_scheduled_tokens
+        if (
+            type(self.req_id) is str
+            and type(ids) in _SEQ
+            and type(n) is int
+            and n >= 0
+            and type(self.resumed_from_preemption) is bool
+        ):
+            ok = True
+            norm = True
+            for group in ids:
+                if type(group) is not tuple:
+                    norm = False
+                if not _ids_ok(group):
+                    ok = False
+                    break
+            if ok:
+                if not norm or type(ids) is not tuple:
+                    object.__setattr__(self, "new_block_ids", tuple(tuple(g) for g in ids))
+                return
+        from statecore.validate import scheduled_request
+
+        scheduled_request(self, "ScheduledRequest")
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """What the engine scheduled in one step.
 
     Attributes:
-        scheduled: the requests that compute in this step, new ones first.
+        scheduled: the requests that compute in this step, new ones first (stored as a tuple).
         new_req_ids: which of them are scheduled for the first time.
         finished_req_ids: requests that finished (or were aborted) since the last step.
         preempted_req_ids: requests preempted in this step (their blocks were freed).
         extra_allocated_block_ids: other blocks handed out this step (copy destinations).
+
+    Raises :class:`~statecore.errors.InvalidMetadataError` when built with a malformed field
+    (an entry that is not a :class:`ScheduledRequest`, an id set that is not a set of str, a
+    block id that is not an int >= 0).
     """
 
     scheduled: Sequence[ScheduledRequest] = ()
@@ -100,3 +157,40 @@ class SchedulerOutput:
     finished_req_ids: frozenset[str] = frozenset()
     preempted_req_ids: frozenset[str] = frozenset()
     extra_allocated_block_ids: frozenset[int] = frozenset()
+    group_counts: frozenset[int] = field(default=frozenset(), init=False, compare=False)
+    """How many block lists the entries carry (one value when they agree); computed."""
+
+    def __post_init__(self) -> None:
+        scheduled: Any = self.scheduled
+        if type(scheduled) is list:
+            scheduled = tuple(scheduled)
+            object.__setattr__(self, "scheduled", scheduled)
+        counts: set[int] = set()
+        if type(scheduled) is tuple:
+            for s in scheduled:
+                if type(s) is not ScheduledRequest:
+                    break
+                counts.add(len(s.new_block_ids))
+            else:
+                if _sets_ok(self):
+                    object.__setattr__(self, "group_counts", frozenset(counts))
+                    return
+        from statecore.validate import scheduler_output_fields
+
+        scheduler_output_fields(self)
+
+
+_SETS = (frozenset, set)
+
+
+def _sets_ok(output: Any) -> bool:
+    for value in (output.new_req_ids, output.finished_req_ids, output.preempted_req_ids):
+        if type(value) not in _SETS:
+            return False
+        for v in value:
+            if type(v) is not str:
+                return False
+    extra = output.extra_allocated_block_ids
+    if type(extra) not in _SETS:
+        return False
+    return _ids_ok(tuple(extra))
