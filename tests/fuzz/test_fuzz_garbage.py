@@ -342,7 +342,9 @@ class GarbageMachine(StackMachine):
             ),
             (
                 "ScheduledRequest",
-                lambda: ScheduledRequest("r", draw(st.sampled_from(BLOCKS_BAD[:10])), 1),
+                lambda: ScheduledRequest(
+                    "r", draw(st.sampled_from(BLOCKS_BAD[:7] + BLOCKS_BAD[8:])), 1
+                ),
             ),
             (
                 "WorkerMetadata.aggregate",
