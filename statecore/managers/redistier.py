@@ -167,7 +167,8 @@ class RedisTierConfig:
         workers: threads of the default executor (concurrent jobs).
         max_batch_bytes: a job's pipeline is sent in batches of about this many value bytes.
         lookup_ttl_steps: engine steps a lookup answer is trusted.
-        max_known_keys: at most this many lookup answers are kept (oldest dropped first).
+        max_known_keys: at most this many lookup answers are kept (oldest dropped first;
+            answers older than ``lookup_ttl_steps`` are dropped at each step's end anyway).
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -179,7 +180,7 @@ class RedisTierConfig:
     workers: int = 4
     max_batch_bytes: int = 64 << 20
     lookup_ttl_steps: int = 32
-    max_known_keys: int = 1 << 20
+    max_known_keys: int = 1 << 18
 
     def __post_init__(self) -> None:
         if not self.url:
@@ -705,7 +706,8 @@ class RedisTier:
         """Nothing is kept per request."""
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
-        """Send the step's queued lookups as one ``EXISTS`` pipeline; start a new step."""
+        """Send the step's queued lookups as one ``EXISTS`` pipeline; start a new step (and
+        drop the lookup answers that aged out)."""
         if self._to_query:
             keys = tuple(self._to_query)
             self._to_query.clear()
@@ -713,6 +715,14 @@ class RedisTier:
             self._stats["lookups_queried"] += len(keys)
             self._queries.append((keys, self._executor.submit(self._exists, keys)))
         self._step += 1
+        # answers are ordered by age: drop the ones no lookup may use any more
+        known = self._known
+        oldest = self._step - self.config.lookup_ttl_steps
+        while known:
+            key, (_, stamp) = next(iter(known.items()))
+            if stamp >= oldest:
+                break
+            del known[key]
 
     def has_pending_work(self) -> bool:
         """Whether jobs or lookup batches are running or not collected yet."""

@@ -430,6 +430,23 @@ def test_jobs_and_lookups_are_batched_into_pipelines(server: LocalRedis) -> None
     tier.shutdown()
 
 
+def test_lookup_answers_age_out_and_are_asked_again(server: LocalRedis) -> None:
+    a = Instance(config(server, lookup_ttl_steps=3))
+    a.store(1)
+    a.m.reset_cache()
+    assert a.lookup(2) is LookupResult.RETRY
+    a.step()
+    assert a.lookup(2) is LookupResult.MISS  # answered: absent
+    assert a.tier.get_stats()["known_keys"] == 2  # k(1) stored (present), k(2) absent
+    for _ in range(4):
+        a.step()
+    assert a.tier.get_stats()["known_keys"] == 0  # both aged out and were dropped
+    assert a.lookup(1) is LookupResult.RETRY  # asked again
+    a.step()
+    assert a.lookup(1) is LookupResult.HIT_PENDING
+    a.close()
+
+
 def test_config_is_validated_and_selectable(server: LocalRedis, tmp_path: Any) -> None:
     with pytest.raises(ConfigError, match="timeout_s"):
         RedisTierConfig(timeout_s=0)
