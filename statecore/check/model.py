@@ -45,11 +45,12 @@ from typing import Any
 from statecore.config import GroupConfig, SchedulerConfig
 from statecore.errors import StatecoreError
 from statecore.keys import make_offload_key
+from statecore.manager import CPULoadStoreSpec, OffloadPolicy
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.scheduler import OffloadingScheduler
 from statecore.sim.hashing import ROOT_HASH, chain_hash, extend_block_hashes
 from statecore.views import Request, ScheduledRequest, SchedulerOutput
-from statecore.wire import ConnectorMetadata, TransferJob, WorkerMetadata
+from statecore.wire import ConnectorMetadata, GPULoadStoreSpec, TransferJob, WorkerMetadata
 from statecore.worker import OffloadingWorker, TransferResult, job_specs, plan_block_copies
 
 __all__ = [
@@ -314,7 +315,11 @@ class World:
 
     def actions(self) -> list[Action]:
         """Every move the environment can make now."""
-        out: list[Action] = [("step",), ("jump",)]
+        out: list[Action] = [("step",)]
+        s = self.sched
+        if s.jobs or s.stalled_jobs or s._finished_loads or s._invalid_blocks:
+            # otherwise a jump changes only the clock: a self-loop of the canonical state
+            out.append(("jump",))
         for r in self.reqs:
             st = r.status
             if st == UNARRIVED:
@@ -746,119 +751,132 @@ class World:
         """The canonical, hashable form of the whole state (see the module docstring)."""
         s = self.sched
         now = self.clock.now
-
-        def age(t: float | None) -> int:
-            return -1 if t is None else int(now - t > 0)
-
-        ids: set[int] = set(s.jobs) | set(s.stalled_jobs) | s._batch.flush
+        stalled = s.stalled_jobs
+        ids: set[int] = {*s.jobs, *stalled, *s._batch.flush, s.stale_threshold, s.next_job_id}
         for w, be in zip(self.workers, self.backends, strict=True):
-            ids.update(w.deferred)
+            ids.update(w._deferred)
             ids.update(be.submitted)
-        ids.update(d[1] for d in self.delivered)
-        ids.add(s.stale_threshold)
-        ids.add(s.next_job_id)
-        ids.update(r.load_job for r in self.reqs if r.load is not None)
+        for d in self.delivered:
+            ids.add(d[1])
+        for r in self.reqs:
+            if r.load is not None:
+                ids.add(r.load_job)
         ren = {j: n for n, j in enumerate(sorted(ids))}
-
-        def job_key(j: Any, stalled: bool = False) -> tuple[Any, ...]:
-            return (
-                ren[j.job_id],
-                j.req.req_id,
-                j.is_store,
-                j.keys,
-                j.blocks,
-                j.pending,
-                j.failed,
-                j.seen,
-                age(j.created_at),
-                age(j.stalled_at) if stalled else 0,
-                j.fenced,
-                j.deferred_fence,
-                j.deferred_registered,
-                j.flushed,
-                j.state,
-            )
-
+        chunk = OffloadPolicy.CHUNK_LEVEL
         reqs = tuple(
-            (
-                rec.req_id,
-                rec.state,
-                tuple(sorted(ren[j] for j in rec.jobs)),
-                tuple(
-                    (tuple(gs.keys), tuple(gs.block_ids), gs.cursor, gs.skip) for gs in rec.groups
-                ),
-                rec.max_load_tokens,
-                rec.max_offload_tokens,
-                rec.num_local_computed,
-                rec.num_scheduled,
-                rec.n_hashes,
-                age(rec.deferred_since),
-                rec.signalled,
-                rec.store_floor,
-                rec.store_cap,
-                rec.policy,
-            )
-            for rec in s.requests.values()
+            [
+                (
+                    rec.req_id,
+                    rec.state,
+                    tuple(sorted([ren[j] for j in rec.jobs])),
+                    tuple(
+                        [
+                            (tuple(gs.keys), tuple(gs.block_ids), gs.cursor, gs.skip)
+                            for gs in rec.groups
+                        ]
+                    ),
+                    rec.max_load_tokens,
+                    rec.max_offload_tokens,
+                    rec.num_local_computed,
+                    rec.num_scheduled,
+                    rec.n_hashes,
+                    rec.deferred_since is None,  # only whether it is set is ever read
+                    rec.signalled,
+                    rec.store_floor,
+                    rec.store_cap,
+                    rec.policy is chunk,
+                )
+                for rec in s.requests.values()
+            ]
+        )
+        # timestamps: the clock only moves by jumps longer than the stall timeout, so all a
+        # comparison can see is whether a jump happened since (1) or not (0)
+        jobs = tuple(
+            [
+                (
+                    ren[j.job_id],
+                    j.req.req_id,
+                    j.is_store,
+                    j.keys,
+                    j.blocks,
+                    j.pending,
+                    j.failed,
+                    j.seen,
+                    now > j.created_at,
+                    now > j.stalled_at if j.job_id in stalled else False,
+                    j.fenced,
+                    j.deferred_fence,
+                    j.deferred_registered,
+                    j.flushed,
+                    j.state,
+                )
+                for j in (*s.jobs.values(), *stalled.values())
+            ]
         )
         batch = s._batch
+        fence = s.fence_index
         sched_key = (
             reqs,
-            tuple(job_key(j) for j in s.jobs.values()),
-            tuple(job_key(j, True) for j in s.stalled_jobs.values()),
+            jobs,
+            len(stalled),
             ren[s.stale_threshold],
             ren[s.next_job_id],
-            tuple(
-                sorted((b, tuple(sorted(ren[j] for j in js))) for b, js in s.fence_index.items())
-            ),
+            tuple(sorted([(b, tuple(sorted([ren[j] for j in js]))) for b, js in fence.items()]))
+            if fence
+            else (),
             tuple(sorted((s.loading_keys or {}).items())),
-            tuple(sorted(ren[j] for j in batch.flush)),
+            tuple(sorted([ren[j] for j in batch.flush])),
             tuple(sorted(batch.allocated)),
             tuple(s._awaiting_signal),
             tuple(sorted(s._finished_loads)),
             tuple(sorted(s._invalid_blocks)),
-            age(s._last_stall_check),
+            now > s._last_stall_check,
         )
         m = self.manager
         ends = m._schedule_ends
         mgr_key = (
-            tuple((k, e.ref, e.slot) for k, e in m._entries.items()),
+            tuple([(k, e.ref, e.slot) for k, e in m._entries.items()]),
             tuple(m.policy.evictable_blocks),  # type: ignore[attr-defined]
             tuple(m._free),
             m._high_water,
-            tuple((slot, rel - ends) for slot, rel in m._quarantine.items()),
+            tuple([(slot, rel - ends) for slot, rel in m._quarantine.items()]),
         )
         workers_key = tuple(
-            (
-                tuple((ren[j], job) for j, job in w._deferred.items()),
-                tuple((ren[j], v) for j, v in w._inflight.items()),
-                tuple((ren[j], e[0], e[1], e[2]) for j, e in be.submitted.items()),
-                tuple(self.gpu[rank]),
-                tuple(self.cpu[rank]),
-            )
-            for rank, (w, be) in enumerate(zip(self.workers, self.backends, strict=True))
+            [
+                (
+                    tuple([(ren[j], _transfer_key(job)) for j, job in w._deferred.items()]),
+                    tuple([(ren[j], v) for j, v in w._inflight.items()]),
+                    tuple([(ren[j], e[0], e[1], e[2]) for j, e in be.submitted.items()]),
+                    tuple(self.gpu[rank]),
+                    tuple(self.cpu[rank]),
+                )
+                for rank, (w, be) in enumerate(zip(self.workers, self.backends, strict=True))
+            ]
         )
         engine_key = (
             tuple(
-                (
-                    r.status,
-                    tuple(map(tuple, r.blocks)),
-                    r.req.num_computed_tokens,
-                    r.req.num_tokens,
-                    r.load,
-                    r.resumed,
-                    r.scheduled_once,
-                    r.aborted,
-                    ren[r.load_job] if r.load is not None else -1,
-                    r.load_failed,
-                )
-                for r in self.reqs
+                [
+                    (
+                        r.status,
+                        tuple([tuple(b) for b in r.blocks]),
+                        r.req.num_computed_tokens,
+                        r.req.num_tokens,
+                        r.load,
+                        r.resumed,
+                        r.scheduled_once,
+                        r.aborted,
+                        ren[r.load_job] if r.load is not None else -1,
+                        r.load_failed,
+                    )
+                    for r in self.reqs
+                ]
             ),
             tuple(self.waiting),
             tuple(self.running),
             tuple(self.free),
             tuple(sorted(self.preempted_next)),
             tuple(sorted(self.finished_since)),
-            tuple((a, ren[j], ok) for a, j, ok in self.delivered),
+            tuple([(a, ren[j], ok) for a, j, ok in self.delivered]),
             self.faults,
             self.resets,
         )
@@ -908,6 +926,19 @@ class World:
                     out[f"rank {rank} cpu slot {slot}"] = _label(lab)
         out["clock"] = f"{self.clock.now:g}s"
         return out
+
+
+def _transfer_key(job: TransferJob) -> tuple[Any, ...]:
+    """A transfer job as plain tuples (hashing the dataclasses runs Python code)."""
+    out: list[Any] = [job.req_id]
+    for spec in (job.src, job.dst):
+        if isinstance(spec, GPULoadStoreSpec):
+            out += [spec.block_ids, spec.group_sizes, spec.block_indices]
+        elif isinstance(spec, CPULoadStoreSpec):
+            out.append(spec.slots)
+        else:
+            out.append(spec)
+    return tuple(out)
 
 
 def _report(rank: int, job_id: int, ok: bool) -> WorkerMetadata:
