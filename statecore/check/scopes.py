@@ -13,6 +13,7 @@ __all__ = ["SCOPES"]
 
 _A = (1, 2, 3, 4)
 _B = (1, 2, 5, 6)
+_C = (7, 8, 9, 10)
 
 SCOPES: dict[str, Scope] = {
     s.name: s
@@ -25,6 +26,15 @@ SCOPES: dict[str, Scope] = {
             cpu_slots=2,
             depth=9,
             description="two requests sharing a chunk, one worker, full attention",
+        ),
+        Scope(
+            "apart",
+            prompts=(_A, _C),
+            workers=1,
+            gpu_blocks=3,
+            cpu_slots=2,
+            depth=9,
+            description="two requests sharing nothing (no deferral orders them), one worker",
         ),
         Scope(
             "two",

@@ -28,11 +28,12 @@ from statecore.check.model import World
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mutants"))
 from catalogue import MUTANTS
 
-TEST_DEPTH = {"one": 8, "two": 6, "swa": 6}
+TEST_DEPTH = {"one": 8, "apart": 7, "two": 6, "swa": 6}
 """Depth of each scope in this file (the shipped depth is larger)."""
 
-SCOPE_ORDER = ("one", "two", "swa")
-"""Scopes from smallest to largest: one worker, two workers, a sliding-window group."""
+SCOPE_ORDER = ("one", "apart", "two", "swa")
+"""Scopes from smallest to largest: one worker (shared or unrelated prompts), two workers, a
+sliding-window group."""
 
 MUTANT_SCOPES = {"quorum_of_one": "two"}
 """The smallest scope that can express a mutant, where known and not ``one``; a mutant not
