@@ -1,0 +1,275 @@
+"""Scheduler behaviour that a sampled mutation run found unasserted (issue 18).
+
+Each test pins one behaviour whose loss no other test noticed: the exact counter values of a
+realistic run, checked mode really evaluating the invariants (by argument and by
+environment), the store cursor advancing, a fence set holding several store jobs, and a
+chunk still being written at index 0 of a lookup never counted as a hit.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sched_harness import Harness, config, make_manager, prefill
+from statecore.specs.fakes import RecordingManager
+
+from statecore import (
+    InvariantViolation,
+    LookupResult,
+    OffloadingScheduler,
+    ReqContext,
+    ScheduledRequest,
+    WorkerMetadata,
+    kernels,
+)
+
+# -- counters ------------------------------------------------------------------------------------
+
+
+def _integer_counters(h: Harness) -> dict[str, int | float]:
+    return {k: v for k, v in h.sched.counters.as_dict().items() if not k.endswith("_seconds")}
+
+
+def test_counters_have_exact_values_after_a_realistic_run(kind: str) -> None:
+    """Store, load, a deferred lookup, bad and late reports, a stall, a finish and a reset:
+    every counter holds exactly the number of events of its kind."""
+    h = Harness(make_manager(kind), config(workers=2))
+    h.add("a", list(range(17)))
+    (store_a,) = prefill(h, "a")  # lookup 1 (no hit), store job 1 (4 chunks)
+    done = WorkerMetadata()
+    done.mark_completed(store_a)
+    done.stats.store.record(4096, 0.5)
+    h.sched.update_connector_output(done)
+    h.sched.update_connector_output(done)  # second worker: the job completes
+    h.report([store_a], workers=1)  # a third report: duplicate
+    h.sched.update_connector_output(WorkerMetadata(completed={777: 1}))  # unknown job
+    h.add("b", list(range(16)) + [5, 5, 5, 5])
+    h.add("c", list(range(16)) + [6, 6, 6, 6])
+    assert h.admit("b") == (16, True)  # lookup 2: 16 hit tokens
+    assert h.sched.get_num_new_matched_tokens(h.reqs["c"], 0) == (None, False)  # lookup 3
+    (load_b,) = h.step().load_jobs  # load job 2
+    load_meta = WorkerMetadata()
+    load_meta.mark_completed(load_b)
+    load_meta.stats.load.record(1000, 0.25)
+    h.sched.update_connector_output(load_meta)
+    h.sched.update_connector_output(load_meta)  # load job completes
+    h.add("d", list(range(100, 108)))
+    (store_d,) = prefill(h, "d")  # lookup 4, store job 3
+    h.clock.now = 1000.0
+    h.report()  # store job 3 stalls
+    assert store_d not in h.sched.jobs
+    h.finish("a")
+    h.sched.reset_cache()
+    assert _integer_counters(h) == {
+        "jobs_created": 3,
+        "load_jobs_created": 1,
+        "store_jobs_created": 2,
+        "jobs_completed": 2,
+        "jobs_failed": 0,
+        "jobs_stalled": 1,
+        "jobs_discarded": 0,
+        "loads_carried": 0,
+        "stalled_retired": 0,
+        "stalled_expired": 0,
+        "late_reports": 0,
+        "stale_reports": 0,
+        "duplicate_reports": 1,
+        "unknown_reports": 1,
+        "over_reports": 0,
+        "invalid_report_counts": 0,
+        "lookups": 4,
+        "lookups_deferred": 1,
+        "lookup_hit_tokens": 16,
+        "allocation_failures": 0,
+        "flushes_requested": 0,
+        "resets": 1,
+        "implicit_new_requests": 0,
+        "untracked_finishes": 0,
+        "unknown_scheduled_requests": 0,
+        "invalid_transfer_params": 0,
+        "invalid_request_views": 0,
+        "manager_errors": 0,
+        "fence_pairs_missing": 0,
+        "load_bytes": 2000,
+        "store_bytes": 8192,
+    }
+    c = h.sched.counters
+    assert (c.load_seconds, c.store_seconds) == (0.5, 1.0)
+
+
+def test_counters_count_each_kind_of_bad_report_once(kind: str) -> None:
+    h = Harness(make_manager(kind), config(workers=2))
+    h.add("a", list(range(8)))
+    (job,) = prefill(h, "a")
+    bad = WorkerMetadata(completed={job: 0, 4242: 1}, failed={job: -1})
+    h.sched.update_connector_output(bad)
+    h.sched.update_connector_output(WorkerMetadata(completed={job: 3}))  # one over quorum
+    h.sched.update_connector_output(WorkerMetadata(completed={-5: 1}))  # never issued
+    c = h.sched.counters
+    assert (c.invalid_report_counts, c.unknown_reports, c.over_reports) == (2, 2, 1)
+    assert (c.jobs_completed, c.duplicate_reports, c.late_reports) == (1, 0, 0)
+
+
+# -- checked mode --------------------------------------------------------------------------------
+
+
+def _corrupted(checked: bool | None) -> Harness:
+    """A scheduler with one in-flight store whose pending count was zeroed behind its back
+    (INV-QUORUM broken), built with ``checked`` as given."""
+    h = Harness(make_manager("cpu"), config())
+    h.sched = OffloadingScheduler(h.config, h.manager, h.clock, checked=checked)
+    h.add("a", list(range(8)))
+    (job,) = prefill(h, "a")
+    h.sched.jobs[job].pending = 0
+    return h
+
+
+def test_checked_true_evaluates_invariants_after_every_public_call() -> None:
+    h = _corrupted(True)
+    assert h.sched.checked
+    with pytest.raises(InvariantViolation, match="INV-QUORUM"):
+        h.step()  # build_connector_meta
+    with pytest.raises(InvariantViolation, match="INV-QUORUM"):
+        h.sched.update_connector_output(WorkerMetadata())
+
+
+def test_unchecked_scheduler_does_not_evaluate_invariants() -> None:
+    h = _corrupted(False)
+    assert not h.sched.checked
+    h.step()  # the corruption goes unnoticed: nothing evaluates the invariants
+    with pytest.raises(InvariantViolation, match="INV-QUORUM"):
+        h.sched.check_invariants()
+
+
+@pytest.mark.parametrize(("value", "active"), [("1", True), ("yes", True), ("0", False)])
+def test_statecore_checked_environment_turns_checked_mode_on(
+    monkeypatch: pytest.MonkeyPatch, value: str, active: bool
+) -> None:
+    monkeypatch.setenv("STATECORE_CHECKED", value)
+    h = _corrupted(None)
+    assert h.sched.checked is active
+    if active:
+        with pytest.raises(InvariantViolation, match="INV-QUORUM"):
+            h.step()
+    else:
+        h.step()
+
+
+def test_no_statecore_checked_environment_means_unchecked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STATECORE_CHECKED", raising=False)
+    h = _corrupted(None)
+    assert not h.sched.checked
+    h.step()
+
+
+# -- store cursor --------------------------------------------------------------------------------
+
+
+def test_store_cursor_advances_and_each_chunk_is_offered_once() -> None:
+    fake = RecordingManager()
+    h = Harness(fake, config())
+    h.add("a", list(range(16)))
+    h.admit("a")
+    keys = list(h.sched.requests["a"].groups[0].keys)
+    first = h.step([h.schedule("a", 8)], new=["a"])
+    assert h.sched.requests["a"].groups[0].cursor == 2
+    second = h.step([h.schedule("a", 8)])
+    assert h.sched.requests["a"].groups[0].cursor == 4
+    offered = [c.keys for c in fake.methods("prepare_store")]
+    assert offered == [tuple(keys[:2]), tuple(keys[2:4])]
+    (j1,) = first.store_jobs
+    (j2,) = second.store_jobs
+    assert h.sched.jobs[j1].keys == tuple(keys[:2])
+    assert h.sched.jobs[j2].keys == tuple(keys[2:4])
+    h.step([h.schedule("a", 0)])  # nothing new computed: nothing offered again
+    assert len(fake.methods("prepare_store")) == 2
+
+
+def test_advance_cursor_kernel() -> None:
+    assert kernels.advance_cursor(2, 5) == 5
+    assert kernels.advance_cursor(5, 2) == 5
+    assert kernels.advance_cursor(3, 3) == 3
+
+
+# -- fence sets with several store jobs ----------------------------------------------------------
+
+
+def test_fence_set_keeps_every_store_job_reading_a_block() -> None:
+    index: dict[int, set[int]] = {}
+    kernels.fence_add(index, 1, [5, 6])
+    kernels.fence_add(index, 2, [6, 7])
+    kernels.fence_add(index, 3, [6])
+    assert index == {5: {1}, 6: {1, 2, 3}, 7: {2}}
+    assert kernels.fence_remove(index, 1, [5, 6]) == 0
+    assert index == {6: {2, 3}, 7: {2}}  # block 6 still fenced by jobs 2 and 3
+    assert kernels.fence_remove(index, 3, [6, 6]) == 1  # the repeated id is a counted anomaly
+    assert index == {6: {2}, 7: {2}}
+    assert kernels.fence_remove(index, 2, [6, 7]) == 0
+    assert index == {}
+
+
+def test_two_store_jobs_of_one_block_both_flushed_on_reuse(kind: str) -> None:
+    """Two finished requests whose stores read the same GPU block (a shared prefix block):
+    reusing the block flushes both stores, and it stays fenced until the last one ends."""
+    h = Harness(make_manager(kind), config(sliding=8))
+    h.add("a", list(range(16)))
+    (job_a,) = prefill(h, "a")
+    h.add("b", list(range(50, 66)))
+    h.admit("b")
+    shared = h.blocks["a"][1][-1]
+    sched = h.schedule("b", 16)
+    ids = [list(g) for g in sched.new_block_ids]
+    ids[1][-1] = shared  # the engine shares a's last sliding-window block with b
+    h.blocks["b"][1][-1] = shared
+    sched = ScheduledRequest("b", tuple(tuple(g) for g in ids), 16)
+    (job_b,) = dict(h.step([sched], new=["b"]).store_jobs)
+    assert h.sched.fence_index[shared] == {job_a, job_b}
+    meta = h.step(extra_allocated=[shared])
+    assert {job_a, job_b} <= set(meta.jobs_to_flush)
+    h.report([job_a])
+    assert h.sched.fence_index[shared] == {job_b}
+    h.report([job_b])
+    assert shared not in h.sched.fence_index
+
+
+# -- a chunk being written is never a hit --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("results", "budget", "expected"),
+    [
+        ([kernels.HIT_PENDING, kernels.HIT, kernels.HIT, kernels.MISS], 5, 0),
+        ([kernels.HIT_PENDING, kernels.HIT, kernels.HIT, kernels.MISS], 3, 0),
+        ([kernels.HIT_PENDING, kernels.HIT, kernels.HIT, kernels.MISS], 2, None),
+        ([kernels.HIT_PENDING], 0, None),
+        ([kernels.HIT_PENDING], 1, 0),
+        ([kernels.HIT, kernels.HIT_PENDING, kernels.HIT_PENDING], 2, 1),
+        ([kernels.HIT, kernels.HIT_PENDING, kernels.HIT_PENDING], 1, None),
+        ([kernels.HIT, kernels.HIT, kernels.MISS, kernels.HIT], 0, 2),
+        ([kernels.HIT, kernels.RETRY, kernels.HIT], 9, None),
+        ([], 0, 0),
+    ],
+)
+def test_prefix_hits_never_counts_a_pending_chunk(
+    results: list[int], budget: int, expected: int | None
+) -> None:
+    assert kernels.prefix_hits(results, budget) == expected
+
+
+def test_lookup_with_the_first_chunk_pending_loads_nothing() -> None:
+    fake = RecordingManager()
+    h = Harness(fake, config(max_recompute_pending_tokens=12))
+    h.add("b", list(range(24)))
+    h.sched.get_num_new_matched_tokens(h.reqs["b"], 0)
+    keys = list(h.sched.requests["b"].groups[0].keys)
+    ctx = ReqContext("seed")
+    out = fake.prepare_store(keys[1:3], ctx)
+    assert out is not None
+    fake.complete_store(list(out.keys_to_store), ctx)
+    fake.lookup_override[keys[0]] = LookupResult.HIT_PENDING
+    assert h.sched.get_num_new_matched_tokens(h.reqs["b"], 0) == (0, False)
+    h2 = Harness(RecordingManager(), config())  # no pending budget: defer instead
+    h2.add("b", list(range(24)))
+    h2.sched.get_num_new_matched_tokens(h2.reqs["b"], 0)
+    k2 = list(h2.sched.requests["b"].groups[0].keys)
+    h2.manager.lookup_override[k2[0]] = LookupResult.HIT_PENDING  # type: ignore[attr-defined]
+    assert h2.sched.get_num_new_matched_tokens(h2.reqs["b"], 0) == (None, False)
