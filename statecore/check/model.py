@@ -93,6 +93,9 @@ class Scope:
         max_batched_tokens: token budget per engine step (smaller: chunked prefill).
         max_faults: worker faults (fail, lose, late, duplicate) along one trace.
         max_resets: ``reset_cache`` calls along one trace.
+        foreign: indices of requests this connector never hears of (another connector's, as
+            in a multi-connector setup): the engine schedules them, the scheduler only sees
+            them in the step's output.
         description: one line for the docs.
     """
 
@@ -108,6 +111,7 @@ class Scope:
     max_batched_tokens: int = 64
     max_faults: int = 1
     max_resets: int = 1
+    foreign: tuple[int, ...] = ()
     description: str = ""
 
     @property
@@ -185,12 +189,13 @@ class LabelBackend:
             if entry is not None and not entry[2]:
                 self._copy(entry, True)
 
-    def finish(self, job_id: int, ok: bool) -> None:
-        """The job ends now (its copy runs unless a flush already ran it)."""
+    def finish(self, job_id: int, ok: bool) -> tuple[Any, ...]:
+        """The job ends now (its copy runs unless a flush already ran it); returns its plan."""
         entry = self.submitted.pop(job_id)
         if not entry[2]:  # a job a flush waited for already ran: its outcome is only reported
             self._copy(entry, ok)
         self.done.append(TransferResult(job_id, ok, 0, 0.0, entry[0]))
+        return entry[1] if entry[0] else ()
 
     def poll(self) -> list[TransferResult]:
         """The results :meth:`finish` queued."""
@@ -207,6 +212,7 @@ class EngineRequest:
     __slots__ = (
         "aborted",
         "blocks",
+        "foreign",
         "idx",
         "load",
         "load_failed",
@@ -219,8 +225,11 @@ class EngineRequest:
         "tokens",
     )
 
-    def __init__(self, idx: int, prompt: tuple[int, ...], tpb: int, n_groups: int) -> None:
+    def __init__(
+        self, idx: int, prompt: tuple[int, ...], tpb: int, n_groups: int, foreign: bool = False
+    ) -> None:
         self.idx = idx
+        self.foreign = foreign
         self.tokens = list(prompt)
         self.req = Request(f"r{idx}", len(prompt), len(prompt))
         extend_block_hashes(self.req.block_hashes, self.tokens, tpb)
@@ -263,7 +272,8 @@ class World:
         self.backends = [LabelBackend(self.gpu[r], self.cpu[r]) for r in range(scope.workers)]
         self.workers = [OffloadingWorker(b, rank=r) for r, b in enumerate(self.backends)]
         self.reqs = [
-            EngineRequest(i, p, self.tpb, self.n_groups) for i, p in enumerate(scope.prompts)
+            EngineRequest(i, p, self.tpb, self.n_groups, i in scope.foreign)
+            for i, p in enumerate(scope.prompts)
         ]
         self.waiting: list[int] = []
         self.running: list[int] = []
@@ -385,7 +395,20 @@ class World:
         """A rank's job ends: delivered, failed, lost or late."""
         if kind != "ok":
             self.faults += 1
-        self.backends[rank].finish(job_id, kind != "fail")
+        plan = self.backends[rank].finish(job_id, kind != "fail")
+        job = self.sched.jobs.get(job_id)
+        if plan and job is not None and kind != "fail":
+            # a store that succeeded wrote, in each slot, the chunk of its key (the label of a
+            # chunk is its key); a store the scheduler already wrote off is not checked
+            cpu = self.cpu[rank]
+            for key, (_, block, slot, _) in zip(job.keys, plan, strict=False):
+                if cpu[slot] != key:
+                    self.errors.append(
+                        f"INV-DATA: store job {job_id} completed on rank {rank} but CPU slot "
+                        f"{slot} (from GPU block {block}) holds {_label(cpu[slot])} for key "
+                        f"{_label(key)}"
+                    )
+                    break
         meta = self.workers[rank].build_worker_metadata()
         if kind == "lose":
             return
@@ -450,11 +473,13 @@ class World:
         """A request arrives."""
         r.status = WAITING
         self.waiting.append(r.idx)
-        _guarded(self, "on_new_request", self.sched.on_new_request, r.req)
+        if not r.foreign:
+            _guarded(self, "on_new_request", self.sched.on_new_request, r.req)
 
     def finish(self, r: EngineRequest) -> None:
         """A decoding request stops (stop string) between steps."""
-        _guarded(self, "request_finished", self.sched.request_finished, r.req)
+        if not r.foreign:
+            _guarded(self, "request_finished", self.sched.request_finished, r.req)
         self.finished_since.add(r.idx)
         self._retire(r)
 
@@ -462,7 +487,8 @@ class World:
         """A request is aborted; while it loads it keeps its blocks until the load ended."""
         r.aborted = True
         r.req.is_aborted = True
-        _guarded(self, "request_finished", self.sched.request_finished, r.req)
+        if not r.foreign:
+            _guarded(self, "request_finished", self.sched.request_finished, r.req)
         self.finished_since.add(r.idx)
         if r.status != LOADING:
             self._retire(r)
@@ -547,7 +573,9 @@ class World:
                 break
             if r.status == LOADING or idx in self.preempted_next:
                 continue
-            if r.load is None and not any(r.blocks):
+            if r.foreign:
+                computed = r.req.num_computed_tokens if any(r.blocks) else 0
+            elif r.load is None and not any(r.blocks):
                 res = _guarded(
                     self, "get_num_new_matched_tokens", sched.get_num_new_matched_tokens, r.req, 0
                 )
@@ -595,14 +623,15 @@ class World:
             if sum(map(len, need)) > len(self.free):
                 break
             self._allocate(r, need)
-            _guarded(
-                self,
-                "update_state_after_alloc",
-                sched.update_state_after_alloc,
-                r.req,
-                tuple(tuple(b) for b in r.blocks),
-                0,
-            )
+            if not r.foreign:
+                _guarded(
+                    self,
+                    "update_state_after_alloc",
+                    sched.update_state_after_alloc,
+                    r.req,
+                    tuple(tuple(b) for b in r.blocks),
+                    0,
+                )
             r.req.num_computed_tokens = computed
             self.waiting.remove(idx)
             self.running.append(idx)
@@ -697,7 +726,8 @@ class World:
         req.num_tokens += 1
         extend_block_hashes(req.block_hashes, r.tokens, self.tpb)
         if r.outputs >= self.scope.max_output:
-            _guarded(self, "request_finished", self.sched.request_finished, req)
+            if not r.foreign:
+                _guarded(self, "request_finished", self.sched.request_finished, req)
             self.finished_since.add(r.idx)
             self._retire(r)
 

@@ -24,20 +24,68 @@ from statecore.check import SCOPES, explore, format_counterexample, pytest_sourc
 from statecore.check.cli import main as check_main
 from statecore.check.explore import continuation
 from statecore.check.model import World
+from statecore.scheduler import OffloadingScheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mutants"))
 from catalogue import MUTANTS
 
-TEST_DEPTH = {"one": 8, "apart": 7, "two": 6, "swa": 6}
+TEST_DEPTH = {"one": 8, "apart": 7, "chunked": 7, "foreign": 6, "two": 6, "swa": 6}
 """Depth of each scope in this file (the shipped depth is larger)."""
 
 SCOPE_ORDER = ("one", "apart", "two", "swa")
 """Scopes from smallest to largest: one worker (shared or unrelated prompts), two workers, a
 sliding-window group."""
 
-MUTANT_SCOPES = {"quorum_of_one": "two"}
+MUTANT_SCOPES = {
+    "quorum_of_one": "two",
+    "preempt_without_flush": "apart",
+    "async_load_allocation_not_fenced": "chunked",
+    "untracked_allocation_not_fenced": "foreign",
+    "stale_window_block_stored": "swa",
+}
 """The smallest scope that can express a mutant, where known and not ``one``; a mutant not
 listed is looked for in every scope of :data:`SCOPE_ORDER` in turn."""
+
+OUTSIDE_THE_WORLD = {
+    "over_report_completes_job": "count-only (rank-less) reports are not modelled: the real "
+    "workers always send rank masks",
+    "evicts_offered_key": "in these worlds the only offered keys that can be evicted are "
+    "already stored: evicting one costs a later miss, not wrong bytes, an invariant or a hang",
+    "final_store_never_built": "a store that never happens loses cache, not bytes; only an "
+    "expectation oracle outside this checker sees it",
+    "stale_window_block_stored": "the engine model frees a sliding-window block only while its "
+    "owner is scheduled, so the block is never handed out while the owner is not",
+}
+"""Mutants this checker's world may not express, and why: their test passes when the mutant is
+found anyway and is skipped with the reason otherwise."""
+
+STALE_LIST_TRACE = [
+    ("arrive", 0),
+    ("step",),
+    ("preempt", 0),
+    ("step",),
+    ("ok", 0, 0),
+    ("step",),
+    ("reset",),
+    ("abort", 0),
+    ("ok", 0, 1),
+    ("step",),
+    ("step",),
+    ("ok", 0, 2),
+]
+"""A bug of the unmodified scheduler that ``statecore check`` found (scope ``one``): a
+preempted request is re-admitted with a load into new blocks, the cache is reset (its cursor
+rewinds), it is aborted while loading; its final store then reads the block list of its
+*first* allocation, whose blocks the load filled with other chunks: wrong bytes stored under
+valid keys."""
+
+
+def _is_stale_list_bug(violation: str) -> bool:
+    return violation.startswith("INV-DATA: store job") and "completed" in violation
+
+
+UNTRACKED_FIXED = hasattr(OffloadingScheduler, "_untracked_scheduled")
+"""Whether the scheduler records the blocks of requests it does not track (issue 12 bug 2)."""
 
 
 def _scope(name: str) -> object:
@@ -48,6 +96,14 @@ def _scope(name: str) -> object:
 def test_unmodified_stack_passes(name: str) -> None:
     """No violation and no liveness failure within the scope."""
     res = explore(_scope(name))  # type: ignore[arg-type]
+    if name == "foreign" and not UNTRACKED_FIXED:
+        # the scheduler does not record another connector's allocations yet: the checker must
+        # find the resulting wrong bytes (a store reading a block handed to that request)
+        assert res.counterexample is not None
+        assert res.counterexample.violation.startswith("INV-DATA")
+        return
+    if res.counterexample is not None and _is_stale_list_bug(res.counterexample.violation):
+        pytest.xfail(f"known bug (test_stale_block_list_bug): {res.counterexample.violation}")
     assert res.counterexample is None, format_counterexample(res.scope, res.counterexample)
     assert res.complete and res.states > 1000 and res.depth == TEST_DEPTH[name]
 
@@ -62,6 +118,8 @@ def test_mutant_found_and_replayed(name: str, tmp_path: Path) -> None:
             if res.counterexample is not None:
                 break
         cex = res.counterexample
+        if cex is None and name in OUTSIDE_THE_WORLD:
+            pytest.skip(f"{name}: not found in {order}: {OUTSIDE_THE_WORLD[name]}")
         assert cex is not None, f"mutant {name!r} survived scopes {order}: {res.summary()}"
         text = format_counterexample(res.scope, cex)
     assert text.count("\n  1. ") <= 1 and f"{len(cex.trace):3d}. " in text
@@ -75,6 +133,13 @@ def test_mutant_found_and_replayed(name: str, tmp_path: Path) -> None:
     if not cex.liveness:
         _, violation, _ = replay(res.scope, cex.trace)  # and not without it
         assert violation is None or violation.startswith("replay:"), violation
+
+
+@pytest.mark.xfail(strict=True, reason="scheduler bug found by statecore check, not fixed yet")
+def test_stale_block_list_bug() -> None:
+    """The counterexample of :data:`STALE_LIST_TRACE` runs clean (fails until fixed)."""
+    _, violation, n = replay(SCOPES["one"], STALE_LIST_TRACE)
+    assert violation is None, f"after {n} actions: {violation}"
 
 
 def test_shortest_trace_is_shortest() -> None:
