@@ -78,6 +78,7 @@ import ctypes
 import functools
 import importlib
 import logging
+import mmap
 import operator
 import os
 import threading
@@ -417,9 +418,10 @@ _Part = tuple[int, Sequence[int], Sequence[int], int]
 class _StagingRing:
     """The staging path's fixed ring of preallocated chunks and the thread that drives it.
 
-    ``chunks`` chunks of ``chunk_bytes``, each a device buffer and a pinned host buffer, are
+    ``chunks`` chunks of ``chunk_bytes``, each a device buffer and a host buffer, are
     allocated once (memory cost: ``chunks * chunk_bytes`` of device memory, outside the
-    engine's KV budget, and as much page-locked host memory). A job is cut into *pieces* of at
+    engine's KV budget, and as much host memory, registered page-locked like the pool and
+    released at close). A job is cut into *pieces* of at
     most one chunk; a piece takes the next chunk in ring order once the piece that used it
     before is finished (its event completed and, for a store, its bytes scattered into the
     pool rows). Store piece: GPU gather (``index_select``) into the device chunk, one copy to
@@ -440,10 +442,22 @@ class _StagingRing:
         self.chunks = chunks
         dev = be.device
         self.gpu = [torch.empty(chunk_bytes, dtype=torch.uint8, device=dev) for _ in range(chunks)]
-        self.host = [
-            torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=be.is_cuda)
-            for _ in range(chunks)
-        ]
+        # Host chunks: one anonymous mapping of exactly chunks * chunk_bytes, registered
+        # (page-locked) like the pool, unregistered and unmapped at close; not torch's caching
+        # host allocator, which rounds up to a power of two and keeps blocks after use.
+        self.host_map = mmap.mmap(-1, chunks * chunk_bytes)
+        flat = torch.frombuffer(self.host_map, dtype=torch.uint8)
+        self.host = [flat[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(chunks)]
+        self.host_reg: HostRegistration | None = None
+        self.pinned = False
+        if be._rt is not None and be.registration is not None:
+            self.host_reg = HostRegistration(be._rt, be.registration.chunk_bytes)
+            self.pinned = self.host_reg.register([(flat.data_ptr(), flat.numel())])
+            if not self.pinned:
+                be.cuda_errors.extend(self.host_reg.errors)
+                self.host_reg.errors.clear()
+                log.warning("staging host chunks not page-locked: host copies are synchronous")
+        del flat
         self.last: list[_Piece | None] = [None] * chunks
         self.next_slot = 0
         self.outstanding: deque[_Piece] = deque()  # enqueued, not finished, in ring order
@@ -462,11 +476,8 @@ class _StagingRing:
         """The ring's size and memory cost, for the log."""
         where = "thread" if self.thread is not None else "inline"
         total = self.chunks * self.chunk_bytes
-        mem = (
-            f"{total >> 20} MiB device + {total >> 20} MiB pinned host"
-            if self.be.is_cuda
-            else f"{total >> 20} MiB host"
-        )
+        host = f"{total >> 20} MiB {'pinned ' if self.pinned else ''}host"
+        mem = f"{total >> 20} MiB device + {host}" if self.be.is_cuda else host
         return f"{self.chunks} x {self.chunk_bytes >> 10} KiB ({mem}, {where})"
 
     # -- the calling (engine) thread ----------------------------------------------------------
@@ -511,6 +522,12 @@ class _StagingRing:
         else:
             self._reap(block=True)
         self.gpu, self.host = [], []
+        if self.host_reg is not None:
+            self.host_reg.release()
+            self.be.cuda_errors.extend(self.host_reg.errors)
+            self.host_reg.errors.clear()
+        with contextlib.suppress(BufferError):  # a view still alive: unmapped when collected
+            self.host_map.close()
 
     # -- the staging thread (or the calling thread when inline) -------------------------------
     def _run(self) -> None:
@@ -1031,7 +1048,6 @@ class TorchTransferBackend:
         """Compile the backend's kernel variant and check it: 16 pages of a GPU buffer (on the
         CPU: a host one, in the interpreter) copied into a registered host buffer in a
         shuffled order, byte for byte. The time is kept in :attr:`warmup_seconds`."""
-        import mmap
 
         rt = self._rt
         assert rt is not None

@@ -450,7 +450,7 @@ def stage_contention(ctx: Ctx) -> None:
         try:
             rng = random.Random(2)
             jobs = []
-            for j in range(16):
+            for j in range(32):  # 2 GiB of copies: about as long as the matmul loop, or longer
                 blocks = rng.sample(range(n), n // 4)
                 slots = rng.sample(range(n), n // 4)
                 store, load = ctx.jobs(blocks, slots)
@@ -460,10 +460,10 @@ def stage_contention(ctx: Ctx) -> None:
             for j, (job, is_store) in enumerate(jobs):
                 be.submit(100 + j, job, is_store)
             during = matmul_ms()
-            be.wait(range(100, 116))
+            be.wait(range(100, 132))
             copy_s = time.perf_counter() - t0
             ok = all(r.success for r in be.poll())
-            moved = 16 * (n // 4) * page
+            moved = 32 * (n // 4) * page
             check(f"copies during the matmul loop ({be.impl})", ok)
             measure(
                 f"matmul loop while copying ({be.impl})",

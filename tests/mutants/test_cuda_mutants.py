@@ -42,6 +42,8 @@ def _backend(rt: FakeCudaRuntime, pool: CPUPool | None = None) -> TorchTransferB
         copy_impl="staging",
         cuda_runtime=rt,
         register_chunk_bytes=CHUNK,
+        staging_chunk_bytes=2 * CHUNK,
+        staging_chunks=2,
     )
 
 

@@ -65,6 +65,8 @@ def make(
             region[:] = random.Random(seed * 7 + i).randbytes(len(region))
     kw.setdefault("copy_impl", "staging")
     kw.setdefault("register_chunk_bytes", CHUNK)
+    kw.setdefault("staging_chunk_bytes", 2048)  # a small ring: jobs of several pieces
+    kw.setdefault("staging_chunks", 2)
     be = TorchTransferBackend(
         caches, pool, bpc, group_tensors=[[0, 1], [2]], threads=1, cuda_runtime=rt, **kw
     )
@@ -114,7 +116,7 @@ def test_pool_registered_in_bounded_page_aligned_chunks(
     backends.add(be)
     assert be.pool_registered and be.impl == "staging"
     ranges = pool_ranges(be)
-    chunks = sorted(rt.registered.items())
+    chunks = sorted((p, rt.registered[p]) for p in rt.overlapping(ranges))
     assert len(chunks) > len(ranges)  # several chunks per region
     assert all(size <= CHUNK for _, size in chunks)
     assert all(ptr % 4096 == 0 for ptr, _ in chunks)  # the pool's regions are page-aligned
@@ -155,9 +157,10 @@ def test_failed_chunk_rolls_back_clears_and_reports(
     rt = FakeCudaRuntime(fail_register=lambda call, ptr, size: code if call == at else 0)
     caches, pool, be = make(rt, copy_impl="auto")
     backends.add(be)
-    assert rt.register_calls == at
+    assert [c for c in rt.log if c[2]] == [("register", rt.log[at - 1][1], code)]
     assert (be.pool_registered, be.impl) == (False, "staging")
-    assert rt.registered == {}  # rolled back
+    assert rt.overlapping(pool_ranges(be)) == []  # rolled back
+    assert be._staging is not None and be._staging.pinned  # the ring's own registration
     assert rt.pending == 0
     rt.launch()  # the engine's next kernel does not inherit the failure
     (err,) = be.cuda_errors
@@ -265,7 +268,8 @@ def test_failed_self_test_falls_back_to_staging(
     backends.add(be)
     assert be.impl == "staging" and be.pool_registered
     assert findings(rt, be) == []  # the self-test buffer was unregistered again
-    assert len(rt.registered) == len(be.registration.chunks)  # type: ignore[union-attr]
+    ring = be._staging.host_reg  # type: ignore[union-attr]
+    assert len(rt.registered) == len(be.registration.chunks) + len(ring.chunks)  # type: ignore[union-attr]
     roundtrip(caches, pool, be, 5)
     with pytest.raises(ConfigError, match="self-test failed"):
         make(FakeCudaRuntime(), copy_impl="triton")
