@@ -40,6 +40,7 @@ Every vLLM import lives in this module; ``import statecore`` never needs vLLM.
 
 from __future__ import annotations
 
+import importlib
 import mmap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -56,7 +57,10 @@ try:
         KVConnectorWorkerMetadata,
         SupportsHMA,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.request import RequestStatus
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -65,13 +69,15 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         f"importing it failed: {exc}"
     ) from exc
 
+from statecore.adapters.vllm_keys import validate_extra_config
+from statecore.adapters.vllm_metrics import GAUGES, OffloadPrometheus, stats_payload
+
 from statecore.config import GroupConfig, SchedulerConfig
 from statecore.errors import ConfigError
-from statecore.keys import key_group, key_hash
-from statecore.manager import OffloadingEvent, OffloadingManager
+from statecore.keys import OffloadKey, key_group, key_hash
+from statecore.manager import Medium, OffloadingEvent, OffloadingManager
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.managers.redistier import TierLayout
-from statecore.managers.tierconfig import TIER_KINDS
 from statecore.managers.tiering import TieringOffloadingManager
 from statecore.pool import CPUPool
 from statecore.scheduler import OffloadingScheduler
@@ -89,13 +95,17 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = [
+    "KV_CACHE_LAYOUT",
+    "EventPayloads",
     "StatecoreConnectorMetadata",
     "StatecoreConnectorStats",
     "StatecoreOffloadingConnector",
+    "StatecorePromMetrics",
     "StatecoreWorkerMetadata",
     "VllmRequestView",
     "build_scheduler",
     "cpu_chunks_from_config",
+    "register_worker_pool",
     "scheduler_config_from_vllm",
     "secondary_tier_specs",
     "tier_layout_from_vllm",
@@ -194,37 +204,160 @@ def to_scheduler_output(so: VllmSchedulerOutput, num_groups: int) -> SchedulerOu
     )
 
 
+@dataclass(slots=True)
+class _ChunkPayload:
+    block_hashes: tuple[bytes, ...]
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None
+    lora_name: str | None
+
+
+def _external_hash(h: bytes) -> Any:
+    """A block hash as vLLM publishes it (``maybe_convert_block_hash``: an int by default)."""
+    convert = importlib.import_module("vllm.v1.core.kv_cache_utils").maybe_convert_block_hash
+    return convert(h)
+
+
+class EventPayloads:
+    """What vLLM's self-describing KV events carry for each offloaded chunk, recorded from the
+    request when its store job is built (``self_describing_kv_events``) and kept until the
+    chunk's removal event; without it (or for sliding-window groups) stores carry vLLM's
+    placeholder payload (the key's hash, no tokens, block size 0).
+
+    Args:
+        enabled: record payloads (KV events on and ``self_describing_kv_events``).
+        tokens_per_chunk: tokens per offloaded chunk, per KV-cache group.
+        tokens_per_block: tokens per GPU block, per KV-cache group.
+        tokens_per_hash: tokens per request block hash.
+        full_attention: per group, whether it is full attention (others keep placeholders).
+        spec_kind: per group, vLLM's ``(kv_cache_spec_kind, sliding_window)`` label.
+    """
+
+    def __init__(
+        self,
+        enabled: bool,
+        tokens_per_chunk: Sequence[int],
+        tokens_per_block: Sequence[int],
+        tokens_per_hash: int,
+        full_attention: Sequence[bool],
+        spec_kind: Sequence[tuple[str | None, int | None]],
+    ) -> None:
+        self.enabled = enabled
+        self._tpc = list(tokens_per_chunk)
+        self._tpb = list(tokens_per_block)
+        self._tph = tokens_per_hash
+        self._full = list(full_attention)
+        self._kind = list(spec_kind)
+        self._payloads: dict[OffloadKey, _ChunkPayload] = {}
+        self._stale: set[OffloadKey] = set()
+
+    def record_store(self, request: Any, keys: Sequence[OffloadKey]) -> None:
+        """Snapshot the payload of each stored chunk of ``request`` (a vLLM ``Request``)."""
+        if not self.enabled:
+            return
+        hashes: Sequence[bytes] = request.block_hashes
+        index: dict[tuple[int, bytes], int] | None = None
+        for key in keys:
+            g = key_group(key)
+            if not self._full[g]:
+                continue
+            hpc = self._tpc[g] // self._tph
+            if index is None:
+                index = {}
+                for grp in {key_group(k) for k in keys}:
+                    step = self._tpc[grp] // self._tph
+                    for i in range(step - 1, len(hashes), step):
+                        index.setdefault((grp, hashes[i]), i // step)
+            chunk = index.get((g, key_hash(key)))
+            if chunk is None:
+                continue
+            first = chunk * hpc
+            self._stale.discard(key)
+            lora = getattr(request, "lora_request", None)
+            tokens = request.all_token_ids
+            self._payloads[key] = _ChunkPayload(
+                tuple(hashes[first : first + hpc]),
+                hashes[first - 1] if first > 0 else None,
+                tuple(tokens[chunk * self._tpc[g] : (chunk + 1) * self._tpc[g]]),
+                self._tpb[g],
+                None if lora is None else lora.adapter_id,
+                None if lora is None else lora.name,
+            )
+
+    def reset(self) -> None:
+        """A cache reset: every recorded payload is stale. They are dropped after the next
+        :meth:`to_kv_events`, so the reset's removal events still carry them."""
+        self._stale = set(self._payloads)
+
+    def to_kv_events(self, events: Iterable[OffloadingEvent]) -> list[KVCacheEvent]:
+        """statecore's manager events as vLLM's: one ``BlockStored`` per stored chunk, one
+        ``BlockRemoved`` per removal event and group (payload hashes fanned out)."""
+        out: list[KVCacheEvent] = []
+        for ev in events:
+            medium = ev.medium.value
+            if ev.removed:
+                by_group: dict[int, list[Any]] = {}
+                for key in ev.keys:
+                    g = key_group(key)
+                    p = self._payloads.pop(key, None)
+                    hashes = by_group.setdefault(g, [])
+                    if p is None:
+                        hashes.append(_external_hash(key_hash(key)))
+                    else:
+                        hashes.extend(_external_hash(h) for h in p.block_hashes)
+                for g, hashes in by_group.items():
+                    out.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=g))
+                continue
+            for key in ev.keys:
+                g = key_group(key)
+                p = self._payloads.get(key)
+                kind, window = self._kind[g] if self.enabled else (None, None)
+                if p is None:
+                    out.append(
+                        BlockStored(
+                            block_hashes=[_external_hash(key_hash(key))],
+                            parent_block_hash=None,
+                            token_ids=[],
+                            block_size=0,
+                            lora_id=None,
+                            medium=medium,
+                            lora_name=None,
+                            group_idx=g,
+                            kv_cache_spec_kind=kind,
+                            kv_cache_spec_sliding_window=window,
+                        )
+                    )
+                    continue
+                out.append(
+                    BlockStored(
+                        block_hashes=[_external_hash(h) for h in p.block_hashes],
+                        parent_block_hash=None if p.parent is None else _external_hash(p.parent),
+                        token_ids=list(p.token_ids),
+                        block_size=p.block_size,
+                        lora_id=p.lora_id,
+                        medium=medium,
+                        lora_name=p.lora_name,
+                        group_idx=g,
+                        kv_cache_spec_kind=kind,
+                        kv_cache_spec_sliding_window=window,
+                    )
+                )
+        for key in self._stale:
+            self._payloads.pop(key, None)
+        self._stale.clear()
+        return out
+
+
 def to_kv_events(
     events: Iterable[OffloadingEvent], tokens_per_chunk: Sequence[int]
 ) -> list[KVCacheEvent]:
-    """statecore's stored/removed events as vLLM ``BlockStored`` / ``BlockRemoved`` events.
-
-    One vLLM event per statecore event and KV-cache group; the block hashes are the chunk
-    keys' hash part (the hash of each chunk's last block).
-    """
-    out: list[KVCacheEvent] = []
-    for ev in events:
-        by_group: dict[int, list[bytes]] = {}
-        for key in ev.keys:
-            by_group.setdefault(key_group(key), []).append(key_hash(key))
-        medium = ev.medium.value
-        for g, hashes in by_group.items():
-            if ev.removed:
-                out.append(BlockRemoved(block_hashes=list(hashes), medium=medium, group_idx=g))
-            else:
-                out.append(
-                    BlockStored(
-                        block_hashes=list(hashes),
-                        parent_block_hash=None,
-                        token_ids=[],
-                        block_size=tokens_per_chunk[g],
-                        lora_id=None,
-                        medium=medium,
-                        lora_name=None,
-                        group_idx=g,
-                    )
-                )
-    return out
+    """statecore's stored/removed events as vLLM's placeholder ``BlockStored`` /
+    ``BlockRemoved`` events (vLLM's payload without ``self_describing_kv_events``)."""
+    n = len(tokens_per_chunk)
+    plain = EventPayloads(False, tokens_per_chunk, tokens_per_chunk, 1, [False] * n, [])
+    return plain.to_kv_events(events)
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,7 +414,9 @@ class StatecoreConnectorStats(KVConnectorStats):
         """Add ``other``'s values into this object."""
         for k, v in other.data.items():
             mine = self.data.get(k)
-            if mine is None:
+            if k in GAUGES:
+                self.data[k] = v  # a snapshot: the latest wins
+            elif mine is None:
                 self.data[k] = list(v) if isinstance(v, list) else v
             elif isinstance(mine, list) and isinstance(v, list):
                 mine.extend(v)
@@ -316,6 +451,47 @@ def _extra(vllm_config: VllmConfig) -> dict[str, Any]:
     return dict(ktc.kv_connector_extra_config or {})
 
 
+KV_CACHE_LAYOUT = "LBHNC"
+"""The KV-cache layout statecore's transfer adapter copies (each layer's tensor block-first,
+one contiguous page per block), the one vLLM's offloading connector asks for too."""
+
+_SUPPORTED_KINDS = ("full attention", "sliding window")
+
+
+def _group_config(index: int, group: Any) -> GroupConfig:
+    """statecore's view of one KV-cache group; a kind it does not model is a start-up error."""
+    iface = importlib.import_module("vllm.v1.kv_cache_interface")
+    spec = group.kv_cache_spec
+    specs = list(spec.kv_cache_specs.values()) if hasattr(spec, "kv_cache_specs") else [spec]
+    refused: str | None = None
+    windows: set[int | None] = set()
+    for one in specs:
+        if isinstance(one, iface.MambaSpec):
+            refused = "a Mamba (state-space) group"
+        elif isinstance(one, iface.ChunkedLocalAttentionSpec):
+            refused = "a chunked local attention group"
+        elif isinstance(one, iface.SlidingWindowSpec):
+            windows.add(int(one.sliding_window))
+        elif isinstance(one, iface.FullAttentionSpec) and not getattr(one, "sliding_window", 0):
+            windows.add(None)
+        else:
+            refused = f"a {type(one).__name__} group"
+        if refused is None and not getattr(one, "prefix_cacheable", True):
+            refused = f"a {type(one).__name__} group that is not prefix-cacheable"
+        if refused is not None:
+            break
+    if refused is None and len(windows) != 1:
+        refused = "a group mixing attention kinds"
+    if refused is not None:
+        raise ConfigError(
+            f"statecore connector: KV-cache group {index} is {refused}; statecore models only "
+            f"{' and '.join(_SUPPORTED_KINDS)} groups (vLLM's own OffloadingConnector offloads "
+            "such models)"
+        )
+    (window,) = windows
+    return GroupConfig(int(spec.block_size), window)
+
+
 def _blocks_per_chunk(extra: Mapping[str, Any], gpu_block_size: int) -> int:
     bpc = extra.get("blocks_per_chunk")
     tokens = extra.get("block_size")
@@ -338,17 +514,19 @@ def scheduler_config_from_vllm(
 ) -> SchedulerConfig:
     """statecore's scheduler configuration from vLLM's configs and the extra config.
 
-    Groups: every KV-cache group (full attention, or sliding window when its spec has a
-    ``sliding_window``). Extra-config keys: ``blocks_per_chunk`` or ``block_size`` (tokens),
-    ``offload_prompt_only`` (default True, as upstream), ``max_recompute_pending_tokens``,
-    ``stall_timeout_s``, ``stall_check_interval_s``.
+    Every extra-config key is checked first (:mod:`statecore.adapters.vllm_keys`): an unknown
+    key, a rejected one or an unimplemented value raises :class:`~statecore.errors.ConfigError`
+    naming the key. Groups: every KV-cache group must be full attention or sliding window;
+    Mamba, chunked local attention and other kinds are refused with the group named.
     """
     extra = _extra(vllm_config)
-    groups: list[GroupConfig] = []
-    for grp in kv_cache_config.kv_cache_groups:
-        spec = grp.kv_cache_spec
-        window = getattr(spec, "sliding_window", None)
-        groups.append(GroupConfig(int(spec.block_size), int(window) if window else None))
+    validate_extra_config(extra)
+    if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
+        raise ConfigError(
+            "statecore connector: HiSparse KV caches (hisparse_host_num_blocks) are not "
+            "modelled by statecore"
+        )
+    groups = [_group_config(i, g) for i, g in enumerate(kv_cache_config.kv_cache_groups)]
     if not groups:
         raise ConfigError("statecore connector: the KV-cache config has no groups")
     kwargs: dict[str, Any] = {}
@@ -424,68 +602,122 @@ def tier_layout_from_vllm(
 
 
 def secondary_tier_specs(vllm_config: VllmConfig) -> list[dict[str, Any]]:
-    """The ``secondary_tiers`` of the extra config: a list of tier specs, each a mapping with
-    ``kind`` (``"file"`` or ``"redis"``) and that kind's options (see
-    :mod:`statecore.managers.tierconfig`); empty when absent."""
-    raw = _extra(vllm_config).get("secondary_tiers") or []
-    if not isinstance(raw, list | tuple):
+    """The secondary tiers of the extra config as statecore tier specs
+    (:mod:`statecore.managers.tierconfig`): vLLM's ``{"type": "fs", "root_dir": ...}``
+    entries become file tiers; statecore's own ``{"kind": "file" | "redis", ...}`` entries
+    pass through. Empty when absent; every entry was checked by
+    :func:`~statecore.adapters.vllm_keys.validate_extra_config`."""
+    return [dict(t) for t in validate_extra_config(_extra(vllm_config)).tier_specs]
+
+
+_WORKER_POOLS: dict[str, CPUPool] = {}
+
+
+def register_worker_pool(engine_id: str, pool: CPUPool) -> None:
+    """Make a worker's CPU pool visible to the scheduler role of the same engine.
+
+    Secondary tiers read and write the primary tier's bytes, which live in the workers' pool,
+    so a tiering scheduler needs that very pool: :meth:`StatecoreOffloadingConnector.
+    register_kv_caches` registers it (vLLM registers the KV caches before it builds the
+    scheduler). Only a pool in the scheduler's own process can be shared this way.
+    """
+    _WORKER_POOLS[engine_id] = pool
+
+
+def _engine_id(vllm_config: VllmConfig) -> str:
+    ktc = vllm_config.kv_transfer_config
+    return str(getattr(ktc, "engine_id", None) or "")
+
+
+def _worker_pool(vllm_config: VllmConfig) -> CPUPool:
+    if int(vllm_config.parallel_config.world_size) != 1:
         raise ConfigError(
-            f"statecore connector: secondary_tiers must be a list of tier specs, got {raw!r}"
+            "statecore connector: secondary tiers need the CPU pool in the scheduler's process "
+            "(one worker, vLLM's uniprocess executor); world_size "
+            f"{vllm_config.parallel_config.world_size} keeps it in the workers "
+            "(docs/guides/vllm.md)"
         )
-    specs: list[dict[str, Any]] = []
-    for i, spec in enumerate(raw):
-        if not isinstance(spec, Mapping) or spec.get("kind") not in TIER_KINDS:
-            raise ConfigError(
-                f"statecore connector: secondary_tiers[{i}] must be a mapping with kind in "
-                f"{TIER_KINDS}, got {spec!r}"
-            )
-        specs.append(dict(spec))
-    return specs
+    pool = _WORKER_POOLS.get(_engine_id(vllm_config))
+    if pool is None:
+        raise ConfigError(
+            "statecore connector: secondary tiers need the worker's CPU pool in the "
+            f"scheduler's process (engine {_engine_id(vllm_config)!r}): run the worker in the "
+            "engine process (one GPU, uniprocess executor), or pass the pool "
+            "(build_scheduler(..., pool=...) or register_worker_pool)"
+        )
+    return pool
 
 
 def build_scheduler(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pool: CPUPool | None = None
 ) -> OffloadingScheduler:
-    """The statecore scheduler and manager the scheduler role runs.
+    """The statecore scheduler and its manager, as the extra config asks.
 
-    Extra-config keys for the manager: ``eviction_policy`` (``lru``, ``arc`` or
-    ``module:Class``), ``store_threshold``, ``max_tracker_size``, and ``secondary_tiers``
-    (:func:`secondary_tier_specs`): with tiers, the manager is a
-    :class:`~statecore.managers.tiering.TieringOffloadingManager` whose tiers copy to and
-    from ``pool``, the CPU pool of the process's workers; the tiers then need that pool in
-    this process (a one-process deployment passes it), and without one this raises
-    :class:`~statecore.errors.ConfigError`. KV events are recorded when vLLM's
-    ``kv_events_config.enable_kv_cache_events`` is on.
+    ``spec_name`` ``CPUOffloadingSpec`` (the default): a :class:`CPUOffloadingManager`;
+    ``TieringOffloadingSpec`` or any ``secondary_tiers``: a
+    :class:`~statecore.managers.tiering.TieringOffloadingManager` over it, one tier per entry
+    (:func:`secondary_tier_specs`), whose tiers copy to and from ``pool``, the CPU pool of the
+    worker (by default the one the worker registered in this process; without one this raises
+    :class:`~statecore.errors.ConfigError`). Manager keys: ``eviction_policy`` (with
+    ``cache_policy_module_path``), ``store_threshold``, ``max_tracker_size``. KV events are
+    recorded when vLLM's ``kv_events_config.enable_kv_cache_events`` is on.
     """
     cfg = scheduler_config_from_vllm(vllm_config, kv_cache_config)
-    extra = _extra(vllm_config)
-    events_cfg = getattr(vllm_config, "kv_events_config", None)
-    tiers = secondary_tier_specs(vllm_config)
+    extra = validate_extra_config(_extra(vllm_config))
     num_chunks = cpu_chunks_from_config(vllm_config, kv_cache_config, cfg.blocks_per_chunk)
+    tiers = [dict(t) for t in extra.tier_specs]
     if tiers and pool is None:
-        raise ConfigError(
-            "statecore connector: secondary_tiers need the CPU pool in the scheduler's "
-            "process, and vLLM's multi-process executors keep it in the workers; run one "
-            "process (build_scheduler(..., pool=...)) or leave secondary_tiers out "
-            "(docs/guides/redis-tier.md)"
-        )
+        pool = _worker_pool(vllm_config)
     if pool is not None and pool.num_slots != num_chunks:
         raise ConfigError(
             f"statecore connector: the pool has {pool.num_slots} slots, the config asks for "
             f"{num_chunks} CPU chunks"
         )
-    cpu = CPUOffloadingManager(
+    primary = CPUOffloadingManager(
         num_chunks,
-        policy=str(extra.get("eviction_policy", "lru")),
-        enable_events=bool(events_cfg is not None and events_cfg.enable_kv_cache_events),
-        store_threshold=int(extra.get("store_threshold", 0)),
-        max_tracker_size=int(extra.get("max_tracker_size", 64_000)),
+        policy=extra.eviction_policy,
+        enable_events=_events_on(vllm_config),
+        store_threshold=extra.store_threshold,
+        max_tracker_size=extra.max_tracker_size,
     )
-    manager: OffloadingManager = cpu
-    if tiers and pool is not None:
-        layout = tier_layout_from_vllm(vllm_config, kv_cache_config, cfg.blocks_per_chunk)
-        manager = TieringOffloadingManager.from_config(cpu, pool, tiers, layout)
+    manager: OffloadingManager = primary
+    if extra.tiering:
+        if tiers and pool is not None:
+            layout = tier_layout_from_vllm(vllm_config, kv_cache_config, cfg.blocks_per_chunk)
+            manager = TieringOffloadingManager.from_config(primary, pool, tiers, layout)
+        else:
+            manager = TieringOffloadingManager(primary, [])
     return OffloadingScheduler(cfg, manager)
+
+
+def _events_on(vllm_config: VllmConfig) -> bool:
+    events_cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(events_cfg is not None and events_cfg.enable_kv_cache_events)
+
+
+class StatecorePromMetrics(KVConnectorPromMetrics):
+    """vLLM's connector Prometheus hook over :class:`~statecore.adapters.vllm_metrics.
+    OffloadPrometheus` (vLLM's metric names where both have them, plus statecore's)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.metrics = OffloadPrometheus(
+            self._counter_cls,
+            self._gauge_cls,
+            self._histogram_cls,
+            labelnames,
+            per_engine_labelvalues,
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Record one stats payload."""
+        self.metrics.observe(transfer_stats_data, engine_idx)
 
 
 # --------------------------------------------------------------------------------------------
@@ -511,10 +743,36 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self._bound: StatecoreConnectorMetadata | None = None
         self._started: StatecoreConnectorMetadata | None = None
         self._tpc: list[int] = []
+        # every role checks the extra config: a bad key fails every process at start-up
+        self._extra = validate_extra_config(_extra(vllm_config))
+        self._load_sizes: list[int] = []
+        self._store_sizes: list[int] = []
+        self._requests: dict[str, Request] = {}
+        self._finished_reqs: list[str] = []
+        self._storage_events = self._extra.storage_events or any(
+            "kind" in t for t in self._extra.tier_specs
+        )
+        self.events: EventPayloads | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = build_scheduler(vllm_config, kv_cache_config)
             cfg = self.scheduler.config
             self._tpc = [cfg.tokens_per_chunk(g) for g in range(len(cfg.groups))]
+            iface = importlib.import_module("vllm.v1.kv_cache_interface")
+            specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+            self.events = EventPayloads(
+                _events_on(vllm_config) and self._extra.self_describing_kv_events,
+                self._tpc,
+                [g.tokens_per_block for g in cfg.groups],
+                cfg.tokens_per_hash or cfg.groups[0].tokens_per_block,
+                [g.sliding_window is None for g in cfg.groups],
+                [
+                    (
+                        iface.get_kv_cache_spec_kind(sp).value,
+                        iface.get_kv_cache_spec_sliding_window(sp),
+                    )
+                    for sp in specs
+                ],
+            )
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -554,6 +812,9 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
             )
         backend = factory(kv_caches, self._vllm_config, self._kv_cache_config)
         self.attach_backend(backend, rank=int(self._vllm_config.parallel_config.rank))
+        pool = getattr(backend, "pool", None)
+        if self._extra.tiering and isinstance(pool, CPUPool):
+            register_worker_pool(_engine_id(self._vllm_config), pool)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Keep the step's metadata."""
@@ -639,11 +900,21 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
     def on_new_request(self, request: Request) -> None:
         """Track the request."""
         self._sched().on_new_request(VllmRequestView(request))
+        if self.events is not None and self.events.enabled:
+            self._requests[request.request_id] = request
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens beyond ``num_computed_tokens`` loadable from the CPU tier (async)."""
+        """Tokens beyond ``num_computed_tokens`` loadable from the CPU tier (async).
+
+        vLLM caps a lookup (``max_num_new_tokens``) by the prefix that KV-cache groups it does
+        not offload already hold. statecore offloads every group of every configuration it
+        accepts (others are refused at start-up), so that cap is never set and the lookup is
+        bounded by the request alone, as in vLLM for such configurations.
+        """
+        if self.events is not None and self.events.enabled:
+            self._requests.setdefault(request.request_id, request)
         return self._sched().get_num_new_matched_tokens(
             VllmRequestView(request), num_computed_tokens
         )
@@ -663,9 +934,18 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: VllmSchedulerOutput) -> KVConnectorMetadata:
         """This step's jobs, plus the failed loads to echo back through the workers."""
-        inner = self._sched().build_connector_meta(
-            to_scheduler_output(scheduler_output, self._num_groups)
-        )
+        sched = self._sched()
+        inner = sched.build_connector_meta(to_scheduler_output(scheduler_output, self._num_groups))
+        events = self.events
+        if events is not None and events.enabled:
+            for job_id in inner.store_jobs:
+                job = sched.jobs.get(job_id)
+                req = self._requests.get(job.req.req_id) if job is not None else None
+                if job is not None and req is not None:
+                    events.record_store(req, job.keys)
+            for rid in self._finished_reqs:  # their final stores were built above
+                self._requests.pop(rid, None)
+            self._finished_reqs.clear()
         meta = StatecoreConnectorMetadata(inner)
         if self._error_reqs:
             meta.load_error_blocks = frozenset(self._error_blocks)
@@ -680,6 +960,9 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         wm = connector_output.kv_connector_worker_meta
         inner = wm.inner if isinstance(wm, StatecoreWorkerMetadata) else None
         res = self._sched().update_connector_output(inner)
+        if inner is not None:
+            self._load_sizes.extend(inner.stats.load.sizes)
+            self._store_sizes.extend(inner.stats.store.sizes)
         if not res.finished_loads:
             return
         invalid = res.invalid_block_ids
@@ -701,12 +984,14 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """The request finished; its blocks may be freed at once."""
+        self._finished_reqs.append(request.request_id)
         return self._sched().request_finished(VllmRequestView(request))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """As :meth:`request_finished` (every group)."""
+        self._finished_reqs.append(request.request_id)
         return self._sched().request_finished(VllmRequestView(request))
 
     def has_pending_push_work(self) -> bool:
@@ -714,19 +999,33 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         return bool(self._error_reqs) or self._sched().has_pending_push_work()
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """The CPU tier's stored/removed events as vLLM KV-cache events."""
-        return to_kv_events(self._sched().take_events(), self._tpc)
+        """The tiers' stored/removed events as vLLM KV-cache events, with vLLM's payloads
+        (self-describing ones with ``self_describing_kv_events``); a file-system tier's
+        events only with its ``enable_kv_events``."""
+        raw = self._sched().take_events()
+        if not self._storage_events:
+            raw = [e for e in raw if e.medium is not Medium.STORAGE]
+        if self.events is None:
+            return to_kv_events(raw, self._tpc)
+        return self.events.to_kv_events(raw)
 
     def reset_cache(self) -> bool | None:
-        """Drop everything offloaded (flushes every in-flight job)."""
+        """Drop everything offloaded: every in-flight job is flushed; loads the workers run
+        are carried over and complete normally (no request fails)."""
         self._sched().reset_cache()
+        if self.events is not None:
+            self.events.reset()
         return True
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """statecore's counters since the last call (scheduler role)."""
+        """statecore's counters since the last call plus the workers' per-job transfer sizes
+        (scheduler role); see :mod:`statecore.adapters.vllm_metrics`."""
         if self.scheduler is None:
             return None
-        return StatecoreConnectorStats(data=self.scheduler.get_stats())
+        data = stats_payload(self.scheduler.get_stats(), self._load_sizes, self._store_sizes)
+        self._load_sizes.clear()
+        self._store_sizes.clear()
+        return StatecoreConnectorStats(data=data)
 
     @classmethod
     def build_kv_connector_stats(
@@ -736,6 +1035,17 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         return StatecoreConnectorStats(data=dict(data) if data is not None else {})
 
     @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        """vLLM's hook: statecore's Prometheus metrics (:class:`StatecorePromMetrics`)."""
+        return StatecorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        """No layout requirement."""
-        return None
+        """The layout statecore's transfer adapter copies (:data:`KV_CACHE_LAYOUT`)."""
+        return KV_CACHE_LAYOUT

@@ -794,6 +794,9 @@ def rendered_pages() -> dict[str, str]:
     pages["invariants.md"] = render_invariants_page()
     pages["reference/cli.md"] = render_cli_page()
     pages["bad-inputs.md"] = render_bad_inputs_page()
+    from statecore.adapters.vllm_keys import render_table_page  # no vLLM import
+
+    pages["reference/vllm-config.md"] = render_table_page()
     return pages
 
 

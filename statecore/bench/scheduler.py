@@ -92,6 +92,18 @@ class Scenario:
     warmup_steps: int = 20
     reset_at: int | None = None
     seed: int = 0
+    reset_with_loads: bool = False
+    """Reset at the first step from ``reset_at`` on at which a load is in flight."""
+    load_fail_every: int = 0
+    """statecore's connector only: rank 0 fails every n-th load it runs (0: never)."""
+    failure_policy: str = "fail"
+    """vLLM's ``kv_load_failure_policy`` (``"fail"`` or ``"recompute"``)."""
+    tiering: bool = False
+    """``TieringOffloadingSpec`` with a file-system tier (in a temporary directory)."""
+    kv_events: bool = False
+    """Enable KV events (self-describing ones) and collect the connector's event stream."""
+    clock: str = "perf"
+    """Timer of the hooks: ``perf`` (wall) or ``thread`` (this thread's CPU time)."""
 
     def num_gpu_blocks(self) -> int:
         """GPU blocks: 1.1x what N average requests need, at least two of the largest."""
@@ -148,20 +160,34 @@ class StepDelayBackend:
     """A statecore transfer backend that reports each job done a fixed number of engine
     steps after submission; ``wait`` completes at once. Moves no bytes."""
 
-    def __init__(self, clock: list[int], load_delay: int, store_delay: int) -> None:
+    def __init__(
+        self, clock: list[int], load_delay: int, store_delay: int, fail_every: int = 0
+    ) -> None:
         self.clock = clock
         self.delay = {False: load_delay, True: store_delay}
         self._due: dict[int, tuple[int, bool]] = {}
+        self.fail_every = fail_every
+        self._loads = 0
+        self._failing: set[int] = set()
 
     def submit(self, job_id: int, job: TransferJob, is_store: bool) -> None:
-        """Queue the job."""
+        """Queue the job (every ``fail_every``-th load will report a failure)."""
         self._due[job_id] = (self.clock[0] + self.delay[is_store], is_store)
+        if not is_store and self.fail_every:
+            self._loads += 1
+            if self._loads % self.fail_every == 0:
+                self._failing.add(job_id)
 
     def poll(self) -> list[TransferResult]:
         """Jobs whose step has come."""
         now = self.clock[0]
         done = [j for j, (due, _) in self._due.items() if due <= now]
-        return [TransferResult(j, True, 0, 0.0, self._due.pop(j)[1]) for j in sorted(done)]
+        out = []
+        for j in sorted(done):
+            ok = j not in self._failing
+            self._failing.discard(j)
+            out.append(TransferResult(j, ok, 0, 0.0, self._due.pop(j)[1]))
+        return out
 
     def wait(self, job_ids: Any) -> None:
         """Complete those jobs now."""
@@ -186,10 +212,16 @@ class StepDelayBackend:
 class HookTimer:
     """Wraps the four hooks of a connector instance; accumulates ns per step."""
 
-    def __init__(self, target: Any, on_call: Callable[[str, tuple[Any, ...], Any], None]) -> None:
+    def __init__(
+        self,
+        target: Any,
+        on_call: Callable[[str, tuple[Any, ...], Any], None],
+        clock: str = "perf",
+    ) -> None:
         self.ns: dict[str, int] = dict.fromkeys(HOOKS, 0)
         self.steps: list[tuple[int, dict[str, int]]] = []
-        pc = time.perf_counter_ns
+        # thread CPU time: ratios between runs hold on a loaded machine (no preemption noise)
+        pc = time.thread_time_ns if clock == "thread" else time.perf_counter_ns
         for name in HOOKS:
             orig = getattr(target, name)
 
@@ -252,6 +284,12 @@ class RunResult:
     leftovers: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
     bytes_per_job: float = 0.0
+    errors: list[str] = field(default_factory=list)
+    """Requests the engine finished with an error (a failed load under ``"fail"``)."""
+    stats: dict[str, Any] = field(default_factory=dict)
+    """statecore's connector: every ``get_kv_connector_stats`` payload, aggregated."""
+    events: list[tuple[Any, ...]] = field(default_factory=list)
+    """The connector's KV events in order, as comparable tuples (engine step first)."""
 
     def as_json(self) -> dict[str, Any]:
         """The JSON-able form."""
@@ -296,7 +334,7 @@ def run_standalone(sc: Scenario) -> RunResult:
     ]
     workers = [OffloadingWorker(b, rank=i) for i, b in enumerate(backends)]
     res = RunResult("standalone", "statecore", sc, {})
-    timer = HookTimer(sched, lambda n, a, r: None)
+    timer = HookTimer(sched, lambda n, a, r: None, sc.clock)
     pool = BlockPool(sc.num_gpu_blocks())
     wl = Workload(sc)
     waiting: list[_Req] = []
@@ -325,7 +363,9 @@ def run_standalone(sc: Scenario) -> RunResult:
             break
         if step > 10 * sc.steps + 1000:
             raise RuntimeError("standalone engine did not drain")
-        if sc.reset_at is not None and step == sc.reset_at:
+        due = sc.reset_at is not None and step >= sc.reset_at and "resets" not in c
+        if due and (not sc.reset_with_loads or any(not j.is_store for j in sched.jobs.values())):
+            c["resets"] = 1
             sched.reset_cache()
         if step < sc.steps:
             while len(live) < sc.concurrency:
@@ -394,7 +434,8 @@ def run_standalone(sc: Scenario) -> RunResult:
             total = local + ext
             n = 0 if is_async else min(v.num_tokens - total, budget)
             need = -(-(total + n) // BLOCK) - len(hit)
-            if need > pool.num_free:
+            free_hits = sum(1 for b in hit if pool.ref[b] == 0)  # touching takes them
+            if need + free_hits > pool.num_free:
                 still.append(r)
                 blocked = True
                 continue
@@ -662,19 +703,34 @@ def run_vllm(sc: Scenario, connector: str) -> RunResult:
     page = kcc.kv_cache_groups[0].kv_cache_spec.page_size_bytes * sc.num_workers
     align = _m("mmap").PAGESIZE
     extra["cpu_bytes_to_use"] = ncpu * (-(-page // align) * align)
+    engine_id = f"bench-{connector}-{os.getpid()}-{id(sc)}"
+    tier_dir: Any = None
+    if sc.tiering:
+        tier_dir = tempfile.TemporaryDirectory(prefix=f"statecore-bench-{connector}-")
+        extra["spec_name"] = "TieringOffloadingSpec"
+        extra["secondary_tiers"] = [{"type": "fs", "root_dir": tier_dir.name}]
+        extra["tier_poll_interval_s"] = 0
+    if sc.kv_events:
+        extra["self_describing_kv_events"] = True
+    common: dict[str, Any] = {
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+        "engine_id": engine_id,
+        "kv_load_failure_policy": sc.failure_policy,
+    }
     if connector == "vllm":
-        ktc = vcfg.KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        )
+        ktc = vcfg.KVTransferConfig(kv_connector="OffloadingConnector", **common)
     else:
         ktc = vcfg.KVTransferConfig(
             kv_connector="StatecoreOffloadingConnector",
             kv_connector_module_path="statecore.adapters.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
+            **common,
         )
+        if sc.tiering:  # the worker's pool, as register_kv_caches would register it
+            from statecore.adapters.vllm import register_worker_pool
+            from statecore.pool import CPUPool
+
+            register_worker_pool(engine_id, CPUPool(ncpu, [page // sc.num_workers]))
     model = _model_dir()
     cache_config = vcfg.CacheConfig(
         block_size=BLOCK,
@@ -704,6 +760,9 @@ def run_vllm(sc: Scenario, connector: str) -> RunResult:
         kv_transfer_config=ktc,
         parallel_config=vcfg.ParallelConfig(tensor_parallel_size=sc.num_workers),
         device_config=vcfg.DeviceConfig("cpu"),
+        kv_events_config=vcfg.KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        if sc.kv_events
+        else None,
     )
     vc.cache_config.num_gpu_blocks = ngpu
     engine = _m("vllm.v1.core.sched.scheduler").Scheduler(
@@ -725,7 +784,8 @@ def run_vllm(sc: Scenario, connector: str) -> RunResult:
             w.connector_worker.worker = eng
         else:
             w = type(conn)(vc, role, kcc)
-            eng = StepDelayBackend(clock, sc.load_delay, sc.store_delay)
+            fail = sc.load_fail_every if rank == 0 else 0
+            eng = StepDelayBackend(clock, sc.load_delay, sc.store_delay, fail)
             w.attach_backend(eng, rank=rank)
         workers.append(w)
         delayed.append(eng)
@@ -752,10 +812,36 @@ def run_vllm(sc: Scenario, connector: str) -> RunResult:
                 src = getattr(job, "src_spec", None) or job.src
                 res.loads.setdefault(job.req_id, []).append(_chunk_count(src))
             c["load_jobs"] = c.get("load_jobs", 0) + len(inner.load_jobs)
+            last_loads[0] = len(inner.load_jobs)
             c["store_jobs"] = c.get("store_jobs", 0) + len(inner.store_jobs)
             c["flushed"] = c.get("flushed", 0) + len(inner.jobs_to_flush or ())
 
-    timer = HookTimer(conn, on_call)
+    last_loads = [0]
+    if connector == "statecore":  # statecore's own counters, summed over the stats calls
+        stats_call = conn.get_kv_connector_stats
+
+        def stats_hook() -> Any:
+            st = stats_call()
+            for k, v in (st.data if st is not None else {}).items():
+                if k.startswith(("cascades", "promotions", "loads_carried", "jobs_failed")):
+                    c[k] = c.get(k, 0) + int(v)
+            if st is not None:
+                merged = type(st)(data=dict(res.stats)).aggregate(st)
+                res.stats = dict(merged.data)
+            return st
+
+        conn.get_kv_connector_stats = stats_hook
+    timer = HookTimer(conn, on_call, sc.clock)
+    if sc.kv_events:
+        publish = engine.kv_event_publisher.publish
+
+        def capture(batch: Any) -> None:
+            for ev in batch.events:
+                if getattr(ev, "medium", None) in ("CPU", "STORAGE"):
+                    res.events.append((clock[0], *_event_tuple(ev)))
+            publish(batch)
+
+        engine.kv_event_publisher.publish = capture
     wl = Workload(sc)
     token_rng = random.Random(sc.seed + 1)
     live: dict[str, Any] = {}
@@ -768,7 +854,11 @@ def run_vllm(sc: Scenario, connector: str) -> RunResult:
             break
         if step > 10 * sc.steps + 1000:
             raise RuntimeError(f"vLLM engine with {connector} connector did not drain")
-        if sc.reset_at is not None and step == sc.reset_at:
+        due = sc.reset_at is not None and step >= sc.reset_at and "resets" not in c
+        # with reset_with_loads: only once the last step sent a load (still in flight)
+        if due and (not sc.reset_with_loads or last_loads[0]):
+            c["resets"] = 1
+            c["loads_in_flight_at_reset"] = last_loads[0]
             engine.reset_connector_cache()
         if step < sc.steps:
             while len(live) < sc.concurrency:
@@ -785,6 +875,8 @@ def run_vllm(sc: Scenario, connector: str) -> RunResult:
                 engine.add_request(req)
                 live[rid] = req
         so = engine.schedule()
+        if so.preempted_req_ids:
+            c["preempted"] = c.get("preempted", 0) + len(so.preempted_req_ids)
         meta = so.kv_connector_metadata
         ids = list(so.num_scheduled_tokens)
         outs: list[Any] = []
@@ -833,6 +925,8 @@ def run_vllm(sc: Scenario, connector: str) -> RunResult:
         for rid in [r for r, q in live.items() if q.is_finished()]:
             q = live.pop(rid)
             res.outputs[rid] = int(q.num_output_tokens)
+            if q.status.name == "FINISHED_ERROR":
+                res.errors.append(rid)
             wl.finished(list(q.all_token_ids))
         timer.end_step(int(so.total_num_scheduled_tokens))
         step += 1
@@ -853,17 +947,37 @@ def run_vllm(sc: Scenario, connector: str) -> RunResult:
         }
     else:
         s = conn.scheduler
+        cpu = getattr(s.manager, "primary", s.manager)
         res.leftovers = {
             "requests": len(s.requests),
             "jobs": len(s.jobs),
             "stalled": len(s.stalled_jobs),
             "fences": len(s.fence_index),
             "backend_pending": pending,
-            "pinned": int(s.manager.counters().pinned),
-            "write_pending": int(s.manager.counters().write_pending),
+            "pinned": int(cpu.counters().pinned),
+            "write_pending": int(cpu.counters().write_pending),
         }
     res.leftovers["engine_requests"] = len(engine.requests)
+    if tier_dir is not None:
+        conn.shutdown()
+        tier_dir.cleanup()
     return res
+
+
+def _event_tuple(ev: Any) -> tuple[Any, ...]:
+    """A KV event as a comparable tuple: kind, hashes, parent, tokens, block size, medium,
+    group."""
+    if type(ev).__name__ == "BlockStored":
+        return (
+            "stored",
+            tuple(ev.block_hashes),
+            ev.parent_block_hash,
+            tuple(ev.token_ids),
+            ev.block_size,
+            ev.medium,
+            ev.group_idx,
+        )
+    return ("removed", tuple(ev.block_hashes), ev.medium, ev.group_idx)
 
 
 # --------------------------------------------------------------------------------------------
@@ -907,9 +1021,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="N for the vLLM engine runs (default 64 and 256)",
     )
     p.add_argument(
+        "--reset-at",
+        type=int_range(0),
+        metavar="STEP",
+        help="reset the connector cache at this engine step",
+    )
+    p.add_argument(
+        "--reset-with-loads",
+        action="store_true",
+        help="with --reset-at: reset at the first step from STEP on with a load in flight",
+    )
+    p.add_argument(
+        "--gpu-cache-factor",
+        type=float,
+        default=1.1,
+        help="GPU cache size as a multiple of what N average requests need (default 1.1; "
+        "below 1: CPU hits, preemption)",
+    )
+    p.add_argument(
+        "--clock",
+        choices=["perf", "thread"],
+        default="perf",
+        help="hook timer: wall clock (perf) or this thread's CPU time (thread: ratios hold on "
+        "a loaded machine)",
+    )
+    p.add_argument(
         "--json", metavar="FILE", type=output_file, help="write every run's summary here"
     )
     a = p.parse_args(list(argv) if argv is not None else None)
+    if a.gpu_cache_factor <= 0:
+        p.error("--gpu-cache-factor must be > 0")
+    shape = {
+        "reset_at": a.reset_at,
+        "reset_with_loads": a.reset_with_loads,
+        "gpu_cache_factor": a.gpu_cache_factor,
+        "clock": a.clock,
+    }
     ns = a.concurrency or [64, 256, 1024]
     vns = a.vllm_concurrency or [n for n in ns if n <= 256] or ns
     use_vllm = a.engine in ("vllm", "both") or (a.engine == "auto" and have_vllm())
@@ -919,7 +1066,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("standalone engine loop, statecore connector")
         print(_header())
         for n in ns:
-            sc = Scenario(concurrency=n, steps=a.steps, num_workers=a.workers, seed=a.seed)
+            sc = Scenario(concurrency=n, steps=a.steps, num_workers=a.workers, seed=a.seed, **shape)
             r = run_standalone(sc)
             runs.append(r)
             print(_row(f"N={n}", r.summary))
@@ -929,7 +1076,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\nvLLM {_m('vllm').__version__} engine Scheduler, same scenario, both connectors")
         print(_header() + f" {'ratio':>7}")
         for n in vns:
-            sc = Scenario(concurrency=n, steps=a.steps, num_workers=a.workers, seed=a.seed)
+            sc = Scenario(concurrency=n, steps=a.steps, num_workers=a.workers, seed=a.seed, **shape)
             rv = run_vllm(sc, "vllm")
             rs = run_vllm(sc, "statecore")
             runs += [rv, rs]
