@@ -398,6 +398,7 @@ class OffloadingScheduler:
         self._n_groups = n
         self._bpc = config.blocks_per_chunk
         self._tpc = [config.tokens_per_chunk(g) for g in range(n)]
+        self._group_suffix = [make_offload_key(b"", g) for g in range(n)]
         self._tpb = [config.groups[g].tokens_per_block for g in range(n)]
         self._hpc = [config.hashes_per_chunk(g) for g in range(n)]
         self._window = [config.window_chunks(g) for g in range(n)]
@@ -623,7 +624,11 @@ class OffloadingScheduler:
                 new.append((gs.keys, ends, g))
         rec.n_hashes = n_hashes
         for keys, ends, g in new:
-            keys.extend([make_offload_key(h, g) for h in ends])
+            # make_offload_key without its argument checks (done above): hash + group bytes
+            suffix = self._group_suffix[g]
+            keys.extend(
+                [OffloadKey(h + suffix if type(h) is bytes else bytes(h) + suffix) for h in ends]
+            )
 
     def _lookup(
         self, rec: RequestRecord, num_computed: int, max_num_new_tokens: int | None

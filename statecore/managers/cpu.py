@@ -35,6 +35,7 @@ from statecore.errors import (
     InvariantViolation,
     KeyNotReadyError,
     PinUnderflowError,
+    StatecoreError,
     UnknownKeyError,
     describe,
 )
@@ -301,15 +302,28 @@ class CPUOffloadingManager(OffloadingManager):
     # -- loads ----------------------------------------------------------------------------------
 
     def _validate_pinnable(self, keys: Sequence[OffloadKey], call: str) -> list[_Entry]:
+        """The entries of ``keys``, all present and ready; raises (nothing changed) else.
+
+        Validation by lookup: a present key is a valid key (only validated keys are ever
+        stored), so the argument checks of :mod:`statecore.validate` run on the error path
+        only (a missing key, an unhashable one, ``keys`` not iterable).
+        """
         entries: list[_Entry] = []
         get = self._entries.get
-        for key in keys:
-            entry = get(key)
-            if entry is None:
-                raise UnknownKeyError(key, call)
-            if entry.ref < 0:
-                raise KeyNotReadyError(key, call)
-            entries.append(entry)
+        try:
+            for key in keys:
+                entry = get(key)
+                if entry is None:
+                    validate.offload_keys(keys, call)
+                    raise UnknownKeyError(key, call)
+                if entry.ref < 0:
+                    raise KeyNotReadyError(key, call)
+                entries.append(entry)
+        except TypeError as exc:
+            if isinstance(exc, StatecoreError):
+                raise
+            validate.offload_keys(keys, call)
+            raise
         return entries
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
@@ -318,7 +332,6 @@ class CPUOffloadingManager(OffloadingManager):
 
     def prepare_read(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
         """Pin ``keys`` for any reader (GPU load or cascade to a secondary tier)."""
-        validate.offload_keys(keys, "prepare_load")
         entries = self._validate_pinnable(keys, "prepare_load")
         policy = self.policy
         evictable = self._evictable
@@ -336,18 +349,24 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_read(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Release the pins of one :meth:`prepare_read`."""
         call = "complete_load"
-        validate.offload_keys(keys, call)
         get = self._entries.get
         entries: list[_Entry] = []
-        for key in keys:
-            entry = get(key)
-            if entry is None:
-                raise UnknownKeyError(key, call)
-            if entry.ref == -1:
-                raise WritePendingPinError(key, call)
-            if entry.ref == 0:
-                raise PinUnderflowError(key, call)
-            entries.append(entry)
+        try:  # validation by lookup, as in _validate_pinnable
+            for key in keys:
+                entry = get(key)
+                if entry is None:
+                    validate.offload_keys(keys, call)
+                    raise UnknownKeyError(key, call)
+                if entry.ref == -1:
+                    raise WritePendingPinError(key, call)
+                if entry.ref == 0:
+                    raise PinUnderflowError(key, call)
+                entries.append(entry)
+        except TypeError as exc:
+            if isinstance(exc, StatecoreError):
+                raise
+            validate.offload_keys(keys, call)
+            raise
         if len(set(keys)) != len(keys):
             for key, n in Counter(keys).items():
                 if self._entries[key].ref < n:
@@ -389,10 +408,11 @@ class CPUOffloadingManager(OffloadingManager):
         workers do not order, i.e. promotions): room is made among the other free slots, by
         eviction if needed, and ``None`` is returned when that is impossible.
         """
-        validate.offload_keys(keys, "prepare_store")
         entries = self._entries
         tracker = self._tracker
         skipped = 0
+        if tracker is not None:
+            validate.offload_keys(keys, "prepare_store")
         if tracker is not None and not bypass_reuse_filter:
             threshold = self.store_threshold
             admitted: list[OffloadKey] = []
@@ -404,7 +424,15 @@ class CPUOffloadingManager(OffloadingManager):
             candidates: Iterable[OffloadKey] = admitted
         else:
             candidates = keys
-        to_store = [k for k in dict.fromkeys(candidates) if k not in entries]
+        try:
+            to_store = [k for k in dict.fromkeys(candidates) if k not in entries]
+        except TypeError:  # not iterable, or an unhashable key
+            validate.offload_keys(keys, "prepare_store")
+            raise
+        # present keys are valid keys; only the new ones need the argument check
+        for k in to_store:
+            if type(k) is not bytes or len(k) < 4:
+                validate.offload_keys(keys, "prepare_store")
         n = len(to_store)
         if n == 0:
             self._stores_skipped += skipped
@@ -497,15 +525,30 @@ class CPUOffloadingManager(OffloadingManager):
         writing them) unless ``quarantine=False``: the writer is known to be done (a promotion
         whose result arrived).
         """
-        validate.offload_keys(keys, "complete_store")
-        validate.flag(success, "complete_store", "success")
+        flag: object = success
+        if type(flag) is not bool:
+            validate.flag(flag, "complete_store", "success")
         entries = self._entries
+        get = entries.get
+        pending: list[tuple[OffloadKey, _Entry]] = []
+        try:  # first pass, read-only: validation by lookup (absent keys must still be keys)
+            for key in keys:
+                entry = get(key)
+                if entry is None:
+                    if type(key) is not bytes or len(key) < 4:
+                        validate.offload_keys(keys, "complete_store")
+                elif entry.ref == -1:
+                    pending.append((key, entry))
+        except TypeError as exc:
+            if isinstance(exc, StatecoreError):
+                raise
+            validate.offload_keys(keys, "complete_store")
+            raise
         policy = self.policy
         changed: list[OffloadKey] = []
-        for key in keys:
-            entry = entries.get(key)
-            if entry is None or entry.ref != -1:
-                continue
+        for key, entry in pending:
+            if entry.ref != -1 or get(key) is not entry:
+                continue  # listed twice: done at its first occurrence
             changed.append(key)
             if success:
                 entry.ref = 0
