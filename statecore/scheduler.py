@@ -870,7 +870,7 @@ class OffloadingScheduler:
         self._batch = _StepBatch()
         return meta
 
-    def _admit(self, rec: RequestRecord, new_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+    def _admit(self, rec: RequestRecord, new_ids: Sequence[Sequence[int]]) -> list[Sequence[int]]:
         """The first scheduling after an allocation: start from the allocated lists.
 
         ``new_ids`` may repeat the complete lists (vLLM's new-request form) or carry only the
@@ -880,7 +880,7 @@ class OffloadingScheduler:
         admitted = rec.admitted or []
         rec.admitted = None
         rec.store_floor = 0
-        out: list[list[int]] = []
+        out: list[Sequence[int]] = []
         for gs, adm, ids in zip(rec.groups, admitted, new_ids, strict=True):
             gs.block_ids.clear()
             gs.cursor = 0
@@ -888,7 +888,7 @@ class OffloadingScheduler:
             if n and (len(ids) < n or tuple(ids[:n]) != adm):
                 out.append([*adm, *ids])
             else:
-                out.append(list(ids))
+                out.append(ids)
         return out
 
     def _update_req_states(self, output: SchedulerOutput) -> list[RequestRecord]:

@@ -41,6 +41,9 @@ from statecore.errors import (
 )
 from statecore.views import ScheduledRequest as _ScheduledRequest
 from statecore.views import SchedulerOutput as _SchedulerOutput
+from statecore.wire import DirectionStats as _DirectionStats
+from statecore.wire import TransferStats as _TransferStats
+from statecore.wire import WorkerMetadata as _WorkerMetadata
 
 __all__ = [
     "MISSING",
@@ -348,6 +351,19 @@ def worker_metadata(
 
     if meta is None:
         return
+    if type(meta) is _WorkerMetadata and not entries:  # the common case, in one expression
+        stats = meta.stats
+        if (
+            type(meta.completed) is dict
+            and type(meta.failed) is dict
+            and type(meta.completed_ranks) is dict
+            and type(meta.failed_ranks) is dict
+            and (meta.rank is None or (type(meta.rank) is int and meta.rank >= 0))
+            and type(stats) is _TransferStats
+            and _direction_ok(stats.load)
+            and _direction_ok(stats.store)
+        ):
+            return
     if type(meta) is not WorkerMetadata and not isinstance(meta, WorkerMetadata):
         _fail(call, "meta", meta, "a WorkerMetadata or None")
     for name in ("completed", "failed", "completed_ranks", "failed_ranks"):
@@ -376,6 +392,17 @@ def worker_metadata(
             _fail(call, f"meta.stats.{direction}.seconds", ds.seconds, "a finite number >= 0")
         if type(ds.sizes) is not list:
             _fail(call, f"meta.stats.{direction}.sizes", ds.sizes, "a list of ints")
+
+
+def _direction_ok(ds: Any) -> bool:
+    return (
+        type(ds) is _DirectionStats
+        and type(ds.bytes) is int
+        and ds.bytes >= 0
+        and (type(ds.seconds) is float or type(ds.seconds) is int)
+        and 0 <= ds.seconds < math.inf
+        and type(ds.sizes) is list
+    )
 
 
 def id_collection(value: Any, call: str, argument: str) -> None:

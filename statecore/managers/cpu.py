@@ -96,6 +96,9 @@ class CPUManagerCounters:
     schedule_ends: int = 0
 
 
+_BYTES_ONLY = {bytes}
+
+
 class _Entry:
     __slots__ = ("ref", "slot")
 
@@ -429,10 +432,9 @@ class CPUOffloadingManager(OffloadingManager):
         except TypeError:  # not iterable, or an unhashable key
             validate.offload_keys(keys, "prepare_store")
             raise
-        # present keys are valid keys; only the new ones need the argument check
-        for k in to_store:
-            if type(k) is not bytes or len(k) < 4:
-                validate.offload_keys(keys, "prepare_store")
+        # present keys are valid keys; only the new ones need the argument check (C speed)
+        if to_store and (set(map(type, to_store)) != _BYTES_ONLY or min(map(len, to_store)) < 4):
+            validate.offload_keys(keys, "prepare_store")
         n = len(to_store)
         if n == 0:
             self._stores_skipped += skipped
@@ -528,27 +530,20 @@ class CPUOffloadingManager(OffloadingManager):
         flag: object = success
         if type(flag) is not bool:
             validate.flag(flag, "complete_store", "success")
+        try:  # C speed: every key is bytes (absent ones are ignored, so they must be keys)
+            bad = bool(keys) and (set(map(type, keys)) != _BYTES_ONLY or min(map(len, keys)) < 4)
+        except TypeError:
+            bad = True
+        if bad:
+            validate.offload_keys(keys, "complete_store")
         entries = self._entries
         get = entries.get
-        pending: list[tuple[OffloadKey, _Entry]] = []
-        try:  # first pass, read-only: validation by lookup (absent keys must still be keys)
-            for key in keys:
-                entry = get(key)
-                if entry is None:
-                    if type(key) is not bytes or len(key) < 4:
-                        validate.offload_keys(keys, "complete_store")
-                elif entry.ref == -1:
-                    pending.append((key, entry))
-        except TypeError as exc:
-            if isinstance(exc, StatecoreError):
-                raise
-            validate.offload_keys(keys, "complete_store")
-            raise
         policy = self.policy
         changed: list[OffloadKey] = []
-        for key, entry in pending:
-            if entry.ref != -1 or get(key) is not entry:
-                continue  # listed twice: done at its first occurrence
+        for key in keys:
+            entry = get(key)
+            if entry is None or entry.ref != -1:
+                continue
             changed.append(key)
             if success:
                 entry.ref = 0
