@@ -327,23 +327,30 @@ def _ceil_div(a: int, b: int) -> int:
 _SEQ = (list, tuple)
 
 
-def _alloc_args_ok(block_ids: Any, n_groups: int, num_external_tokens: Any) -> bool:
-    """The common case of :meth:`OffloadingScheduler.update_state_after_alloc`'s arguments,
-    checked at C speed (the validation layer diagnoses anything else)."""
+def _admitted_lists(
+    block_ids: Any, n_groups: int, num_external_tokens: Any
+) -> list[tuple[int, ...]] | None:
+    """The block lists of :meth:`OffloadingScheduler.update_state_after_alloc` as tuples, or
+    None when an argument is malformed (checked at C speed; the validation layer diagnoses)."""
     if (
         type(num_external_tokens) is not int
         or num_external_tokens < 0
         or type(block_ids) not in _SEQ
         or len(block_ids) != n_groups
     ):
-        return False
+        return None
+    out: list[tuple[int, ...]] = []
     try:
         for ids in block_ids:
-            if ids and (type(ids) not in _SEQ or type(sum(ids)) is not int or min(ids) < 0):
-                return False
+            if type(ids) not in _SEQ:
+                return None
+            t = tuple(ids)
+            if t and (type(sum(t)) is not int or min(t) < 0):
+                return None
+            out.append(t)
     except TypeError:
-        return False
-    return True
+        return None
+    return out
 
 
 def _param(params: Mapping[str, Any] | None, name: str) -> tuple[int | None, bool]:
@@ -718,7 +725,8 @@ class OffloadingScheduler:
         rid = getattr(request, "request_id", None)
         if type(rid) is not str:
             rid = validate.request_id(request, call)
-        if not _alloc_args_ok(block_ids, self._n_groups, num_external_tokens):
+        admitted = _admitted_lists(block_ids, self._n_groups, num_external_tokens)
+        if admitted is None:
             validate.block_lists(block_ids, self._n_groups, call, "block_ids", self._where, rid)
             validate._fail(
                 call, "num_external_tokens", num_external_tokens, "an int >= 0", self._where, rid
@@ -736,7 +744,7 @@ class OffloadingScheduler:
                             f"the {local} locally computed tokens its lookup reported (the "
                             f"lists are the request's complete block lists)"
                         )
-            self._note_allocation(rec, block_ids)
+            self._note_allocation(rec, admitted)
             return
         REQUEST.require(rec, RE_ALLOC_LOAD)
         num_cached = rec.num_local_computed + num_external_tokens
@@ -764,7 +772,7 @@ class OffloadingScheduler:
             if n_gpu > start:
                 keys.extend(gs.keys[start // bpc : end_chunk])
         src = self.manager.prepare_load(keys, rec.ctx)  # typed error, nothing changed yet
-        self._note_allocation(rec, block_ids)
+        self._note_allocation(rec, admitted)
         if rec.policy is OffloadPolicy.CHUNK_LEVEL:
             for g, gs in enumerate(rec.groups):
                 gs.skip = max(gs.skip, _ceil_div(num_cached, self._tpc[g]))
@@ -778,13 +786,11 @@ class OffloadingScheduler:
             rec.req_id, src, GPULoadStoreSpec(tuple(dst), tuple(sizes), tuple(starts))
         )
 
-    def _note_allocation(self, rec: RequestRecord, block_ids: Sequence[Sequence[int]]) -> None:
+    def _note_allocation(self, rec: RequestRecord, admitted: list[tuple[int, ...]]) -> None:
         """Record an allocation: fence-relevant ids, and the lists the next scheduling uses."""
         allocated = self._batch.allocated
-        admitted: list[tuple[int, ...]] = []
-        for ids in block_ids:
+        for ids in admitted:
             allocated.update(ids)
-            admitted.append(tuple(ids))
         allocated.discard(0)  # the null block is never handed to an owner
         rec.admitted = admitted
 
