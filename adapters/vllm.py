@@ -889,11 +889,12 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         return StatecoreWorkerMetadata(report)
 
     def shutdown(self) -> None:
-        """Shut down whichever side this connector runs."""
+        """Shut down whichever side this connector runs (and forget a registered pool)."""
         if self.worker is not None:
             self.worker.shutdown()
         if self.scheduler is not None:
             self.scheduler.shutdown()
+            _WORKER_POOLS.pop(_engine_id(self._vllm_config), None)
 
     # -- scheduler role ---------------------------------------------------------------------
 
@@ -984,14 +985,16 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """The request finished; its blocks may be freed at once."""
-        self._finished_reqs.append(request.request_id)
+        if request.request_id in self._requests:  # forgotten after its final stores
+            self._finished_reqs.append(request.request_id)
         return self._sched().request_finished(VllmRequestView(request))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """As :meth:`request_finished` (every group)."""
-        self._finished_reqs.append(request.request_id)
+        if request.request_id in self._requests:  # forgotten after its final stores
+            self._finished_reqs.append(request.request_id)
         return self._sched().request_finished(VllmRequestView(request))
 
     def has_pending_push_work(self) -> bool:
