@@ -537,7 +537,7 @@ def make_manager_conformance(
     *,
     exact: bool = True,
     events: bool | None = None,
-    counters: Callable[[Any], Mapping[str, int]] | None = None,
+    counters: Callable[[Any], Mapping[str, int]] | bool | None = None,
     self_check: Callable[[Any], None] | None = None,
     slot_of: Callable[[Any, OffloadKey], int | None] | None = None,
     spec_slots: Callable[[LoadStoreSpec], Sequence[Hashable]] | None = None,
@@ -566,7 +566,8 @@ def make_manager_conformance(
             ``True``: they must be emitted and checked; ``False``: not checked. In exact mode
             stored/removed events must replay to the ready keys (evictions and resets included).
         counters: returns the manager's counters (any subset of :class:`ConformanceCounters`);
-            by default a manager implementing :class:`CountsForConformance` is asked.
+            by default a manager implementing :class:`CountsForConformance` is asked;
+            ``False``: no counters are compared.
         self_check: called after every step; raises on an internal inconsistency.
         slot_of: the primary slot a present key occupies (``None`` if absent); with it the
             slot-reuse rule is checked on every key the manager writes by itself.
@@ -643,8 +644,10 @@ def make_manager_conformance(
             self.pending_slot: dict[OffloadKey, int] = {}
             self.load_slots: Counter[int] = Counter()
             self.quarantine: dict[int, int] = {}
-            self.counters_fn: Callable[[Any], Mapping[str, int]] | None = counters
-            if counters is None and isinstance(self.sut, CountsForConformance):
+            self.counters_fn: Callable[[Any], Mapping[str, int]] | None = None
+            if callable(counters):
+                self.counters_fn = counters
+            elif counters is None and isinstance(self.sut, CountsForConformance):
                 self.counters_fn = _protocol_counters
             for _ in range(num_requests):
                 self.reqs.append(self._new_req())
@@ -1177,6 +1180,19 @@ def make_manager_conformance(
             picked = data.draw(st.lists(st.sampled_from(pinned), min_size=1, max_size=2))
             job = self._load(picked, req)
             return multiple() if job is None else job
+
+        @rule(target=loads, data=st.data(), req=req_st)
+        def pin_twice_release_once(self, data: st.DataObject, req: int) -> Any:
+            """Two loads of one key, the first released at once: the second pin must hold."""
+            pool = sorted(self.ready) if exact else []
+            if not pool:
+                return multiple()
+            key = data.draw(st.sampled_from(pool))
+            first = self._load([key], req)
+            second = self._load([key], 1 - req if num_requests > 1 else req)
+            if first is not None:
+                self.complete_load(first)
+            return multiple() if second is None else second
 
         @rule(job=consumes(loads))
         def complete_load(self, job: LoadJob) -> None:

@@ -23,6 +23,7 @@ from statecore.managers import (
 # statecore's own suite follows the Hypothesis profile (dev/ci/fuzz) rather than the kit's
 # default budget, which is sized for a single third-party manager
 _EXAMPLES = settings.default.max_examples
+_STEPS = 30
 
 
 def _cpu_counters(m: CPUOffloadingManager) -> Mapping[str, int]:
@@ -41,8 +42,7 @@ def _cpu_conformance(policy: str, capacity: int, **kw: Any) -> Any:
         events=True,
         counters=_cpu_counters,
         self_check=CPUOffloadingManager.check_invariants,
-        examples=_EXAMPLES,
-        **kw,
+        **{"examples": _EXAMPLES, "step_count": _STEPS, **kw},
     ).TestCase
 
 
@@ -72,6 +72,7 @@ TestTieringConformance = make_manager_conformance(
     self_check=_tiering_check,
     slot_of=_primary_slot,
     examples=_EXAMPLES,
+    step_count=_STEPS,
 ).TestCase
 
 
@@ -87,6 +88,7 @@ TestTieringExactConformance = make_manager_conformance(
     counters=_tier_counters,
     self_check=_tiering_check,
     examples=_EXAMPLES,
+    step_count=_STEPS,
 ).TestCase
 
 
