@@ -370,10 +370,9 @@ def _exc_names(exc: type[BaseException] | tuple[type[BaseException], ...]) -> li
 
 @dataclass
 class _Trace:
-    """The manager calls of one test case, as code."""
+    """Names (``k1``, ``k2``, ...) of the keys one test case's calls use, and its error types."""
 
     keys: dict[OffloadKey, str] = field(default_factory=dict)
-    lines: list[str] = field(default_factory=list)
     errors: set[type[Any]] = field(default_factory=set)
 
     def k(self, key: OffloadKey) -> str:
@@ -406,6 +405,24 @@ def _setup_source(factory: Callable[[], Any], source: str | None) -> tuple[list[
     return [], "make_manager()  # your factory: a fresh manager"
 
 
+class _Renamer:
+    """Renumbers key names ``kN`` in order of first appearance (after minimisation)."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, str] = {}
+
+    def __call__(self, text: str) -> str:
+        import re
+
+        def sub(match: re.Match[str]) -> str:
+            old = match.group(0)
+            if old not in self.names:
+                self.names[old] = f"k{len(self.names) + 1}"
+            return self.names[old]
+
+        return re.sub(r"\bk\d+\b", sub, text)
+
+
 def _render(
     trace: _Trace,
     body: list[str],
@@ -413,9 +430,13 @@ def _render(
     imports: list[str],
     expr: str,
     capacity: int,
+    rename: _Renamer,
 ) -> str:
+    body = [rename(stmt) for stmt in body]
+    check = [rename(stmt) for stmt in check]
     text = "\n".join(body + check)
-    used = [(name, key) for key, name in trace.keys.items() if name in _names(text)]
+    by_old = {name: key for key, name in trace.keys.items()}
+    used = [(new, by_old[old]) for old, new in rename.names.items() if old in by_old]
     used.sort(key=lambda item: int(item[0][1:]))
     errors = sorted({e.__name__ for e in trace.errors if e.__name__ in _names(text, True)})
     words = _names(text, True)
@@ -745,7 +766,9 @@ def make_manager_conformance(
                 )
             else:
                 stmts = [text for text, _ in body]
-            repro = _render(self.trace, stmts, check, imports, expr, capacity)
+            rename = _Renamer()
+            repro = _render(self.trace, stmts, check, imports, expr, capacity, rename)
+            call, detail = rename(call), rename(detail)
             if verified is False:
                 repro = (
                     "# NOTE: replaying these calls on a fresh manager did not fail the same way "
