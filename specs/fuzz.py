@@ -270,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = p.parse_args(list(argv) if argv is not None else None)
     except SystemExit as exc:  # usage errors and --help: their status, not an exception
         return exc.code if isinstance(exc.code, int) else 2
-    if args.manager is not None:
+    if args.manager is not None and ":" in args.manager:  # package.module:Factory
         return _manager_kit(args)
     if args.mode == "program":
         ops, programs, elapsed, failure = campaign(args.seconds, args.max_ops)
