@@ -138,6 +138,8 @@ SITUATIONS: dict[str, str] = {
     "finish-with-store": "on_request_finished with a store in flight, completed after it",
     "step-new-requests": "on_schedule_end announcing new requests",
     "step-preempted": "on_schedule_end announcing preempted requests",
+    "step-preempted-with-store": "on_schedule_end announcing a preempted request whose store is "
+    "in flight",
     "touch": "touch of present keys",
     "misuse-load-unknown": "prepare_load naming an absent key (after a ready one)",
     "misuse-load-pending": "prepare_load naming a write-pending key (after a ready one)",
@@ -1256,12 +1258,16 @@ def make_manager_conformance(
 
         # -- requests and steps ---------------------------------------------------------------
 
-        @rule(req=req_st, action=st.sampled_from(["finish", "finish", "preempt"]))
-        def request_event(self, req: int, action: str) -> None:
+        @rule(req=req_st, preempt=st.booleans())
+        def request_event(self, req: int, preempt: bool) -> None:
+            """Finish request ``req`` (its jobs in flight complete later) or preempt it."""
+            if preempt:
+                self.preempted_ids.add(self._live(req).ctx.req_id)
+            else:
+                self._finish(req)
+
+        def _finish(self, req: int) -> None:
             r = self._live(req)
-            if action == "preempt":
-                self.preempted_ids.add(r.ctx.req_id)
-                return
             if any(j.ctx is r.ctx for j in self._open_loads()):
                 self._see("finish-with-load")
             if any(j.ctx is r.ctx for j in self._open_stores()):
@@ -1275,6 +1281,30 @@ def make_manager_conformance(
             r.finished = True
             self.new_ids.discard(r.ctx.req_id)
             self.preempted_ids.discard(r.ctx.req_id)
+
+        @rule(req=req_st, data=st.data(), preempt=st.booleans(), success=st.booleans())
+        def work_in_flight(
+            self, req: int, data: st.DataObject, preempt: bool, success: bool
+        ) -> None:
+            """Request ``req`` gets a load and a store in flight, is preempted (and the step
+            ends) or finished, and only then do both complete."""
+            ready = sorted(self.ready) if exact else []
+            load = self._load([data.draw(st.sampled_from(ready))], req) if ready else None
+            absent = [k for k in universe if k not in self.ready and k not in self.pending]
+            store = self._store(absent[:1], req) if absent else None
+            if preempt:
+                self.preempted_ids.add(self.reqs[req].ctx.req_id)
+                if store is not None:
+                    self._see("step-preempted-with-store")
+                self.end_step()
+                for k in store.keys if store is not None else ():
+                    self._lookup(k, req)  # still write-pending
+            else:
+                self._finish(req)
+            if load is not None:
+                self.complete_load(load)
+            if store is not None:
+                self.complete_store(store, success)
 
         def _open(self, name: str) -> list[Any]:
             jobs = [self.names_to_values[v.name] for v in self.bundle(name)]
@@ -1293,6 +1323,8 @@ def make_manager_conformance(
                 self._see("step-new-requests")
             if pre:
                 self._see("step-preempted")
+                if any(j.ctx.req_id in self.preempted_ids for j in self._open_stores() if j.ctx):
+                    self._see("step-preempted-with-store")
             args = []
             if new:
                 args.append(f"new_req_ids=frozenset({new!r})")
