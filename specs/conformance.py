@@ -710,10 +710,15 @@ def make_manager_conformance(
                 result = fn(*args)
             except Exception as exc:
                 self.trace.errors.add(type(exc))
+                code, why = "CONTRACT", "a legal call must not raise"
+                if "complete_load(" in src:
+                    code, why = "INV-PIN", "the keys are pinned by this outstanding load"
+                elif "prepare_load(" in src:
+                    code, why = "INV-PIN", "every key answered HIT: it must be pinnable"
                 self._fail(
-                    "CONTRACT",
+                    code,
                     src,
-                    f"{src} raised {type(exc).__name__}: {exc}",
+                    f"{src} raised {type(exc).__name__}: {exc} ({why})",
                     [src],
                     signature=type(exc).__name__,
                 )

@@ -328,14 +328,16 @@ def measure(
     shrink: bool = False,
     examples: int = DEFAULT_EXAMPLES,
     counters: bool = True,
+    reference: bool = True,
 ) -> list[tuple[str, list[Outcome]]]:
     """Run every planted violation (and the reference) over ``seeds``; print a markdown table."""
     stream = out or sys.stdout
     rows: list[tuple[str, list[Outcome]]] = []
     texts = {p.name: p.text for p in PLANTED}
-    targets = [("reference (unmodified)", FifoManager)] + [
-        (p.name, p.cls) for p in PLANTED if not only or p.name in only
-    ]
+    targets: list[tuple[str, Callable[[int], FifoManager]]] = (
+        [("reference (unmodified)", FifoManager)] if reference else []
+    )
+    targets += [(p.name, p.cls) for p in PLANTED if not only or p.name in only]
     print(
         "| planted violation | what it does | caught | median detection s (wall) | "
         "max detection s (wall) | median detection s (CPU) | max detection s (CPU) | "
@@ -372,10 +374,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--no-counters", action="store_true", help="do not compare the manager's counters"
     )
+    p.add_argument("--no-reference", action="store_true", help="skip the unmodified manager's row")
     args = p.parse_args(argv)
-    rows = measure(range(args.seeds), args.only, shrink=args.shrink, counters=not args.no_counters)
-    ref = rows[0][1]
-    missed = [name for name, outs in rows[1:] if not all(o.caught for o in outs)]
+    rows = measure(
+        range(args.seeds),
+        args.only,
+        shrink=args.shrink,
+        counters=not args.no_counters,
+        reference=not args.no_reference,
+    )
+    ref = rows[0][1] if not args.no_reference else []
+    planted = rows[1:] if not args.no_reference else rows
+    missed = [name for name, outs in planted if not all(o.caught for o in outs)]
     bad = any(o.caught for o in ref)
     print(f"reference passes: {not bad}; violations missed in some seed: {missed or 'none'}")
     return 1 if bad or missed else 0
