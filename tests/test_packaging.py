@@ -91,8 +91,8 @@ def _copy_tree(dest: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def wheel_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The built wheel, installed into a bare folder."""
+def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built from a copy of the working tree."""
     src = _copy_tree(tmp_path_factory.mktemp("src"))
     dist = tmp_path_factory.mktemp("dist")
     build = subprocess.run(
@@ -107,6 +107,13 @@ def wheel_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
     (wheel,) = dist.glob("statecore-*.whl")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def wheel_site(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built wheel, installed into a bare folder."""
+    wheel = built_wheel
     site = tmp_path_factory.mktemp("site")
     install = subprocess.run(
         [
@@ -168,3 +175,249 @@ def test_wheel_runs_the_diagrams_command(wheel_site: Path, tmp_path: Path) -> No
     )
     assert result.returncode == 0, result.stderr
     assert "Request lifecycle" in result.stdout and "worker_report" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The wheel in a fresh virtual environment, with the extras a user would choose
+
+TORCH_PIN = "torch==2.13.0"  # pinned: pip takes the local CPU build (never an unpinned torch)
+EXTRAS = ("sim", "fuzz")
+# command -> the extra that must be enough to run it
+COMMAND_EXTRA = {"simulate": "sim", "fuzz": "fuzz"}
+VENV_CACHE = Path(
+    os.environ.get("STATECORE_WHEEL_VENV_CACHE")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "statecore-wheel-venvs"
+)
+
+# Loaded by every Python of the venv run with PYTHONPATH=<folder of this file>: at exit, write
+# the distributions of every third-party top-level module the process imported.
+AUDIT = r"""
+import atexit, json, os, sys
+
+def _dump():
+    from importlib.metadata import packages_distributions
+    dists = packages_distributions()
+    out = {}
+    for name in list(sys.modules):
+        top = name.split(".")[0]
+        if top in sys.stdlib_module_names or top in sys.builtin_module_names or top in out:
+            continue
+        if top in dists:
+            out[top] = dists[top]
+    with open(os.environ["STATECORE_IMPORT_AUDIT"], "w") as f:
+        json.dump(out, f)
+
+if os.environ.get("STATECORE_IMPORT_AUDIT"):
+    atexit.register(_dump)
+"""
+
+# Run in the venv: the distributions each extra of statecore pulls in (the whole closure).
+CLOSURE = r"""
+import json, re, sys
+from importlib.metadata import distribution, PackageNotFoundError
+from pip._vendor.packaging.requirements import Requirement
+
+def norm(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+def closure(extra):
+    seen, todo = set(), [("statecore", extra)]
+    while todo:
+        name, ext = todo.pop()
+        try:
+            dist = distribution(name)
+        except PackageNotFoundError:
+            continue
+        if norm(name) in seen and ext is None:
+            continue
+        seen.add(norm(name))
+        for line in dist.requires or []:
+            req = Requirement(line)
+            env = {"extra": ext or ""}
+            if req.marker is None or req.marker.evaluate(env):
+                if norm(req.name) not in seen:
+                    todo.append((req.name, None))
+                for sub in req.extras:
+                    todo.append((req.name, sub))
+    return sorted(seen)
+
+print(json.dumps({extra: closure(extra) for extra in sys.argv[1:]}))
+"""
+
+
+def _wheel_requirements(wheel: Path) -> list[str]:
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        (name,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        metadata = zf.read(name).decode()
+    return sorted(line for line in metadata.splitlines() if line.startswith("Requires-Dist:"))
+
+
+def _pip(python: Path, *args: str, timeout: float = 900) -> None:
+    result = subprocess.run(
+        [str(python), "-m", "pip", "install", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert result.returncode == 0, " ".join(args) + "\n" + result.stdout[-3000:] + result.stderr
+
+
+def _dependency_venv(wheel: Path) -> Path:
+    """A venv holding exactly what ``pip install statecore[sim,fuzz]`` installs (statecore
+    itself removed), cached by the declared requirements: the first run installs them (a few
+    minutes, torch included); a change to the extras makes a new one."""
+    import hashlib
+
+    key_text = "\n".join([sys.version, TORCH_PIN, ",".join(EXTRAS), *_wheel_requirements(wheel)])
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
+    ready = VENV_CACHE / key
+    if (ready / ".complete").is_file():
+        return ready
+    VENV_CACHE.mkdir(parents=True, exist_ok=True)
+    building = VENV_CACHE / f"{key}.building-{os.getpid()}"
+    shutil.rmtree(building, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(building)], check=True, timeout=300)
+    python = building / "bin" / "python"
+    _pip(python, TORCH_PIN)  # first and alone: the local CPU build
+    _pip(python, f"{wheel}[{','.join(EXTRAS)}]", TORCH_PIN)
+    subprocess.run(
+        [str(python), "-m", "pip", "uninstall", "-y", "statecore"], check=True, timeout=300
+    )
+    (building / ".complete").write_text(key_text, encoding="utf-8")
+    try:
+        building.rename(ready)
+    except OSError:  # another run finished first: use its venv
+        shutil.rmtree(building, ignore_errors=True)
+    return ready
+
+
+@pytest.fixture(scope="module")
+def wheel_venv(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv (a hard-linked copy of the cached dependency venv) with the wheel installed
+    by pip, offline, with the extras ``sim`` and ``fuzz``; ``pip check`` passes."""
+    cached = _dependency_venv(built_wheel)
+    venv = tmp_path_factory.mktemp("wheel-venv") / "venv"
+    subprocess.run(["cp", "-al", str(cached), str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    # --no-index: every declared dependency must already be there; nothing is fetched
+    _pip(python, "--no-index", f"{built_wheel}[{','.join(EXTRAS)}]", timeout=300)
+    check = subprocess.run(
+        [str(python), "-m", "pip", "check"], capture_output=True, text=True, timeout=120
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    return venv
+
+
+def _run_installed(
+    venv: Path, cwd: Path, *argv: str, audit: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    if audit is not None:
+        hooks = cwd / "audit-hooks"
+        hooks.mkdir(exist_ok=True)
+        (hooks / "sitecustomize.py").write_text(AUDIT, encoding="utf-8")
+        env["PYTHONPATH"] = str(hooks)
+        env["STATECORE_IMPORT_AUDIT"] = str(audit)
+    return subprocess.run(
+        [str(venv / "bin" / "statecore"), *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def _closures(venv: Path) -> dict[str, list[str]]:
+    result = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", CLOSURE, *EXTRAS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    closures: dict[str, list[str]] = json.loads(result.stdout)
+    return closures
+
+
+def _imported_outside(audit: Path, allowed: list[str]) -> dict[str, list[str]]:
+    """Imported third-party modules whose distribution the extra does not pull in."""
+    import re
+
+    imported: dict[str, list[str]] = json.loads(audit.read_text(encoding="utf-8"))
+    ok = set(allowed) | {"pip", "setuptools"}  # what every venv has
+    return {
+        module: dists
+        for module, dists in imported.items()
+        if not any(re.sub(r"[-_.]+", "-", d).lower() in ok for d in dists)
+    }
+
+
+def test_installed_wheel_runs_simulate_from_outside_the_repo(
+    wheel_venv: Path, tmp_path: Path
+) -> None:
+    version = _run_installed(wheel_venv, tmp_path, "--version")
+    assert version.returncode == 0 and version.stdout.startswith("statecore "), version.stderr
+    audit = tmp_path / "imports.json"
+    png = tmp_path / "run.png"
+    run = _run_installed(
+        wheel_venv, tmp_path, "simulate", "--requests", "50", "--plot", str(png), audit=audit
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "statecore simulate: PASS" in run.stdout
+    assert png.stat().st_size > 10_000
+    outside = _imported_outside(audit, _closures(wheel_venv)[COMMAND_EXTRA["simulate"]])
+    assert not outside, f"statecore[sim] does not declare what simulate imports: {outside}"
+
+
+def test_installed_wheel_runs_fuzz_from_outside_the_repo(wheel_venv: Path, tmp_path: Path) -> None:
+    audit = tmp_path / "imports.json"
+    run = _run_installed(wheel_venv, tmp_path, "fuzz", "--seconds", "5", audit=audit)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "no invariant violation" in run.stdout
+    outside = _imported_outside(audit, _closures(wheel_venv)[COMMAND_EXTRA["fuzz"]])
+    assert not outside, f"statecore[fuzz] does not declare what fuzz imports: {outside}"
+
+
+def test_installed_wheel_checks_the_docs_it_is_pointed_at(wheel_venv: Path, tmp_path: Path) -> None:
+    """From an installed package, diagrams and docs need --out (no guessing at ./docs), and
+    check the folder they are given against the package's own machines."""
+    docs = ROOT / "docs"
+    (tmp_path / "docs").mkdir()  # a ./docs that belongs to someone else: must not be used
+    for argv in (["diagrams", "--check"], ["docs", "--check"]):
+        result = _run_installed(wheel_venv, tmp_path, *argv)
+        assert result.returncode == 2 and "--out DIR" in result.stderr, result.stderr
+    ok = _run_installed(
+        wheel_venv, tmp_path, "diagrams", "--check", "--out", str(docs / "diagrams")
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    ok = _run_installed(wheel_venv, tmp_path, "docs", "--check", "--out", str(docs))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    out = tmp_path / "written"
+    wrote = _run_installed(wheel_venv, tmp_path, "diagrams", "--no-svg", "--out", str(out))
+    assert wrote.returncode == 0, wrote.stderr
+    assert (out / "request.dot").read_text() == (docs / "diagrams" / "request.dot").read_text()
+
+
+def test_wheel_metadata_declares_license_extras_and_urls(built_wheel: Path) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(built_wheel) as zf:
+        names = zf.namelist()
+        (meta_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        metadata = zf.read(meta_name).decode()
+        licenses = [n for n in names if n.endswith("LICENSE")]
+        assert licenses and "Apache License" in zf.read(licenses[0]).decode()
+    import statecore
+
+    assert f"Version: {statecore.__version__}" in metadata
+    for extra in ("sim", "fuzz", "docs", "vllm", "test"):
+        assert f"Provides-Extra: {extra}" in metadata
+    assert "vllm<0.34,>=0.33" in metadata or "vllm>=0.33,<0.34" in metadata
+    assert "Classifier: License" not in metadata or "Apache" in metadata
+    assert "Project-URL: " in metadata and "Classifier: Typing :: Typed" in metadata
