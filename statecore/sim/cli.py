@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from statecore.cli import float_above, int_range, output_file, run_module
 from statecore.sim.engine import SimConfig
@@ -201,13 +199,10 @@ def run(args: argparse.Namespace) -> int:
 
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     tick, done = _progress_bar(cfg.steps) if show else (None, lambda: None)
-    t0 = time.perf_counter()
     try:
         report = simulate(cfg, tick)
     finally:
         done()
-    report.wall_s = time.perf_counter() - t0
-    report.settings = _settings(args, faults)
     if args.plot is not None:
         from statecore.sim.plot import write_plot
 
@@ -233,17 +228,3 @@ def _run_instances(args: argparse.Namespace, cfg: SimConfig) -> int:
     else:
         print(comparison.format_text())
     return 0 if comparison.ok else 1
-
-
-def _settings(args: argparse.Namespace, faults: SimFaults) -> dict[str, object]:
-    """The run's settings as given (and the fault probabilities they resolved to)."""
-    out: dict[str, object] = {}
-    for key, value in sorted(vars(args).items()):
-        if key in ("json", "no_progress"):
-            continue
-        if key == "faults":
-            value = dataclasses.asdict(faults)
-        elif isinstance(value, Path):
-            value = str(value)
-        out[key] = value
-    return out

@@ -1,7 +1,8 @@
 """The simulation report: what a run did, what it injected, and everything that went wrong.
 
-A :class:`SimReport` is filled by :func:`statecore.sim.run.simulate` (counts, series, findings)
-and by ``statecore simulate`` (the settings as given and the wall time). It renders as text
+A :class:`SimReport` is filled by :func:`statecore.sim.run.simulate`: counts, per-step series,
+findings, the settings of the run (the whole resolved ``SimConfig``) and its wall time. It
+renders as text
 (every figure with its unit) or as JSON (the same fields; ``wall_s`` and ``settings`` are left
 out of :meth:`SimReport.fingerprint`, which must replay identically from the seed).
 

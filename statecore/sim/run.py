@@ -11,11 +11,13 @@ pool. Only the engine around it is simulated.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
 import random
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from typing import Any
@@ -274,6 +276,7 @@ def _maybe_checked(on: bool) -> Iterator[None]:
 
 def simulate(cfg: SimConfig, progress: Callable[[int, int], None] | None = None) -> SimReport:
     """Run one simulation and report it."""
+    started = time.perf_counter()
     stack, engine = build_stack(cfg)
     recorder = record_steps(stack, engine)
     try:
@@ -281,6 +284,8 @@ def simulate(cfg: SimConfig, progress: Callable[[int, int], None] | None = None)
             engine.run(progress)
         report = _report(cfg, stack, engine)
         report.series.update(recorder.series)
+        report.settings = dataclasses.asdict(cfg)
+        report.wall_s = time.perf_counter() - started
         return report
     finally:
         stack.close()
