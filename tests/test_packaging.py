@@ -246,12 +246,21 @@ print(json.dumps({extra: closure(extra) for extra in sys.argv[1:]}))
 
 
 def _wheel_requirements(wheel: Path) -> list[str]:
+    """The wheel's requirements that ``statecore[sim,fuzz]`` installs (base and those extras)."""
+    import re
     import zipfile
 
     with zipfile.ZipFile(wheel) as zf:
         (name,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
         metadata = zf.read(name).decode()
-    return sorted(line for line in metadata.splitlines() if line.startswith("Requires-Dist:"))
+    out = []
+    for line in metadata.splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        extras = re.findall(r"extra == ['\"]([^'\"]+)['\"]", line)
+        if not extras or set(extras) & set(EXTRAS):
+            out.append(line)
+    return sorted(out)
 
 
 def _pip(python: Path, *args: str, timeout: float = 900) -> None:
@@ -291,6 +300,11 @@ def _dependency_venv(wheel: Path) -> Path:
         building.rename(ready)
     except OSError:  # another run finished first: use its venv
         shutil.rmtree(building, ignore_errors=True)
+    # venvs for older requirements (about 1 GB each) go; a run still using one has its own
+    # hard-linked copy
+    for old in VENV_CACHE.iterdir():
+        if old != ready and (old / ".complete").is_file():
+            shutil.rmtree(old, ignore_errors=True)
     return ready
 
 
