@@ -178,17 +178,14 @@ def test_wheel_runs_the_diagrams_command(wheel_site: Path, tmp_path: Path) -> No
 
 
 # ---------------------------------------------------------------------------------------------
-# The wheel in a fresh virtual environment, with the extras a user would choose
+# The wheel in a fresh virtual environment, with the extras a user would choose (the
+# closure of their declared requirements is hard-linked in from this environment; see
+# wheel_venv)
 
 TORCH_PIN = "torch==2.13.0"  # pinned: pip takes the local CPU build (never an unpinned torch)
 EXTRAS = ("sim", "fuzz")
 # command -> the extra that must be enough to run it
 COMMAND_EXTRA = {"simulate": "sim", "fuzz": "fuzz"}
-VENV_CACHE = Path(
-    os.environ.get("STATECORE_WHEEL_VENV_CACHE")
-    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "statecore-wheel-venvs"
-)
-
 # Loaded by every Python of the venv run with PYTHONPATH=<folder of this file>: at exit, write
 # the distributions of every third-party top-level module the process imported.
 AUDIT = r"""
@@ -247,77 +244,121 @@ print(json.dumps({extra: closure(extra) for extra in sys.argv[1:]}))
 
 def _wheel_requirements(wheel: Path) -> list[str]:
     """The wheel's requirements that ``statecore[sim,fuzz]`` installs (base and those extras)."""
-    import re
     import zipfile
+
+    from packaging.requirements import Requirement
 
     with zipfile.ZipFile(wheel) as zf:
         (name,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
         metadata = zf.read(name).decode()
     out = []
     for line in metadata.splitlines():
-        if not line.startswith("Requires-Dist:"):
+        if line.startswith("Requires-Dist:"):
+            req = Requirement(line.split(":", 1)[1].strip())
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in EXTRAS):
+                out.append(str(req))
+    return out
+
+
+def _installed_closure(requirements: list[str]) -> dict[str, Any]:
+    """The distributions of this environment that ``requirements`` pull in, recursively."""
+    import re
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    found: dict[str, Any] = {}
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        key = re.sub(r"[-_.]+", "-", req.name).lower()
+        try:
+            dist = distribution(req.name)
+        except PackageNotFoundError:
+            continue  # pip installs it from the index (see wheel_venv)
+        new_extras = set(req.extras) - found.get(key, (None, set()))[1]
+        if key in found and not new_extras:
             continue
-        extras = re.findall(r"extra == ['\"]([^'\"]+)['\"]", line)
-        if not extras or set(extras) & set(EXTRAS):
-            out.append(line)
-    return sorted(out)
+        extras = found.get(key, (None, set()))[1] | set(req.extras)
+        found[key] = (dist, extras)
+        for line in dist.requires or []:
+            sub = Requirement(line)
+            envs = [{"extra": e} for e in extras] or [{"extra": ""}]
+            if sub.marker is None or any(sub.marker.evaluate(env) for env in envs):
+                todo.append(sub)
+    return {key: dist for key, (dist, _) in found.items()}
 
 
-def _pip(python: Path, *args: str, timeout: float = 900) -> None:
-    result = subprocess.run(
+def _link_distribution(dist: Any, site: Path) -> bool:
+    """Hard-link an installed distribution's files (its RECORD) into ``site``."""
+    files = dist.files
+    if not files:
+        return False
+    for rel in files:
+        if str(rel).startswith(".."):  # console scripts of dependencies: not needed
+            continue
+        src = Path(dist.locate_file(rel))
+        if not src.is_file():
+            continue
+        dst = site / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dst)
+        except FileExistsError:
+            pass
+        except OSError:  # another file system: copy
+            shutil.copy2(src, dst)
+    return True
+
+
+def _pip(python: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [str(python), "-m", "pip", "install", "--disable-pip-version-check", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
     )
-    assert result.returncode == 0, " ".join(args) + "\n" + result.stdout[-3000:] + result.stderr
-
-
-def _dependency_venv(wheel: Path) -> Path:
-    """A venv holding exactly what ``pip install statecore[sim,fuzz]`` installs (statecore
-    itself removed), cached by the declared requirements: the first run installs them (a few
-    minutes, torch included); a change to the extras makes a new one."""
-    import hashlib
-
-    key_text = "\n".join([sys.version, TORCH_PIN, ",".join(EXTRAS), *_wheel_requirements(wheel)])
-    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
-    ready = VENV_CACHE / key
-    if (ready / ".complete").is_file():
-        return ready
-    VENV_CACHE.mkdir(parents=True, exist_ok=True)
-    building = VENV_CACHE / f"{key}.building-{os.getpid()}"
-    shutil.rmtree(building, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(building)], check=True, timeout=300)
-    python = building / "bin" / "python"
-    _pip(python, TORCH_PIN)  # first and alone: the local CPU build
-    _pip(python, f"{wheel}[{','.join(EXTRAS)}]", TORCH_PIN)
-    subprocess.run(
-        [str(python), "-m", "pip", "uninstall", "-y", "statecore"], check=True, timeout=300
-    )
-    (building / ".complete").write_text(key_text, encoding="utf-8")
-    try:
-        building.rename(ready)
-    except OSError:  # another run finished first: use its venv
-        shutil.rmtree(building, ignore_errors=True)
-    # venvs for older requirements (about 1 GB each) go; a run still using one has its own
-    # hard-linked copy
-    for old in VENV_CACHE.iterdir():
-        if old != ready and (old / ".complete").is_file():
-            shutil.rmtree(old, ignore_errors=True)
-    return ready
 
 
 @pytest.fixture(scope="module")
 def wheel_venv(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv (a hard-linked copy of the cached dependency venv) with the wheel installed
-    by pip, offline, with the extras ``sim`` and ``fuzz``; ``pip check`` passes."""
-    cached = _dependency_venv(built_wheel)
+    """A fresh venv with the wheel installed by pip with the extras ``sim`` and ``fuzz``.
+
+    Installing torch, numpy and matplotlib from scratch takes minutes, so the venv is seeded
+    with hard links to the files of exactly the distributions the wheel's *declared*
+    requirements pull in, as installed in the test environment (pip itself too): a dependency
+    that the extras do not declare is not there. pip then installs the wheel offline
+    (``--no-index``), which fails if anything declared is missing, and ``pip check`` passes.
+    If the test environment lacks a declared dependency, pip installs it from the index
+    instead (torch pinned).
+    """
+    import sysconfig
+
     venv = tmp_path_factory.mktemp("wheel-venv") / "venv"
-    subprocess.run(["cp", "-al", str(cached), str(venv)], check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300
+    )
     python = venv / "bin" / "python"
-    # --no-index: every declared dependency must already be there; nothing is fetched
-    _pip(python, "--no-index", f"{built_wheel}[{','.join(EXTRAS)}]", timeout=300)
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.strip()
+    )
+    assert Path(sysconfig.get_paths()["purelib"]) != site
+    closure = _installed_closure([*_wheel_requirements(built_wheel), "pip"])
+    closure.pop("statecore", None)
+    for dist in closure.values():
+        _link_distribution(dist, site)
+    spec = f"{built_wheel}[{','.join(EXTRAS)}]"
+    install = _pip(python, "--no-index", spec, timeout=300)
+    if install.returncode != 0:  # a declared dependency this environment does not have
+        install = _pip(python, spec, TORCH_PIN)
+    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     check = subprocess.run(
         [str(python), "-m", "pip", "check"], capture_output=True, text=True, timeout=120
     )
@@ -364,7 +405,7 @@ def _imported_outside(audit: Path, allowed: list[str]) -> dict[str, list[str]]:
     import re
 
     imported: dict[str, list[str]] = json.loads(audit.read_text(encoding="utf-8"))
-    ok = set(allowed) | {"pip", "setuptools"}  # what every venv has
+    ok = set(allowed) | {"pip"}  # the installer itself
     return {
         module: dists
         for module, dists in imported.items()
