@@ -10,7 +10,8 @@
 #
 # Dry run: on a machine without a CUDA device (or with DRY_RUN=1) every CUDA stage is skipped
 # with the reason, the measuring stages only check that they load (--dry-run), and the
-# budget is printed: that is how the script is tried on the CPU machine.
+# budget is printed: that is how the script is tried on the CPU machine (SKIP_ENV=1 also
+# leaves out the environment report, as the test of the dry run does).
 #
 # Stages (most important first; the measuring ones are scripts/device_stages.py):
 #   env           nvidia-smi, python, torch/triton versions, CUDA visible
@@ -124,7 +125,11 @@ echo "device_check: budget BUDGET_S=${BUDGET_S}s; stage bounds add up to ${STAGE
 
 export PY
 export -f env_info install_statecore
-stage env 20 any env_info
+if [[ -z ${SKIP_ENV:-} ]]; then
+    stage env 20 any env_info
+else
+    SUMMARY+=("env: SKIPPED (SKIP_ENV is set)")
+fi
 if [[ -z ${SKIP_INSTALL:-} ]]; then
     stage install 60 cuda install_statecore
 fi

@@ -239,7 +239,7 @@ def stage_registration(ctx: Ctx) -> None:
 
 
 def stage_bytes(ctx: Ctx) -> None:
-    n, k = (128, 48) if ctx.cuda else (16, 8)
+    n, k = (128, 48) if ctx.cuda else (8, 4)
     for page in (64 << 10, 256 << 10):
         for impl in ctx.impls:
             for bpc in (1, 2):
@@ -362,7 +362,7 @@ def stage_vllm(ctx: Ctx) -> None:
 
     layers, num_blocks, block_size, heads, head_dim, bpc = 32, 512, 16, 8, 128, 4
     if not ctx.cuda:
-        num_blocks, heads = 64, 2
+        num_blocks, heads = 32, 1
     gen = t.Generator(device=ctx.device).manual_seed(0)
     kv = {
         f"model.layers.{i}.self_attn": t.randn(
