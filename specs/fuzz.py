@@ -22,18 +22,22 @@ Exit status: 0 when nothing was found, 1 with the shrunk reproduction printed ot
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import hypothesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisException
 
-from .stack import StackHarness, StackMachine
+from statecore.sim.engine import GROUP_PRESETS
 
-__all__ = ["OPS", "decode", "main", "run_program"]
+from .stack import STACK_CONFIG, StackHarness, StackMachine
+
+__all__ = ["OPS", "campaign", "decode", "harness_factory_for", "main", "run_program"]
 
 _Op = tuple[str, Callable[[StackHarness, int], Any]]
 
@@ -59,6 +63,8 @@ _OP_TABLE: list[tuple[int, _Op]] = [
     (1, ("stale", lambda h, a: h.stale(a))),
     (1, ("unknown", lambda h, a: h.unknown(a % 6, bool(a & 64)))),
     (1, ("advance_clock", lambda h, a: h.advance_clock())),
+    (1, ("foreign", lambda h, a: h.foreign(a))),
+    (1, ("over_report", lambda h, a: h.over_report(a))),
 ]
 OPS: list[_Op] = [op for weight, op in _OP_TABLE for _ in range(weight)]
 """Operation of each opcode (weights by repetition); a rare reset is opcode-independent."""
@@ -137,33 +143,65 @@ def _settings(examples: int, seed_phases: bool) -> settings:
     )
 
 
+def harness_factory_for(manager: str = "lru", groups: str = "hybrid") -> Callable[[], StackHarness]:
+    """A harness factory over :data:`~statecore.specs.stack.STACK_CONFIG` with ``manager``
+    (see :func:`statecore.sim.run.parse_manager`) and the KV-group preset ``groups``."""
+    from statecore.sim.engine import kv_groups
+    from statecore.sim.run import parse_manager
+
+    cfg = dataclasses.replace(STACK_CONFIG, manager=parse_manager(manager), groups=groups)
+    kv_groups(groups, cfg.tokens_per_block)  # an unknown preset fails here, not per program
+    return lambda: StackHarness(cfg)
+
+
 def campaign(
     seconds: float,
     max_ops: int = 400,
     examples_per_round: int = 8,
     harness_factory: Callable[[], StackHarness] = StackHarness,
     out: Any = None,
+    seed: int | None = None,
+    shrink_seconds: float = 30.0,
 ) -> tuple[int, int, float, str | None]:
-    """Fuzz for ``seconds``; returns (operations, programs, elapsed, failure report or None)."""
+    """Fuzz for ``seconds``; returns (operations, programs, elapsed, failure report or None).
+
+    With ``seed``, round ``i`` of the campaign runs Hypothesis with seed ``seed + i`` (a
+    campaign replays from its seed as far as the time box allows); without, Hypothesis picks.
+    Shrinking a failure takes at most ``shrink_seconds`` more (then the smallest failing
+    program so far is reported); ``shrink_seconds=0`` reports the first failing program as
+    found (the time to the first finding, as the mutant tests measure it).
+    """
     out = out or sys.stdout
     counted = {"ops": 0, "programs": 0}
     failing: list[bytes] = []
     deadline = time.monotonic() + seconds
+    shrink_until = [float("inf")]
+    caught: list[BaseException] = []
 
     @given(st.binary(min_size=max_ops, max_size=2 * max_ops))
     def prop(program: bytes) -> None:
+        if failing and time.monotonic() > shrink_until[0]:
+            if program == failing[0] and caught:
+                raise caught[0]  # Hypothesis replays the smallest failure: report it again
+            return  # shrinking time is up: this candidate counts as passing
         try:
             counted["ops"] += run_program(program, harness_factory())
             counted["programs"] += 1
-        except BaseException:
+        except BaseException as exc:
+            if not failing:
+                shrink_until[0] = time.monotonic() + shrink_seconds
             failing[:] = [program]
+            caught[:] = [exc]
             raise
 
-    prop = _settings(examples_per_round, True)(prop)
+    prop = _settings(examples_per_round, shrink_seconds > 0)(prop)
     t0 = time.monotonic()
+    rnd = 0
     while time.monotonic() < deadline:
+        run = prop if seed is None else hypothesis.seed(seed + rnd)(prop)
+        rnd += 1
         try:
-            prop()
+            run()
         except (Exception, HypothesisException) as exc:
             program = failing[0] if failing else b""
             report = (
@@ -245,9 +283,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--manager",
-        metavar="MODULE:FACTORY",
-        default=None,
-        help="run the manager conformance kit against FACTORY(capacity) (package.module:Factory)",
+        metavar="NAME|MODULE:FACTORY",
+        default="lru",
+        help="the manager in the whole-stack loop: lru | arc | tiering (LRU CPU tier over a "
+        "fast, a slow and a failing file tier); or package.module:Factory to run the manager "
+        "conformance kit against FACTORY(capacity)",
+    )
+    p.add_argument(
+        "--groups",
+        metavar="NAME",
+        choices=tuple(GROUP_PRESETS),
+        default="hybrid",
+        help="KV-cache groups of the whole-stack loop: " + " | ".join(GROUP_PRESETS),
     )
     p.add_argument(
         "--capacity", metavar="N", type=int_range(0), default=4, help="--manager: capacity in keys"
@@ -258,7 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--steps", metavar="N", type=int_range(1), default=None, help="--manager: steps per case"
     )
-    p.add_argument("--seed", metavar="N", type=int, default=None, help="--manager: fixed seed (CI)")
+    p.add_argument(
+        "--seed", metavar="N", type=int, default=None, help="fixed Hypothesis seed (CI, replays)"
+    )
     p.add_argument(
         "--shrink-seconds",
         metavar="S",
@@ -270,16 +319,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = p.parse_args(list(argv) if argv is not None else None)
     except SystemExit as exc:  # usage errors and --help: their status, not an exception
         return exc.code if isinstance(exc.code, int) else 2
-    if args.manager is not None and ":" in args.manager:  # package.module:Factory
+    if ":" in args.manager:  # package.module:Factory: the conformance kit
         return _manager_kit(args)
+    try:
+        factory = harness_factory_for(args.manager, args.groups)
+    except ValueError as exc:
+        print(f"statecore fuzz: {exc}", file=sys.stderr)
+        return 2
     if args.mode == "program":
-        ops, programs, elapsed, failure = campaign(args.seconds, args.max_ops)
+        ops, programs, elapsed, failure = campaign(
+            args.seconds, args.max_ops, harness_factory=factory, seed=args.seed
+        )
     else:
         ops, programs, elapsed, failure = _stateful_campaign(args.seconds, args.max_ops)
     rate = ops / elapsed if elapsed > 0 else 0.0
     print(
-        f"statecore fuzz ({args.mode}): {ops} whole-stack steps in {programs} runs, "
-        f"{elapsed:.1f} s, {rate:.0f} steps/s"
+        f"statecore fuzz ({args.mode}, manager {args.manager}, groups {args.groups}): {ops} "
+        f"whole-stack steps in {programs} runs, {elapsed:.1f} s, {rate:.0f} steps/s"
     )
     if failure is not None:
         print(failure)

@@ -281,7 +281,8 @@ INVARIANTS: dict[str, Invariant] = {
             "INV-QUORUM",
             "A job completes only after all workers reported; outstanding counts stay in "
             "(0, num_workers] while live; a stalled job's remaining count drains to 0, then "
-            "the job is forgotten.",
+            "the job is forgotten. A count-only report claiming more workers than a job still "
+            "waits for is rejected whole (and counted), never applied in part.",
             "Completing a store on the first rank's report while other ranks still copy.",
             ("checked mode", "fuzzing", "CrossHair"),
             _quorum,
@@ -357,7 +358,35 @@ INVARIANTS: dict[str, Invariant] = {
             "eviction succeeds exactly when enough evictable capacity exists; a failed "
             "eviction changes nothing.",
             "Evicting a block still in use; half-applied evictions.",
-            ("conformance", "CrossHair"),
+            ("conformance", "CrossHair", "simulator and fuzzing (every prepare_store)"),
+        ),
+        Invariant(
+            "INV-OWN",
+            "A store reads only GPU blocks its request may read: no source block (in any KV "
+            "group) was handed to another owner (a tracked request, another connector's, an "
+            "asynchronous load) before the store was created, and a block handed out while a "
+            "store reading it is in flight is handed out only in a step whose jobs_to_flush "
+            "holds that store. A violation even when the bytes happen to match.",
+            "Another request's KV stored under this request's key (stale sliding-window "
+            "blocks, unfenced allocations to untracked requests): wrong bytes served as hits.",
+            ("simulator (engine model, every step)", "fuzzing"),
+        ),
+        Invariant(
+            "INV-FLUSH-PREEMPT",
+            "When a request is preempted (and not finished in the same step), every one of its "
+            "in-flight jobs is in that step's jobs_to_flush or was flushed before.",
+            "A preempted request's freed blocks rewritten under its in-flight stores.",
+            ("simulator (engine model, every step)", "fuzzing"),
+        ),
+        Invariant(
+            "INV-STORE-COMPLETE",
+            "Every full chunk of a full-attention group that a finished (not aborted) request "
+            "computed, in a request life without a reset, is offered to a prepare_store that "
+            "answers (stored, or declined by the manager), or is known to the manager (found "
+            "by a lookup), or was refused for lack of room at its last chance (the final "
+            "store). Sliding-window chunks may be skipped (their blocks left the window).",
+            "A store that silently never happens: cache lost, bytes fine.",
+            ("simulator (engine model)", "fuzzing"),
         ),
         Invariant(
             "INV-ORDER",
@@ -383,9 +412,10 @@ INVARIANTS: dict[str, Invariant] = {
         ),
         Invariant(
             "INV-DATA",
-            "The KV bytes a load delivers for a key are exactly the bytes stored for it.",
+            "The KV bytes a load delivers for a key are exactly the bytes stored for it, in "
+            "every KV-cache group.",
             "Silent corruption anywhere on the path.",
-            ("simulator (byte oracle)", "worker tests"),
+            ("simulator (per-group byte oracle)", "fuzzing", "worker tests"),
         ),
         Invariant(
             "INV-TABLE",

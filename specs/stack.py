@@ -9,12 +9,19 @@ Hypothesis chooses (and shrinks) the interleaving:
 
 * engine events: a new request (shared system prompts), a schedule step (admission, chunked
   prefill, decode, preemption under memory pressure, compute, workers), finish, abort,
-  preemption between steps, ``reset_cache``;
+  preemption between steps, ``reset_cache``, blocks handed to a foreign request (another
+  connector's: scheduled, computed into, freed);
 * worker reports: every report a worker produced in a step becomes a handle in the ``reports``
   bundle; rules consume handles to deliver them on time, as failures, never (a lost report:
   the job stalls), or only after the stall timeout (late); other rules deliver a duplicate of a
   delivered report, a stale report (a job of an epoch before the last reset), a report for a
-  never-issued id, and advance the clock past the stall timeout.
+  never-issued id, a count-only over-report for a live job, and advance the clock past the
+  stall timeout.
+
+The stack is hybrid by default (a full-attention and a sliding-window KV group, see
+:data:`statecore.sim.engine.GROUP_PRESETS`), freed GPU blocks are reused first, and the
+engine's expectation oracles (INV-OWN, INV-FLUSH-PREEMPT, INV-EVICT, INV-STORE-COMPLETE) run
+beside the byte oracle.
 
 After every rule: ``scheduler.check_invariants()`` (every INV-* predicate), the data oracle over
 every valid GPU block (INV-DATA), no typed error raised into the engine, INV-LIVE. At the end
@@ -55,6 +62,7 @@ STACK_CONFIG = SimConfig(
     num_workers=2,
     workload=WorkloadConfig(num_requests=0),  # requests come from the new_request rule
     faults=SimFaults(delay_store=0.5, max_store_delay=3),
+    groups="hybrid",
     tokens_per_block=4,
     blocks_per_chunk=2,
     num_gpu_blocks=40,
@@ -68,6 +76,8 @@ STACK_CONFIG = SimConfig(
     stall_timeout_s=20.0,
     stall_check_interval_s=2.0,
     live_bound_steps=10_000,  # the machine may legitimately sit idle; teardown checks liveness
+    foreign_prob=0.0,  # foreign requests come from the foreign rule
+    reuse_freed_first=True,
 )
 """The small stack the machine drives (tiny blocks so that chunks, reuse and eviction are
 frequent)."""
@@ -143,8 +153,6 @@ class StackHarness:
             check_each_step=False,
         )
         attach_store_oracle(self.stack, self.engine)
-        sched = self.stack.scheduler
-        self.engine.extra_pending = lambda: bool(sched.stalled_jobs)
         rng = random.Random(11)
         self.prompts = [[rng.randrange(1000) for _ in range(n)] for n in (9, 14, 20)]
         self.outstanding: list[Report] = []
@@ -214,6 +222,11 @@ class StackHarness:
         if active:
             self.engine.abort(active[i % len(active)])
 
+    def foreign(self, i: int) -> None:
+        """Another connector's request takes a few blocks in every group (freed later)."""
+        self.ops += 1
+        self.engine.add_foreign(1 + i % 3, 1 + (i >> 2) % 3)
+
     def preempt(self, i: int) -> None:
         """A running request is preempted between steps."""
         self.ops += 1
@@ -225,7 +238,7 @@ class StackHarness:
         """``reset_cache`` between steps; every report so far becomes stale."""
         self.ops += 1
         self.engine.stats.resets += 1
-        self.engine._guard("reset_cache", self.stack.scheduler.reset_cache)
+        self.engine.reset_cache()
         carried = self.stack.scheduler.jobs  # loads carried over the reset: still live
         self.pre_reset.extend(r for r in self.outstanding if r.job_id not in carried)
         self.pre_reset.extend(r for r in self.delivered if r.job_id not in carried)
@@ -298,6 +311,15 @@ class StackHarness:
         ]
         if ended:
             self._feed([ended[i % len(ended)]])
+
+    def over_report(self, i: int) -> None:
+        """A count-only report claiming one worker more than the job has, for a job whose
+        reports are still outstanding (a duplicated aggregate from a lossy transport)."""
+        self.ops += 1
+        live = [r for r in self.outstanding if r.job_id in self.stack.scheduler.jobs]
+        if live:
+            job_id = live[i % len(live)].job_id
+            self.engine.feed(WorkerMetadata(completed={job_id: self.cfg.num_workers + 1}))
 
     def stale(self, i: int) -> None:
         """A report for a job of an epoch before the last reset."""
@@ -406,6 +428,18 @@ class StackMachine(RuleBasedStateMachine):
         """A running request is preempted."""
         StackMachine.steps_run += 1
         self.h.preempt(i)
+
+    @rule(i=st.integers(0, 15))
+    def foreign(self, i: int) -> None:
+        """Another connector's request takes blocks."""
+        StackMachine.steps_run += 1
+        self.h.foreign(i)
+
+    @rule(i=st.integers(0, 31))
+    def over_report(self, i: int) -> None:
+        """A count-only over-report for a live job."""
+        StackMachine.steps_run += 1
+        self.h.over_report(i)
 
     @rule()
     def reset_cache(self) -> None:

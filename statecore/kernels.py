@@ -96,6 +96,19 @@ def apply_report(pending: int, ok: int, bad: int) -> tuple[int, int, int, int]:
     return pending - accepted_ok - accepted_bad, accepted_ok, accepted_bad, excess
 
 
+def over_report(pending: int, ok: int, bad: int) -> bool:
+    """Whether a count-only report claims more workers than the job still waits for.
+
+    Without rank identity such a report cannot be told apart from a duplicate of one worker's
+    report, so no part of it is trustworthy: it is rejected whole (and counted). Applying the
+    outstanding part would complete the job before every worker finished (INV-QUORUM).
+
+    pre: pending >= 0 and ok >= 0 and bad >= 0
+    post: __return__ == (ok + bad > pending)
+    """
+    return ok + bad > pending
+
+
 def rank_delta(
     seen: int, ok_mask: int, bad_mask: int, num_workers: int
 ) -> tuple[int, int, int, int, int]:

@@ -277,6 +277,7 @@ class SchedulerCounters:
     invalid_report_counts: int = 0
     lookups: int = 0
     lookups_deferred: int = 0
+    loader_waits_expired: int = 0
     lookup_hit_tokens: int = 0
     allocation_failures: int = 0
     flushes_requested: int = 0
@@ -392,6 +393,9 @@ class OffloadingScheduler:
         self._next_job_id = 0
         self._stale_threshold = 0
         self._fence: dict[int, set[int]] = {}
+        # sliding-window block id -> (group state, position) of every tracked request that
+        # listed it: when the block is handed out again, those positions are stale
+        self._window_blocks: dict[int, list[tuple[GroupState, int]]] = {}
         self._loading_keys: dict[OffloadKey, int] | None = (
             {} if config.enable_prefix_caching else None
         )
@@ -691,7 +695,7 @@ class OffloadingScheduler:
         if max_hit <= num_computed:
             return 0
         loading = self._loading_keys
-        if loading:
+        if loading and not self._waited_for_loaders(rec):
             for g in self._lookup_order:
                 tpc = self._tpc[g]
                 keys = rec.groups[g].keys
@@ -699,6 +703,18 @@ class OffloadingScheduler:
                     if keys[idx] in loading:
                         return None
         return max_hit - num_computed
+
+    def _waited_for_loaders(self, rec: RequestRecord) -> bool:
+        """Whether ``rec`` has been deferred for ``stall_timeout_s`` already: then it stops
+        waiting for other requests' loads of its hit chunks and loads its own copy (counted
+        as ``loader_waits_expired``). Without the bound, a stream of requests that load a
+        shared prefix in turn defers a request forever (INV-LIVE), which happens when the
+        engine cannot turn a finished load into a GPU prefix hit (sliding-window groups)."""
+        since = rec.deferred_since
+        if since is None or self.clock() - since < self.config.stall_timeout_s:
+            return False
+        self.counters.loader_waits_expired += 1
+        return True
 
     def update_state_after_alloc(
         self,
@@ -900,15 +916,15 @@ class OffloadingScheduler:
     def _update_req_states(self, output: SchedulerOutput) -> list[RequestRecord]:
         allocated = self._batch.allocated
         scheduled: list[RequestRecord] = []
-        swa_pre_len: list[tuple[GroupState, int]] = []
         reqs = self._reqs
         sliding = self._sliding if self._any_sliding else None
+        window_new: list[tuple[int, GroupState, int]] = []
         for s in output.scheduled:
+            new_ids: Sequence[Sequence[int]] = s.new_block_ids
             rec = reqs.get(s.req_id)
             if rec is None:
-                self.counters.unknown_scheduled_requests += 1
+                self._untracked_scheduled(new_ids, allocated)
                 continue
-            new_ids: Sequence[Sequence[int]] = s.new_block_ids
             if rec.admitted is not None:
                 new_ids = self._admit(rec, new_ids)
             request = rec.request
@@ -922,10 +938,11 @@ class OffloadingScheduler:
                     gs.block_ids.clear()
                     gs.cursor = 0
             for g, ids in enumerate(new_ids):
-                gs = rec.groups[g]
-                if sliding is not None and sliding[g] and gs.block_ids:
-                    swa_pre_len.append((gs, len(gs.block_ids)))
                 if ids:
+                    gs = rec.groups[g]
+                    if sliding is not None and sliding[g]:
+                        base = len(gs.block_ids)
+                        window_new.extend((b, gs, base + i) for i, b in enumerate(ids) if b)
                     gs.block_ids.extend(ids)
                     allocated.update(ids)
             # most steps are decode steps that cannot complete a chunk: skip store building
@@ -939,15 +956,44 @@ class OffloadingScheduler:
             scheduled.append(rec)
         allocated.update(output.extra_allocated_block_ids)
         allocated.discard(0)  # the null block is never handed to an owner
-        # sliding-window blocks freed and handed out again (to anyone, this step) before they
-        # were stored are stale: zero them so they are never stored (INV-SRC-VALID)
-        bpc = self._bpc
-        for gs, pre_len in swa_pre_len:
-            block_ids = gs.block_ids
-            for pos in range(gs.cursor * bpc, pre_len):
-                if block_ids[pos] in allocated:
-                    block_ids[pos] = 0
+        if sliding is not None:
+            self._drop_stale_window_blocks(allocated, window_new)
         return scheduled
+
+    def _untracked_scheduled(self, new_ids: Sequence[Sequence[int]], allocated: set[int]) -> None:
+        """A scheduled request this connector does not track (another connector's): skipped
+        and counted, but its new blocks are handed out all the same, so they count for fences
+        and for stale sliding-window blocks."""
+        for ids in new_ids:
+            allocated.update(ids)
+        self.counters.unknown_scheduled_requests += 1
+
+    def _drop_stale_window_blocks(
+        self, allocated: set[int], window_new: list[tuple[int, GroupState, int]]
+    ) -> None:
+        """INV-SRC-VALID for sliding-window groups: a block handed out this step (to anyone,
+        tracked or not, in any group) is stale in every position that any tracked request
+        listed it at before this step, whether or not that request is scheduled now (the
+        engine frees blocks that left the window without telling the connector). Zero those
+        positions so they are never stored; then index this step's new positions. Costs
+        O(blocks handed out this step)."""
+        index = self._window_blocks
+        if index:
+            fresh = {(id(gs), pos) for _, gs, pos in window_new} if window_new else ()
+            for b in allocated:
+                held = index.pop(b, None)
+                if held is None:
+                    continue
+                for gs, pos in held:
+                    ids = gs.block_ids
+                    if pos < len(ids) and ids[pos] == b and (id(gs), pos) not in fresh:
+                        ids[pos] = 0
+        for b, gs, pos in window_new:
+            held = index.get(b)
+            if held is None:
+                index[b] = [(gs, pos)]
+            else:
+                held.append((gs, pos))
 
     def _build_store_jobs(
         self, rec: RequestRecord, store_jobs: dict[int, TransferJob], finished: bool
@@ -1088,7 +1134,10 @@ class OffloadingScheduler:
         Counts are applied per job (failures first); a job whose every worker reported
         completes (or fails) through the one completion path. Reports for jobs of an earlier
         reset epoch, never-issued ids, ended jobs and stalled jobs are absorbed and counted;
-        invalid counts (not a positive int) are ignored and counted. Then the stall check runs
+        invalid counts (not a positive int) are ignored and counted. A count-only report that
+        claims more workers than a job still waits for is rejected whole and counted
+        (``over_reports``): no job completes before every worker finished. Rank-tagged reports
+        count each rank once per job. Then the stall check runs
         (at most once per ``stall_check_interval_s``).
 
         Raises :class:`~statecore.errors.InvalidMetadataError` (a
@@ -1175,9 +1224,11 @@ class OffloadingScheduler:
             c.invalid_report_counts += invalid
             if not ok and not bad:
                 return
+        elif kernels.over_report(target.pending, ok, bad):
+            c.over_reports += 1  # count-only and more than outstanding: rejected whole
+            return
         pending, _, acc_bad, excess = kernels.apply_report(target.pending, ok, bad)
-        if excess:
-            c.over_reports += 1
+        c.over_reports += int(excess > 0)
         target.pending = pending
         target.failed += acc_bad
         JOB.fire(target, JE_WORKER_REPORT)
@@ -1405,9 +1456,20 @@ class OffloadingScheduler:
         self.manager.on_request_finished(req.ctx)
 
     def release_request(self, req: RequestRecord) -> None:
-        """Forget the request."""
+        """Forget the request (and its sliding-window block positions)."""
         self._reqs.pop(req.req_id, None)
         self._awaiting_signal.pop(req.req_id, None)
+        index = self._window_blocks
+        if index:
+            for g, gs in enumerate(req.groups):
+                if not self._sliding[g]:
+                    continue
+                for b in set(gs.block_ids):
+                    held = index.get(b)
+                    if held:
+                        held[:] = [e for e in held if e[0] is not gs]
+                        if not held:
+                            del index[b]
 
     def rewind_request(self, req: RequestRecord) -> None:
         """After a reset: rewind the request's store cursors (its carried load stays)."""

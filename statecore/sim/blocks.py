@@ -25,9 +25,16 @@ class BlockPool:
     Args:
         num_blocks: total blocks including the null block 0.
         on_evict: called with a block id when its cached content is dropped for reuse.
+        reuse_freed_first: a freed block goes to the head of the free list (the next
+            allocation takes it: immediate reuse) instead of the tail.
     """
 
-    def __init__(self, num_blocks: int, on_evict: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        on_evict: Callable[[int], None] | None = None,
+        reuse_freed_first: bool = False,
+    ) -> None:
         if num_blocks < 2:
             raise BlockPoolError(f"need at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -36,6 +43,7 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self._on_evict = on_evict
+        self._reuse_first = reuse_freed_first
         self.hits = 0
         self.queries = 0
 
@@ -89,6 +97,8 @@ class BlockPool:
             self.ref[b] -= 1
             if self.ref[b] == 0:
                 self.free[b] = None
+                if self._reuse_first:
+                    self.free.move_to_end(b, last=False)
 
     def cache(self, block: int, block_hash: bytes) -> None:
         """Record that ``block`` holds the full block ``block_hash`` (first one wins)."""

@@ -13,8 +13,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 from statecore.cli import float_above, int_range, output_file, run_module
-from statecore.sim.engine import SimConfig
+from statecore.sim.engine import GROUP_PRESETS, SimConfig
 from statecore.sim.faults import SimFaults, parse_faults
+from statecore.sim.run import MANAGERS, parse_manager
 from statecore.sim.workload import WorkloadConfig
 
 __all__ = ["DESCRIPTION", "add_arguments", "main", "run"]
@@ -80,7 +81,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.stall_timeout_s,
         help="the scheduler's stall timeout, in simulated seconds",
     )
-    p.add_argument("--tiering", action="store_true", help="add a file tier behind the CPU tier")
+    p.add_argument(
+        "--groups",
+        choices=tuple(GROUP_PRESETS),
+        default=d.groups,
+        help="KV-cache groups: " + "; ".join(f"{k}: {v}" for k, v in GROUP_PRESETS.items()),
+    )
+    p.add_argument(
+        "--blocks-per-chunk",
+        metavar="N",
+        type=int_range(1),
+        default=d.blocks_per_chunk,
+        help="GPU blocks per offloaded chunk",
+    )
+    p.add_argument(
+        "--manager",
+        metavar="NAME",
+        type=_manager,
+        default=d.manager,
+        help="the manager in the loop: " + "; ".join(f"{k}: {v}" for k, v in MANAGERS.items()),
+    )
+    p.add_argument("--tiering", action="store_true", help="shorthand for --manager tiering")
     p.add_argument(
         "--instances",
         metavar="N",
@@ -116,6 +137,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "its folder must exist",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _manager(text: str) -> str:
+    try:
+        return parse_manager(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _faults(text: str) -> SimFaults:
@@ -190,6 +218,9 @@ def run(args: argparse.Namespace) -> int:
         stall_timeout_s=args.stall_timeout,
         stall_check_interval_s=min(base.stall_check_interval_s, args.stall_timeout),
         tiering=args.tiering,
+        manager=args.manager,
+        groups=args.groups,
+        blocks_per_chunk=args.blocks_per_chunk,
         checked=args.checked,
         copy_impl=args.copy_impl,
     )

@@ -18,6 +18,27 @@ Per step, in the order vLLM's engine uses (see the module docs of :mod:`statecor
 After every step: ``scheduler.check_invariants()``, the data oracle over every valid GPU block,
 the allocator's own consistency, and INV-LIVE (no request deferred or waiting on a load for
 more than a bounded number of steps).
+
+KV-cache groups (``SimConfig.groups``, see :data:`GROUP_PRESETS`): every group has its own
+block size, its own canonical tensors and its own block table per request; the block ids come
+from one shared pool (as in an engine whose groups share one allocator), and the prefix cache
+is per group. A sliding-window group frees, each time its request is scheduled, the blocks
+that left the window and puts the null block 0 in their place (also in the block lists of an
+admission after a prefix hit); a freed block keeps its cached hash and can be handed to another
+request in any later step. The data oracle is per group (each group's tensors, its own block
+hashes).
+
+Engine behaviours beside the common ones: asynchronous loads (blocks allocated in one step,
+the request scheduled in a later one), blocks handed to *foreign* requests that this connector
+never saw (another connector's requests: scheduled, computed into, freed), immediate reuse of
+freed blocks (``reuse_freed_first``: a freed block is the next one handed out), preemption with
+stores in flight, finishes with final stores, aborts in every request state.
+
+Expectation oracles (:mod:`statecore.specs.invariants`): INV-OWN (no store reads a block
+handed to another owner before the store was flushed), INV-FLUSH-PREEMPT (a preempted
+request's in-flight jobs are in that step's flush set), INV-EVICT at whole-stack level (on
+every ``prepare_store``, through :class:`ObservedManager`) and INV-STORE-COMPLETE (every full
+chunk a finished request produced was offered to the manager or is known to it).
 """
 
 from __future__ import annotations
@@ -29,7 +50,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from statecore.config import GroupConfig
 from statecore.errors import InvariantViolation, StatecoreError
+from statecore.keys import OffloadKey, make_offload_key
 from statecore.sim.blocks import BlockPool
 from statecore.sim.faults import ReportChannel, SimFaults
 from statecore.sim.hashing import ROOT_HASH, extend_block_hashes
@@ -39,6 +62,7 @@ from statecore.views import Request, ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, WorkerMetadata
 
 __all__ = [
+    "GROUP_PRESETS",
     "ConnectorLike",
     "EngineStats",
     "RankStack",
@@ -47,7 +71,31 @@ __all__ = [
     "SimEngine",
     "SimRequest",
     "Status",
+    "kv_groups",
 ]
+
+GROUP_PRESETS: dict[str, str] = {
+    "full": "one full-attention group",
+    "hybrid": "full attention + sliding window of 2.5 blocks (not a multiple of a chunk)",
+    "mixed": "full attention + a sliding-window group with twice the tokens per block",
+    "hybrid3": "full attention + two sliding windows (2.5 and 5.5 blocks)",
+}
+"""KV-cache group configurations by name (``SimConfig.groups``, ``--groups``)."""
+
+
+def kv_groups(name: str, tokens_per_block: int) -> tuple[GroupConfig, ...]:
+    """The KV-cache groups of preset ``name`` for hash blocks of ``tokens_per_block`` tokens
+    (even, so that the windows are whole tokens)."""
+    t = tokens_per_block
+    if name == "full":
+        return (GroupConfig(t),)
+    if name == "hybrid":
+        return (GroupConfig(t), GroupConfig(t, 5 * t // 2))
+    if name == "mixed":
+        return (GroupConfig(t), GroupConfig(2 * t, 3 * t))
+    if name == "hybrid3":
+        return (GroupConfig(t), GroupConfig(t, 5 * t // 2), GroupConfig(t, 11 * t // 2))
+    raise ValueError(f"unknown KV-group preset {name!r} (known: {', '.join(GROUP_PRESETS)})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +108,8 @@ class SimConfig:
         num_workers: worker ranks (each with its own KV tensors and CPU pool).
         workload: the request mix.
         faults: fault probabilities.
-        tokens_per_block: GPU block size in tokens (also the hash block size).
+        groups: the KV-cache group preset (:data:`GROUP_PRESETS`).
+        tokens_per_block: the hash block size in tokens (the smallest group block size).
         blocks_per_chunk: GPU blocks per offloaded chunk.
         num_gpu_blocks: GPU blocks per rank, null block 0 included.
         cpu_slots: chunk slots of the CPU tier.
@@ -74,7 +123,13 @@ class SimConfig:
         stall_check_interval_s: the scheduler's stall check interval.
         live_bound_steps: INV-LIVE bound; 0 derives it from the stall timeout.
         drain_steps: at most this many steps to drain at the end; 0 derives it.
-        tiering: put a file tier (in a temporary directory) behind the CPU tier.
+        manager: ``lru`` or ``arc`` (the CPU tier alone, with that policy) or ``tiering``
+            (an LRU CPU tier with three file-system secondaries: a fast one, a slow one whose
+            jobs complete steps later, and one whose jobs fail at random).
+        tiering: shorthand for ``manager="tiering"``.
+        foreign_prob: per-step probability that blocks are handed to a foreign request (one
+            this connector never sees) for a few steps.
+        reuse_freed_first: hand out the most recently freed block first (immediate reuse).
         checked: run the scheduler in checked mode (lifecycle machines beside the tables).
         copy_impl: the torch adapter's copy mode on the CPU tensors: ``"auto"`` (direct
             copies) or ``"staging"`` (the CUDA staging path's code: queued jobs, bounce
@@ -86,6 +141,7 @@ class SimConfig:
     num_workers: int = 2
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     faults: SimFaults = field(default_factory=lambda: SimFaults.preset("default"))
+    groups: str = "hybrid"
     tokens_per_block: int = 16
     blocks_per_chunk: int = 2
     num_gpu_blocks: int = 128
@@ -100,9 +156,20 @@ class SimConfig:
     stall_check_interval_s: float = 2.0
     live_bound_steps: int = 0
     drain_steps: int = 0
+    manager: str = "lru"
     tiering: bool = False
+    foreign_prob: float = 0.05
+    reuse_freed_first: bool = False
     checked: bool = False
     copy_impl: str = "auto"
+
+    def kv_groups(self) -> tuple[GroupConfig, ...]:
+        """The KV-cache groups of this run."""
+        return kv_groups(self.groups, self.tokens_per_block)
+
+    def manager_kind(self) -> str:
+        """``lru``, ``arc`` or ``tiering``."""
+        return "tiering" if self.tiering else self.manager
 
     def live_bound(self) -> int:
         """INV-LIVE: steps a request may stay deferred or waiting on one load."""
@@ -167,15 +234,15 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class SimRequest:
-    """Engine-side state of one request."""
+    """Engine-side state of one request (``blocks``: one block table per KV-cache group, 0 for
+    the null block)."""
 
     turn: Turn
     req: Request
     tokens: list[int]
     arrival: int
     status: Status = Status.WAITING
-    blocks: list[int] = field(default_factory=list)
-    new_blocks: list[int] = field(default_factory=list)
+    blocks: list[list[int]] = field(default_factory=list)
     scheduled_once: bool = False
     resumed: bool = False
     aborted: bool = False
@@ -183,7 +250,24 @@ class SimRequest:
     load: tuple[int, int] | None = None
     load_since: int = 0
     deferred_since: int | None = None
+    deferred_last: int = -1
     hung: bool = False
+    epoch: int = 0
+
+    def has_blocks(self) -> bool:
+        """Whether the request holds any block table."""
+        return any(self.blocks)
+
+
+@dataclass(eq=False)
+class _Foreign:
+    """A request of another connector: it holds blocks for a few steps and computes into
+    them; this connector only sees it in the scheduler output."""
+
+    req_id: str
+    blocks: list[list[int]]
+    steps_left: int
+    new: bool = True
 
 
 @dataclass
@@ -205,6 +289,10 @@ class EngineStats:
     tokens_recomputed: int = 0
     tokens_computed: int = 0
     resets: int = 0
+    foreign_requests: int = 0
+    window_blocks_freed: int = 0
+    stores_checked: int = 0
+    completeness_checked: int = 0
     harness_anomalies: list[str] = field(default_factory=list)
     hung: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
@@ -212,6 +300,57 @@ class EngineStats:
     errors: list[str] = field(default_factory=list)
     hit_rate_series: list[float] = field(default_factory=list)
     in_flight_series: list[int] = field(default_factory=list)
+
+
+class ObservedManager:
+    """A transparent proxy of the manager that the scheduler drives, for the whole-stack
+    expectation oracles: INV-EVICT on every ``prepare_store`` (no offered key among the
+    evicted ones), and the keys the stack knows of since the last reset (offered to a
+    ``prepare_store`` that answered, stored or declined, or found by ``lookup``), for
+    INV-STORE-COMPLETE."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.violations: list[str] = []
+        self.known: set[OffloadKey] = set()
+        self.refused: set[OffloadKey] = set()
+        """Keys offered in a ``prepare_store`` that found no room, since the engine last
+        cleared the set (at the start of every step)."""
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: Any) -> Any:
+        """Forward, then check INV-EVICT against the offered keys."""
+        offered = list(keys)
+        out = self._inner.prepare_store(offered, ctx)
+        self.calls += 1
+        if out is None:  # no room now: the scheduler must offer them again later
+            self.refused.update(offered)
+            return out
+        self.known.update(offered)
+        if out.evicted_keys:
+            bad = set(offered).intersection(out.evicted_keys)
+            if bad:
+                k = next(iter(bad))
+                self.violations.append(
+                    f"INV-EVICT: prepare_store for {ctx.req_id!r} evicted offered key "
+                    f"{bytes(k).hex()[:12]} ({len(bad)} offered keys evicted)"
+                )
+        return out
+
+    def lookup(self, key: OffloadKey, ctx: Any) -> Any:
+        """Forward; a key found (ready or pending) is known."""
+        r = self._inner.lookup(key, ctx)
+        if int(r):
+            self.known.add(key)
+        return r
+
+    def reset_cache(self) -> None:
+        """Forward; nothing is known any more."""
+        self._inner.reset_cache()
+        self.known.clear()
 
 
 class SimEngine:
@@ -256,29 +395,61 @@ class SimEngine:
             )
             + 2,
         )
+        self.foreign_rng = random.Random(root.getrandbits(64))
         self.check_each_step = check_each_step
         self.store_oracle: Callable[[int, Any], list[str]] | None = None
         self._load_job_of: dict[str, int] = {}  # request -> its emitted load job
         self._failed_jobs: set[int] = set()  # jobs a delivered report failed
         """Verifies the stored bytes of a store job that completed successfully."""
         self.live_jobs: Callable[[], Any] = lambda: ()
+        self.stalled_jobs: Callable[[], Any] = lambda: ()
+        self.observed: ObservedManager | None = None
+        """The manager proxy of the expectation oracles (set by the stack builder)."""
+        self.step_hooks: list[Callable[[int], None]] = []
+        """Called at the start of every step with its number (e.g. a slow tier's clock)."""
         self._stores: dict[int, Any] = {}
+        groups = cfg.kv_groups()
+        self.groups = groups
+        self.n_groups = len(groups)
+        self.tph = min(g.tokens_per_block for g in groups)
+        self.g_tpb = [g.tokens_per_block for g in groups]
+        self.g_win = [g.sliding_window for g in groups]
+        self.g_hpb = [t // self.tph for t in self.g_tpb]
+        self.sliding = [g for g in range(self.n_groups) if self.g_win[g] is not None]
+        step = 1
+        for t in self.g_tpb:
+            step = step * t // math.gcd(step, t)
+        self.hit_unit = step
         self.chunk_hashes: dict[bytes, tuple[bytes, ...]] = {}
+        """Last hash of a chunk (tagged with its group) -> the block hashes of its blocks."""
         self._preempted_next: set[str] = set()
-        self.pool = BlockPool(cfg.num_gpu_blocks, on_evict=kv.dont_care)
-        self.tpb = cfg.tokens_per_block
+        self.pool = BlockPool(
+            cfg.num_gpu_blocks, on_evict=kv.dont_care, reuse_freed_first=cfg.reuse_freed_first
+        )
+        self.tpb = self.tph
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self.by_id: dict[str, SimRequest] = {}
+        self.foreign: list[_Foreign] = []
         self.finished_since_last: set[str] = set()
         self.stats = EngineStats()
         self.step_no = 0
+        self.epoch = 0
         self._live_bound = cfg.live_bound()
         self._cum_hit = 0
         self._cum_prompt = 0
         self.arrived = 0
         self.extra_pending: Callable[[], bool] = lambda: False
         """More work the drain must wait for (e.g. the scheduler's stalled-job ledger)."""
+        # INV-OWN: who may read each block (handed to one owner; prefix hits share it)
+        self.owners: list[set[str]] = [set() for _ in range(cfg.num_gpu_blocks)]
+        self.handed_at: list[int] = [-1] * cfg.num_gpu_blocks
+        self._handed: set[int] = set()
+        self._unflushed_stores: dict[int, tuple[str, frozenset[int]]] = {}
+        self._jobs_of: dict[str, set[int]] = {}
+        self._job_req: dict[int, str] = {}
+        self._completeness: list[tuple[str, list[OffloadKey], int]] = []
+        self._n_foreign = 0
 
     @property
     def admitted_prompt_tokens(self) -> int:
@@ -315,11 +486,16 @@ class SimEngine:
         self.stats.drain_steps = n
 
     def _work_pending(self) -> bool:
-        if self.by_id or self.channel.pending():
+        if self.by_id or self.foreign or self.channel.pending():
             return True
         if any(s.pending_copies() for s in self.stacks) or self.extra_pending():
             return True
         return bool(self.conn.has_pending_push_work())
+
+    def reset_cache(self) -> None:
+        """``reset_cache`` between steps (every request's epoch moves on)."""
+        self.epoch += 1
+        self._guard("reset_cache", self.conn.reset_cache)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -329,10 +505,12 @@ class SimEngine:
         k = self.step_no
         self.clock.now += cfg.step_seconds
         self.kv.dirty = True
+        for hook in self.step_hooks:
+            hook(k)
         if f.reset and self.rng.random() < f.reset:
             self.channel.injected["reset"] += 1
             self.stats.resets += 1
-            self._guard("reset_cache", self.conn.reset_cache)
+            self.reset_cache()
             # loads carried over the reset stay live: their reports are not stale
             self.channel.reset_happened(frozenset(getattr(self.conn, "jobs", ())))
         if admit:
@@ -342,12 +520,16 @@ class SimEngine:
             if r.abort_at is not None and r.abort_at <= k and not r.aborted:
                 self.abort(r)
 
+        if self.observed is not None:
+            self.observed.refused.clear()
         scheduled, new_ids, preempted = self._schedule(k)
+        foreign = self._schedule_foreign(admit)
         output = SchedulerOutput(
             scheduled=tuple(
-                ScheduledRequest(r.turn.req_id, (tuple(blocks),), n, resumed)
+                ScheduledRequest(r.turn.req_id, tuple(tuple(b) for b in blocks), n, resumed)
                 for r, n, blocks, resumed in scheduled
-            ),
+            )
+            + foreign,
             new_req_ids=frozenset(new_ids),
             finished_req_ids=frozenset(self.finished_since_last),
             preempted_req_ids=frozenset(preempted | self._preempted_next),
@@ -357,6 +539,8 @@ class SimEngine:
         meta = self._guard("build_connector_meta", self.conn.build_connector_meta, output)
         if meta is None:
             meta = ConnectorMetadata()
+        self._expect_after_build(k, meta, output.preempted_req_ids - output.finished_req_ids)
+        self._handed = set()
         for job_id in (*meta.load_jobs, *meta.store_jobs):
             self.channel.job_emitted(job_id, k)
         for job_id, job in meta.load_jobs.items():
@@ -370,6 +554,7 @@ class SimEngine:
             s.start_step(meta)
         for r, n, _, _ in scheduled:
             self._compute(r, n)
+        self._compute_foreign()
         for rank, s in enumerate(self.stacks):
             s.end_step(meta)
             self.channel.submit(rank, s.report(), k)
@@ -393,15 +578,26 @@ class SimEngine:
             self._loads_ended(self.step_no, result.finished_loads, result.invalid_block_ids)
         if self._stores:
             self._stores_ended()
+        if self._unflushed_stores or self._job_req:
+            self._forget_ended_jobs()
 
     def _register_chunks(self, hashes: Sequence[bytes]) -> None:
         bpc = self.cfg.blocks_per_chunk
         reg = self.chunk_hashes
-        for end in range(len(hashes) - (len(hashes) % bpc), 0, -bpc):
-            last = hashes[end - 1]
-            if last in reg:
-                break
-            reg[last] = tuple(hashes[end - bpc : end])
+        for g in range(self.n_groups):
+            hpb = self.g_hpb[g]
+            tag = bytes([g])
+            # the hash of block i of this group is hashes[(i + 1) * hpb - 1]
+            n_blocks = len(hashes) // hpb
+            for end in range(n_blocks - (n_blocks % bpc), 0, -bpc):
+                last = hashes[end * hpb - 1] + tag
+                if last in reg:
+                    break
+                reg[last] = tuple(hashes[(i + 1) * hpb - 1] for i in range(end - bpc, end))
+
+    def block_hash(self, r: SimRequest, g: int, i: int) -> bytes:
+        """The hash of block ``i`` of group ``g`` of ``r`` (the block must be full)."""
+        return r.req.block_hashes[(i + 1) * self.g_hpb[g] - 1]
 
     def _stores_ended(self) -> None:
         live = self.live_jobs()
@@ -409,6 +605,7 @@ class SimEngine:
         for job_id in [j for j in self._stores if j not in live]:
             job = self._stores.pop(job_id)
             if oracle is not None:
+                self.stats.stores_checked += 1
                 for err in oracle(job_id, job):
                     self.stats.data_errors.append(f"step {self.step_no}: {err}")
 
@@ -426,8 +623,7 @@ class SimEngine:
         """
         if r.status is Status.RUNNING and r.req.num_computed_tokens == r.req.num_tokens - 1:
             self.stats.requests_finished += 1
-            self._guard("request_finished", self.conn.request_finished, r.req)
-            self.finished_since_last.add(r.turn.req_id)
+            self._finished(r)
             self._retire(r, completed=True)
 
     def arrive(self, turn: Turn) -> SimRequest:
@@ -452,6 +648,115 @@ class SimEngine:
             )
         return None
 
+    # -- expectation oracles -------------------------------------------------------------------
+
+    def _violation(self, msg: str) -> None:
+        self.stats.violations.append(f"step {self.step_no}: {msg}")
+
+    def _expect_after_build(
+        self, k: int, meta: ConnectorMetadata, preempted: frozenset[str]
+    ) -> None:
+        """INV-OWN, INV-FLUSH-PREEMPT and INV-STORE-COMPLETE over this step's metadata."""
+        flush = meta.jobs_to_flush
+        unflushed = self._unflushed_stores
+        for j in flush:
+            unflushed.pop(j, None)
+        # INV-OWN (b): a block handed out this step is under no unflushed older store
+        handed = self._handed
+        if handed:
+            for j, (rid, srcs) in unflushed.items():
+                hit = srcs & handed
+                if hit:
+                    b = min(hit)
+                    self._violation(
+                        f"INV-OWN: GPU block {b} was handed to {sorted(self.owners[b])} while "
+                        f"store job {j} of {rid!r} reading it was in flight and not flushed"
+                    )
+                    handed = handed - hit
+        # INV-FLUSH-PREEMPT: every in-flight job of a preempted request is flushed now (a
+        # request also finished in this step is exempt: its fences take over, INV-OWN checks)
+        for rid in preempted:
+            for j in self._jobs_of.get(rid, ()):
+                if j not in flush and j in unflushed:
+                    self._violation(
+                        f"INV-FLUSH-PREEMPT: {rid!r} was preempted with store job {j} in "
+                        "flight, and the job is not in this step's jobs_to_flush"
+                    )
+        # INV-OWN (a): a new store reads only blocks its request may read
+        for j, job in meta.store_jobs.items():
+            rid = job.req_id
+            srcs = frozenset(b for b in getattr(job.src, "block_ids", ()) if b)
+            pulled = j in flush  # submitted before this step's compute: reads first
+            for b in sorted(srcs):
+                if rid not in self.owners[b] and not (pulled and self.handed_at[b] == k):
+                    self._violation(
+                        f"INV-OWN: store job {j} of {rid!r} reads GPU block {b}, which was "
+                        f"handed to {sorted(self.owners[b])} at step {self.handed_at[b]}"
+                    )
+                    break
+            if j not in flush:
+                unflushed[j] = (rid, srcs)
+            self._job_req[j] = rid
+            self._jobs_of.setdefault(rid, set()).add(j)
+        for j, job in meta.load_jobs.items():
+            self._job_req[j] = job.req_id
+        obs = self.observed
+        if obs is not None:
+            if obs.violations:
+                for v in obs.violations:
+                    self._violation(v)
+                obs.violations.clear()
+            if self._completeness:
+                self._check_completeness(obs)
+
+    def _forget_ended_jobs(self) -> None:
+        live, stalled = self.live_jobs(), self.stalled_jobs()
+        ended = [j for j in self._job_req if j not in live and j not in stalled]
+        for j in ended:
+            rid = self._job_req.pop(j)
+            self._unflushed_stores.pop(j, None)
+            jobs = self._jobs_of.get(rid)
+            if jobs is not None:
+                jobs.discard(j)
+                if not jobs:
+                    del self._jobs_of[rid]
+
+    def _note_finished(self, r: SimRequest) -> None:
+        """INV-STORE-COMPLETE: after the finish's final store (built in the next step), every
+        full-attention chunk the request computed must be offered to the manager or known to
+        it (sliding-window chunks may legitimately be skipped: their blocks left the window)."""
+        req = r.req
+        if r.epoch != self.epoch or req.is_aborted:
+            return  # a reset during the request's life or an abort: nothing is promised
+        n_off = min(max(req.num_prompt_tokens, req.num_tokens - 1), req.num_computed_tokens)
+        bpc = self.cfg.blocks_per_chunk
+        keys: list[OffloadKey] = []
+        for g in range(self.n_groups):
+            if self.g_win[g] is not None:
+                continue
+            tpc = self.g_tpb[g] * bpc
+            hpc = self.g_hpb[g] * bpc
+            for c in range(n_off // tpc):
+                keys.append(make_offload_key(req.block_hashes[(c + 1) * hpc - 1], g))
+        if keys:
+            self._completeness.append((r.turn.req_id, keys, self.epoch))
+
+    def _check_completeness(self, obs: ObservedManager) -> None:
+        pending, self._completeness = self._completeness, []
+        for rid, keys, epoch in pending:
+            if epoch != self.epoch:
+                continue
+            self.stats.completeness_checked += 1
+            # named causes: stored or declined by the manager (known), found by a lookup
+            # (known), no room at the last chance, the final store (refused this step)
+            missing = [key for key in keys if key not in obs.known and key not in obs.refused]
+            if missing:
+                self._violation(
+                    f"INV-STORE-COMPLETE: finished request {rid!r}: {len(missing)} of its "
+                    f"{len(keys)} full chunks were never offered to the manager nor known to "
+                    f"it (first {bytes(missing[0]).hex()[:12]})"
+                )
+
     # -- arrivals, aborts, finish --------------------------------------------------------------
 
     def _arrive(self, turn: Turn, k: int) -> None:
@@ -462,9 +767,10 @@ class SimEngine:
             num_tokens=len(tokens),
             skip_reading_prefix_cache=turn.skip_prefix,
         )
-        extend_block_hashes(req.block_hashes, tokens, self.tpb)
+        extend_block_hashes(req.block_hashes, tokens, self.tph)
         self._register_chunks(req.block_hashes)
-        r = SimRequest(turn, req, tokens, k)
+        r = SimRequest(turn, req, tokens, k, epoch=self.epoch)
+        r.blocks = [[] for _ in range(self.n_groups)]
         if turn.abort_after is not None:
             r.abort_at = k + turn.abort_after
         self.by_id[turn.req_id] = r
@@ -478,54 +784,173 @@ class SimEngine:
         r.aborted = True
         r.req.is_aborted = True
         self.stats.requests_aborted += 1
-        self._guard("request_finished", self.conn.request_finished, r.req)
-        self.finished_since_last.add(r.turn.req_id)
+        self._finished(r)
         if r.status is Status.LOADING:
             self.stats.aborted_during_load += 1
             return  # blocks held until the load ended
         self._retire(r, completed=False)
+
+    def _finished(self, r: SimRequest) -> None:
+        self._guard("request_finished", self.conn.request_finished, r.req)
+        self.finished_since_last.add(r.turn.req_id)
+        self._note_finished(r)
 
     def _retire(self, r: SimRequest, completed: bool) -> None:
         if r.status is Status.RUNNING:
             self.running.remove(r)
         elif r in self.waiting:
             self.waiting.remove(r)
-        self.pool.release(r.blocks)
-        r.blocks = []
+        self._release_all(r)
         r.status = Status.DONE
         del self.by_id[r.turn.req_id]
         self.workload.turn_ended(r.turn, self.step_no, completed)
 
-    # -- scheduling ----------------------------------------------------------------------------
+    def _release_all(self, r: SimRequest) -> None:
+        for blocks in r.blocks:
+            self.pool.release(blocks)
+        r.blocks = [[] for _ in range(self.n_groups)]
 
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.tpb)
+    # -- block tables --------------------------------------------------------------------------
+
+    def _n_blocks(self, g: int, tokens: int) -> int:
+        return -(-tokens // self.g_tpb[g])
+
+    def _out_of_window(self, g: int, computed: int) -> int:
+        """Leading blocks of sliding-window group ``g`` that no token after ``computed``
+        attends to (0 for full attention)."""
+        w = self.g_win[g]
+        if w is None or computed <= w:
+            return 0
+        return (computed - w) // self.g_tpb[g]
+
+    def _hand_out(self, rid: str, n: int) -> list[int]:
+        fresh = self.pool.allocate(n) or []
+        k = self.step_no
+        for b in fresh:
+            self.owners[b] = {rid}
+            self.handed_at[b] = k
+        self._handed.update(fresh)
+        return fresh
+
+    def _share(self, rid: str, blocks: Sequence[int]) -> None:
+        self.pool.touch([b for b in blocks if b])
+        for b in blocks:
+            if b:
+                self.owners[b].add(rid)
+
+    def _local_hit(self, r: SimRequest) -> tuple[int, list[list[int]]]:
+        """The longest locally cached prefix (tokens) and its per-group block lists (null
+        blocks for sliding-window blocks out of the window)."""
+        req = r.req
+        limit = req.num_tokens - 1
+        if req.skip_reading_prefix_cache or limit <= 0:
+            return 0, [[] for _ in range(self.n_groups)]
+        cached = self.pool.cached
+        hashes = req.block_hashes
+        full_len = limit
+        for g in range(self.n_groups):
+            if self.g_win[g] is not None:
+                continue
+            tag, hpb, n = bytes([g]), self.g_hpb[g], 0
+            while (n + 1) * hpb <= len(hashes) and hashes[(n + 1) * hpb - 1] + tag in cached:
+                n += 1
+            full_len = min(full_len, n * self.g_tpb[g])
+        length = full_len - full_len % self.hit_unit
+        while length > 0:
+            lists: list[list[int]] | None = []
+            for g in range(self.n_groups):
+                tag, hpb = bytes([g]), self.g_hpb[g]
+                first = self._out_of_window(g, length)
+                row = [0] * first
+                for i in range(first, self._n_blocks(g, length)):
+                    b = cached.get(hashes[(i + 1) * hpb - 1] + tag)
+                    if b is None:
+                        lists = None
+                        break
+                    row.append(b)
+                if lists is None:
+                    break
+                lists.append(row)
+            if lists is not None:
+                return length, lists
+            length -= self.hit_unit
+        return 0, [[] for _ in range(self.n_groups)]
+
+    def _need(self, r: SimRequest, tokens: int, computed: int) -> list[int]:
+        """Per group, blocks to add so that ``r`` holds ``tokens`` tokens (null blocks for
+        positions out of the window of ``computed`` are not counted); -1 entries never."""
+        out = []
+        for g in range(self.n_groups):
+            have = len(r.blocks[g])
+            first = self._out_of_window(g, computed)
+            want = self._n_blocks(g, tokens)
+            holes = sum(1 for i in range(first, have) if not r.blocks[g][i])
+            out.append(holes + max(0, want - max(have, first)))
+        return out
+
+    def _extend(self, r: SimRequest, tokens: int, computed: int) -> list[list[int]]:
+        """Give ``r`` the blocks for ``tokens`` tokens (null out of the window of
+        ``computed``, fresh blocks in null holes inside it, e.g. after a load that was
+        recomputed); returns the new block ids per group. Holes are filled only before a
+        request's first scheduling (or resumption), when the engine sends its whole lists: a
+        connector only learns appended blocks later."""
+        rid = r.turn.req_id
+        new: list[list[int]] = []
+        for g in range(self.n_groups):
+            row = r.blocks[g]
+            first = self._out_of_window(g, computed)
+            want = self._n_blocks(g, tokens)
+            added: list[int] = []
+            for i in range(first, len(row)):
+                if not row[i]:
+                    (b,) = self._hand_out(rid, 1)
+                    row[i] = b
+                    added.append(b)
+            while len(row) < min(first, want):
+                row.append(0)
+            n = want - len(row)
+            if n > 0:
+                fresh = self._hand_out(rid, n)
+                row.extend(fresh)
+                added.extend(fresh)
+            new.append(added)
+        return new
+
+    def _slide(self, r: SimRequest) -> None:
+        """Free the sliding-window blocks that left ``r``'s window (null block in place)."""
+        computed = r.req.num_computed_tokens
+        for g in self.sliding:
+            row = r.blocks[g]
+            for i in range(min(self._out_of_window(g, computed), len(row))):
+                b = row[i]
+                if b:
+                    self.pool.release([b])
+                    row[i] = 0
+                    self.stats.window_blocks_freed += 1
+
+    # -- scheduling ----------------------------------------------------------------------------
 
     def _schedule(
         self, k: int
-    ) -> tuple[list[tuple[SimRequest, int, list[int], bool]], set[str], set[str]]:
+    ) -> tuple[list[tuple[SimRequest, int, list[list[int]], bool]], set[str], set[str]]:
         cfg = self.cfg
         budget = cfg.max_batched_tokens
-        scheduled: list[tuple[SimRequest, int, list[int], bool]] = []
+        scheduled: list[tuple[SimRequest, int, list[list[int]], bool]] = []
         new_ids: set[str] = set()
         preempted: set[str] = set()
         running_before = list(self.running)
 
         # 1. waiting requests, in order
-        stop = False
         for r in list(self.waiting):
-            if stop or budget <= 0 or len(self.running) >= cfg.max_running:
+            if budget <= 0 or len(self.running) >= cfg.max_running:
                 break
             if r.status is Status.LOADING or r.turn.req_id in self._preempted_next:
                 continue  # waits for its load / was preempted between steps: not this step
-            local: list[int] = []
-            if not r.blocks:
+            local: list[list[int]] = [[] for _ in range(self.n_groups)]
+            fresh_lookup = not r.has_blocks()
+            if fresh_lookup:
                 req = r.req
-                if not req.skip_reading_prefix_cache:
-                    local = self.pool.computed_blocks(
-                        req.block_hashes, (req.num_tokens - 1) // self.tpb
-                    )
-                n_local = len(local) * self.tpb
+                n_local, local = self._local_hit(r)
                 res = self._guard(
                     "get_num_new_matched_tokens",
                     self.conn.get_num_new_matched_tokens,
@@ -539,20 +964,23 @@ class SimEngine:
                     self.stats.deferrals += 1
                     if r.deferred_since is None:
                         r.deferred_since = k
+                    r.deferred_last = k
                     continue
                 r.deferred_since = None
                 if ext > 0 and is_async:
-                    need = self._blocks_for(n_local + ext) - len(local)
+                    total = n_local + ext
+                    r.blocks = [list(x) for x in local]
+                    need = sum(self._need(r, total, total))
                     if self._room(local) - need < cfg.watermark_blocks:
+                        r.blocks = [[] for _ in range(self.n_groups)]
                         break
-                    self.pool.touch(local)
-                    fresh = self.pool.allocate(need) or []
-                    r.blocks = local + fresh
+                    self._share(r.turn.req_id, [b for x in local for b in x])
+                    self._extend(r, total, total)
                     self._guard(
                         "update_state_after_alloc",
                         self.conn.update_state_after_alloc,
                         req,
-                        (tuple(r.blocks),),
+                        tuple(tuple(x) for x in r.blocks),
                         ext,
                     )
                     r.status = Status.LOADING
@@ -564,24 +992,25 @@ class SimEngine:
                     self._count_hits(r, n_local, ext)
                     continue
                 computed = n_local
+                r.blocks = [list(x) for x in local]
             else:
                 computed = r.req.num_computed_tokens
             n = min(r.req.num_tokens - computed, budget)
-            need = self._blocks_for(computed + n) - len(r.blocks) - len(local)
+            need = sum(self._need(r, computed + n, computed))
             if self._room(local) - need < cfg.watermark_blocks:
+                if any(local):
+                    r.blocks = [[] for _ in range(self.n_groups)]
                 break
-            first_time = not r.blocks
-            self.pool.touch(local)
-            fresh = self.pool.allocate(need) or []
-            r.blocks = r.blocks + local + fresh
+            self._share(r.turn.req_id, [b for x in local for b in x])
+            self._extend(r, computed + n, computed)
             self._guard(
                 "update_state_after_alloc",
                 self.conn.update_state_after_alloc,
                 r.req,
-                (tuple(r.blocks),),
+                tuple(tuple(x) for x in r.blocks),
                 0,
             )
-            if first_time and r.load is None:
+            if fresh_lookup:
                 self._count_hits(r, computed, 0)
             r.req.num_computed_tokens = computed
             self.waiting.remove(r)
@@ -589,7 +1018,7 @@ class SimEngine:
             r.status = Status.RUNNING
             if not r.scheduled_once:
                 new_ids.add(r.turn.req_id)
-            scheduled.append((r, n, list(r.blocks), r.resumed and r.scheduled_once))
+            scheduled.append((r, n, [list(x) for x in r.blocks], r.resumed and r.scheduled_once))
             r.scheduled_once = True
             r.resumed = False
             budget -= n
@@ -603,7 +1032,8 @@ class SimEngine:
             n = min(r.req.num_tokens - computed, budget)
             if n <= 0:
                 continue
-            need = self._blocks_for(computed + n) - len(r.blocks)
+            self._slide(r)
+            need = sum(self._need(r, computed + n, computed))
             while need > self.pool.num_free:
                 victim = next(
                     (
@@ -619,17 +1049,59 @@ class SimEngine:
                     break
             if r in self.waiting:  # preempted itself: nothing left to preempt
                 continue
-            fresh = self.pool.allocate(need) or []
-            r.blocks.extend(fresh)
+            fresh = self._extend(r, computed + n, computed)
             scheduled.append((r, n, fresh, False))
             done.add(id(r))
             budget -= n
         return scheduled, new_ids, preempted
 
-    def _room(self, local: Sequence[int]) -> int:
+    def _schedule_foreign(self, admit: bool) -> tuple[ScheduledRequest, ...]:
+        """Foreign requests: new ones take blocks (any group), old ones end."""
+        out: list[ScheduledRequest] = []
+        keep: list[_Foreign] = []
+        for fr in self.foreign:
+            fr.steps_left -= 1
+            if fr.steps_left < 0:
+                for blocks in fr.blocks:
+                    self.pool.release(blocks)
+                continue
+            keep.append(fr)
+        self.foreign = keep
+        rng = self.foreign_rng
+        p = self.cfg.foreign_prob
+        if admit and p and rng.random() < p:
+            self.add_foreign(rng.randint(1, 4), rng.randint(1, 3))
+        for fr in self.foreign:
+            ids = tuple(tuple(b) for b in fr.blocks) if fr.new else ((),) * self.n_groups
+            out.append(ScheduledRequest(fr.req_id, ids, 1, False))
+        return tuple(out)
+
+    def add_foreign(self, n_blocks: int, steps: int) -> None:
+        """A foreign request takes ``n_blocks`` fresh blocks in every group now (if there is
+        room) and holds them for ``steps`` more steps."""
+        if self.pool.num_free - n_blocks * self.n_groups < self.cfg.watermark_blocks:
+            return
+        rid = f"foreign-{self._n_foreign}"
+        self._n_foreign += 1
+        self.stats.foreign_requests += 1
+        blocks = [self._hand_out(rid, n_blocks) for _ in range(self.n_groups)]
+        self.foreign.append(_Foreign(rid, blocks, steps))
+
+    def _compute_foreign(self) -> None:
+        """A foreign request writes its own bytes into its blocks."""
+        for fr in self.foreign:
+            if not fr.new:
+                continue
+            fr.new = False
+            salt = sum(map(ord, fr.req_id))
+            for g, blocks in enumerate(fr.blocks):
+                for b in blocks:
+                    self.kv.write_partial(b, ROOT_HASH, [salt, b, g], g)
+
+    def _room(self, local: Sequence[Sequence[int]]) -> int:
         """Free blocks left once the local prefix hits ``local`` are taken off the free list."""
         ref = self.pool.ref
-        return self.pool.num_free - sum(1 for b in local if ref[b] == 0)
+        return self.pool.num_free - sum(1 for x in local for b in x if b and ref[b] == 0)
 
     def _count_hits(self, r: SimRequest, local: int, ext: int) -> None:
         self.stats.local_hit_tokens += local
@@ -639,8 +1111,7 @@ class SimEngine:
     def _preempt(self, r: SimRequest) -> None:
         self.stats.preemptions += 1
         self.running.remove(r)
-        self.pool.release(r.blocks)
-        r.blocks = []
+        self._release_all(r)
         r.req.num_computed_tokens = 0
         r.status = Status.WAITING
         r.resumed = True
@@ -649,47 +1120,56 @@ class SimEngine:
     # -- compute and outputs -------------------------------------------------------------------
 
     def _compute(self, r: SimRequest, n: int) -> None:
-        tpb, kv, hashes = self.tpb, self.kv, r.req.block_hashes
+        kv = self.kv
         start = r.req.num_computed_tokens
         end = start + n
-        for i in range(start // tpb, self._blocks_for(end)):
-            b = r.blocks[i]
-            block_end = (i + 1) * tpb
-            if end >= block_end:
-                kv.write_full(b, hashes[i])
-            else:
-                parent = hashes[i - 1] if i else ROOT_HASH
-                kv.write_partial(b, parent, r.tokens[i * tpb : end])
+        for g in range(self.n_groups):
+            tpb = self.g_tpb[g]
+            row = r.blocks[g]
+            for i in range(start // tpb, self._n_blocks(g, end)):
+                b = row[i]
+                if not b:
+                    continue  # out of the window: nothing attends to it any more
+                block_end = (i + 1) * tpb
+                if end >= block_end:
+                    kv.write_full(b, self.block_hash(r, g, i), g)
+                else:
+                    parent = self.block_hash(r, g, i - 1) if i else ROOT_HASH
+                    kv.write_partial(b, parent, r.tokens[i * tpb : end], g)
         self.stats.tokens_computed += n
 
+    def _cache_blocks(self, r: SimRequest, start: int, end: int) -> None:
+        """Blocks completed by tokens ``start..end`` enter the prefix cache of their group."""
+        for g in range(self.n_groups):
+            tpb, row, tag = self.g_tpb[g], r.blocks[g], bytes([g])
+            for i in range(start // tpb, end // tpb):
+                if i < len(row) and row[i]:
+                    self.pool.cache(row[i], self.block_hash(r, g, i) + tag)
+
     def _after_compute(
-        self, k: int, scheduled: list[tuple[SimRequest, int, list[int], bool]]
+        self, k: int, scheduled: list[tuple[SimRequest, int, list[list[int]], bool]]
     ) -> None:
-        tpb = self.tpb
         for r, n, _, _ in scheduled:
             if r.status is not Status.RUNNING:
                 continue  # aborted meanwhile (cannot happen inside a step) or preempted
             req = r.req
             start = req.num_computed_tokens
             req.num_computed_tokens = start + n
-            for i in range(start // tpb, (start + n) // tpb):
-                self.pool.cache(r.blocks[i], req.block_hashes[i])
+            self._cache_blocks(r, start, start + n)
             if req.num_computed_tokens < req.num_tokens:
                 continue
             tok = self.workload.next_token()
             r.tokens.append(tok)
             r.turn.output.append(tok)
             req.num_tokens += 1
-            extend_block_hashes(req.block_hashes, r.tokens, tpb)
+            extend_block_hashes(req.block_hashes, r.tokens, self.tph)
             self._register_chunks(req.block_hashes)
             if len(r.turn.output) >= r.turn.max_output:
                 self.stats.requests_finished += 1
-                self._guard("request_finished", self.conn.request_finished, req)
-                self.finished_since_last.add(r.turn.req_id)
+                self._finished(r)
                 self._retire(r, completed=True)
 
     def _loads_ended(self, k: int, finished: frozenset[str], invalid: frozenset[int]) -> None:
-        tpb = self.tpb
         claimed: set[int] = set()
         for rid in sorted(finished):
             r = self.by_id.get(rid)
@@ -699,26 +1179,40 @@ class SimEngine:
                 )
                 continue
             start, n = r.load
-            hashes = r.req.block_hashes
             valid_end = start + n
-            first, last = start // tpb, self._blocks_for(start + n)
             job_id = self._load_job_of.pop(rid, None)
-            for i in range(first, last):
-                if r.blocks[i] in invalid:
-                    valid_end = min(valid_end, i * tpb)
-                    claimed.update(r.blocks[i:last])
-                    self._unexplained_invalid(k, rid, job_id)
-                    break
-            for i in range(first, valid_end // tpb):
-                b = r.blocks[i]
-                for e in self.kv.verify_loaded(k, b, hashes[i]):
-                    self.stats.data_errors.append(f"{e} (request {rid})")
-                self.pool.cache(b, hashes[i])
+            had_invalid = False
+            for g in range(self.n_groups):
+                tpb, row = self.g_tpb[g], r.blocks[g]
+                first, last = start // tpb, self._n_blocks(g, start + n)
+                for i in range(first, last):
+                    if row[i] and row[i] in invalid:
+                        valid_end = min(valid_end, i * tpb)
+                        claimed.update(row[i:last])
+                        had_invalid = True
+                        break
+            if had_invalid:
+                self._unexplained_invalid(k, rid, job_id)
+            if valid_end < start + n and self.sliding:
+                # a window of the truncated prefix may lie in blocks left null for the whole
+                # load: recompute everything that was to be loaded
+                valid_end = start
+            valid_end = max(valid_end, start)
+            for g in range(self.n_groups):
+                tpb, row, tag = self.g_tpb[g], r.blocks[g], bytes([g])
+                for i in range(start // tpb, valid_end // tpb):
+                    b = row[i]
+                    if not b or i * tpb < start:
+                        continue
+                    h = self.block_hash(r, g, i)
+                    for e in self.kv.verify_loaded(k, b, h, g):
+                        self.stats.data_errors.append(f"{e} (request {rid})")
+                    self.pool.cache(b, h + tag)
             self.stats.loads_finished += 1
-            self.stats.tokens_loaded += max(0, valid_end - start)
-            self.stats.tokens_recomputed += start + n - max(valid_end, start)
-            self._cum_hit -= start + n - max(valid_end, start)
-            computed = max(valid_end, start)
+            self.stats.tokens_loaded += valid_end - start
+            self.stats.tokens_recomputed += start + n - valid_end
+            self._cum_hit -= start + n - valid_end
+            computed = valid_end
             if computed >= r.req.num_tokens:
                 computed = r.req.num_tokens - 1
             r.req.num_computed_tokens = computed
@@ -767,7 +1261,11 @@ class SimEngine:
                 self.stats.hung.append(
                     f"{r.turn.req_id}: waiting on its load since step {r.load_since} (> {bound})"
                 )
-            elif r.deferred_since is not None and k - r.deferred_since > bound:
+            elif (
+                r.deferred_since is not None
+                and r.deferred_last == k  # asked, and deferred again (the engine may not ask)
+                and k - r.deferred_since > bound
+            ):
                 r.hung = True
                 self.stats.hung.append(
                     f"{r.turn.req_id}: lookup deferred since step {r.deferred_since} (> {bound})"

@@ -1,10 +1,13 @@
 """The simulated GPU KV cache (CPU tensors) and its shadow: the data oracle.
 
 Every rank owns ``num_tensors`` canonical KV tensors of shape ``(num_blocks, page_bytes)``
-(int8, block first, as upstream registers them). Whenever the engine computes tokens into a
-block it writes the block's deterministic content (a function of the token prefix) into the
-tensor and into a shadow copy, and marks the block *valid*. Blocks being loaded into, or handed
-to a new owner, are marked *don't care* until their content is known again.
+(int8, block first, as upstream registers them), split evenly among the KV-cache groups (group
+``g`` owns tensors ``g * per_group .. (g + 1) * per_group - 1``; block ids are shared by the
+groups, as in an engine whose groups allocate from one block pool). Whenever the engine
+computes tokens into a block of a group it writes the block's deterministic content (a function
+of the token prefix and the tensor) into that group's tensors and into a shadow copy, and marks
+the block *valid* in those tensors. Blocks being loaded into, or handed to a new owner, are
+marked *don't care* until their content is known again.
 
 Two checks:
 
@@ -47,7 +50,14 @@ class DataError:
 class KVCache:
     """Per-rank GPU KV tensors with a shadow of what every valid block must hold."""
 
-    def __init__(self, num_ranks: int, num_blocks: int, num_tensors: int, page_bytes: int) -> None:
+    def __init__(
+        self, num_ranks: int, num_blocks: int, num_tensors: int, page_bytes: int, groups: int = 1
+    ) -> None:
+        if groups < 1 or num_tensors % groups:
+            raise ValueError(f"{num_tensors} tensors cannot be split among {groups} groups")
+        per = num_tensors // groups
+        self.group_tensors: list[range] = [range(g * per, (g + 1) * per) for g in range(groups)]
+        """Per KV-cache group, the indices of its canonical tensors."""
         self.num_ranks = num_ranks
         self.num_blocks = num_blocks
         self.num_tensors = num_tensors
@@ -69,58 +79,66 @@ class KVCache:
             if words
             else (self._all_np, self._shadow_np)
         )
-        self.valid = np.zeros(num_blocks, dtype=bool)
+        self.valid = np.zeros((num_tensors, num_blocks), dtype=bool)
+        """Per canonical tensor and block: whether the block's bytes are known."""
         self.dirty = True
         """Set whenever GPU bytes may have changed (the engine sets it on every step)."""
         self.expected_hash: list[bytes | None] = [None] * num_blocks
         self.blocks_written = 0
 
-    def _write(self, block: int, contents: Sequence[Sequence[bytes]]) -> None:
+    def _write(self, block: int, contents: Sequence[Sequence[bytes]], group: int) -> None:
+        tensors = self.group_tensors[group]
         for r in range(self.num_ranks):
-            for t in range(self.num_tensors):
-                row = np.frombuffer(contents[r][t], dtype=np.int8)
+            for i, t in enumerate(tensors):
+                row = np.frombuffer(contents[r][i], dtype=np.int8)
                 self._np[r][t][block] = row
                 self._shadow[r][t][block] = row
-        self.valid[block] = True
+        self.valid[tensors.start : tensors.stop, block] = True
         self.blocks_written += 1
 
-    def _contents_full(self, block_hash: bytes) -> list[list[bytes]]:
+    def _contents_full(self, block_hash: bytes, group: int) -> list[list[bytes]]:
         pb = self.page_bytes
         return [
-            [block_content(block_hash, r, t, pb) for t in range(self.num_tensors)]
+            [block_content(block_hash, r, t, pb) for t in self.group_tensors[group]]
             for r in range(self.num_ranks)
         ]
 
-    def write_full(self, block: int, block_hash: bytes) -> None:
-        """Compute: ``block`` now holds the full block ``block_hash`` on every rank."""
-        self._write(block, self._contents_full(block_hash))
+    def write_full(self, block: int, block_hash: bytes, group: int = 0) -> None:
+        """Compute: ``block`` of ``group`` now holds the full block ``block_hash``."""
+        self._write(block, self._contents_full(block_hash, group), group)
         self.expected_hash[block] = block_hash
 
-    def write_partial(self, block: int, parent: bytes, tokens: Sequence[int]) -> None:
-        """Compute: ``block`` holds only ``tokens`` (a partial block) on every rank."""
+    def write_partial(
+        self, block: int, parent: bytes, tokens: Sequence[int], group: int = 0
+    ) -> None:
+        """Compute: ``block`` of ``group`` holds only ``tokens`` (a partial block)."""
         pb = self.page_bytes
         contents = [
-            [partial_content(parent, tokens, r, t, pb) for t in range(self.num_tensors)]
+            [partial_content(parent, tokens, r, t, pb) for t in self.group_tensors[group]]
             for r in range(self.num_ranks)
         ]
-        self._write(block, contents)
+        self._write(block, contents, group)
         self.expected_hash[block] = None
 
     def dont_care(self, block: int) -> None:
         """``block``'s content is about to be replaced (load target, new owner)."""
-        self.valid[block] = False
+        self.valid[:, block] = False
         self.expected_hash[block] = None
 
-    def verify_loaded(self, step: int, block: int, block_hash: bytes) -> list[DataError]:
-        """INV-DATA: a load delivered ``block``; it must hold the content of ``block_hash``.
+    def verify_loaded(
+        self, step: int, block: int, block_hash: bytes, group: int = 0
+    ) -> list[DataError]:
+        """INV-DATA: a load delivered ``block`` of ``group``; it must hold the content of
+        ``block_hash``.
 
         On success the block becomes valid with that content.
         """
-        contents = self._contents_full(block_hash)
+        contents = self._contents_full(block_hash, group)
+        tensors = self.group_tensors[group]
         errors: list[DataError] = []
         for r in range(self.num_ranks):
-            for t in range(self.num_tensors):
-                want = np.frombuffer(contents[r][t], dtype=np.int8)
+            for i, t in enumerate(tensors):
+                want = np.frombuffer(contents[r][i], dtype=np.int8)
                 got = self._np[r][t][block]
                 if not np.array_equal(got, want):
                     errors.append(
@@ -131,9 +149,9 @@ class KVCache:
         # repairs the block so that one corruption is reported once.
         if errors:
             for r in range(self.num_ranks):
-                for t in range(self.num_tensors):
+                for t in tensors:
                     self._np[r][t][block] = self._shadow[r][t][block]
-        self.valid[block] = True
+        self.valid[tensors.start : tensors.stop, block] = True
         self.expected_hash[block] = block_hash
         return errors
 
@@ -149,7 +167,7 @@ class KVCache:
         self.dirty = False
         got, want = self._cmp
         differs = (got != want).any(axis=3)  # (rank, tensor, block)
-        differs &= self.valid
+        differs &= self.valid[None]
         if not differs.any():
             return []
         errors: list[DataError] = []

@@ -52,6 +52,8 @@ class SimReport:
     requests_wanted: int = 0
     wall_s: float = 0.0
     settings: dict[str, Any] = field(default_factory=dict)
+    groups: str = "full"
+    manager: str = "lru"
     requests: dict[str, int] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
     hit_rate: float = 0.0
@@ -124,8 +126,8 @@ class SimReport:
         add(
             f"statecore simulate: {status}  (seed {self.seed}, {self.steps} steps + "
             f"{self.drain_steps} drain steps, {self.workers} workers, "
-            f"checked mode {'on' if self.checked else 'off'}"
-            f"{', tiering to files' if self.tiering else ''})"
+            f"checked mode {'on' if self.checked else 'off'}, KV groups {self.groups}, "
+            f"manager {self.manager})"
         )
         for w in warnings:
             add(f"WARNING       {w}")

@@ -1,11 +1,14 @@
 """Build the whole stack for a simulation run and turn the run into a :class:`SimReport`.
 
-The stack is the real one: :class:`~statecore.OffloadingScheduler` over a
-:class:`~statecore.managers.cpu.CPUOffloadingManager` (optionally a
-:class:`~statecore.managers.tiering.TieringOffloadingManager` with a file tier in a temporary
-directory), one :class:`~statecore.worker.OffloadingWorker` per rank over the torch adapter on
-CPU tensors (wrapped so that copies can land late and transfers can fail), and the shared CPU
-pool. Only the engine around it is simulated.
+The stack is the real one: :class:`~statecore.OffloadingScheduler` over the manager that
+``SimConfig.manager`` names (see :func:`make_manager`: a
+:class:`~statecore.managers.cpu.CPUOffloadingManager` with the LRU or ARC policy, or a
+:class:`~statecore.managers.tiering.TieringOffloadingManager` with three file tiers in
+temporary directories: a fast one, a slow one and a failing one), seen by the scheduler
+through the oracles' :class:`~statecore.sim.engine.ObservedManager`; one
+:class:`~statecore.worker.OffloadingWorker` per rank over the torch adapter on CPU tensors
+(each KV-cache group with its own tensors; wrapped so that copies can land late and
+transfers can fail), and the shared CPU pool. Only the engine around it is simulated.
 """
 
 from __future__ import annotations
@@ -22,14 +25,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from typing import Any
 
-from statecore.config import GroupConfig, SchedulerConfig
+from statecore.config import SchedulerConfig
 from statecore.lifecycle import checked_mode
 from statecore.manager import OffloadingManager
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.pool import CPUPool
 from statecore.scheduler import OffloadingScheduler
 from statecore.sim.backend import DelayedBackend
-from statecore.sim.engine import SimClock, SimConfig, SimEngine
+from statecore.sim.engine import ObservedManager, SimClock, SimConfig, SimEngine
 from statecore.sim.faults import FAULT_KINDS
 from statecore.sim.kv import KVCache
 from statecore.sim.report import FaultCount, SimReport
@@ -38,13 +41,94 @@ from statecore.wire import ConnectorMetadata, WorkerMetadata
 from statecore.worker import FaultyBackend, OffloadingWorker, TransferBackend
 
 __all__ = [
+    "MANAGERS",
     "RankStackImpl",
     "SimStack",
     "attach_store_oracle",
     "build_stack",
     "leaks",
+    "make_manager",
+    "parse_manager",
     "simulate",
 ]
+
+MANAGERS: dict[str, str] = {
+    "lru": "the CPU tier alone, LRU eviction",
+    "arc": "the CPU tier alone, ARC eviction",
+    "tiering": "an LRU CPU tier over three file tiers: fast, slow (jobs land steps later), "
+    "failing (jobs fail at random)",
+}
+"""The managers a simulation or a fuzz campaign can run, by name."""
+
+
+def parse_manager(text: str) -> str:
+    """The manager a ``--manager`` argument names (one of :data:`MANAGERS`).
+
+    Raises ``ValueError`` with the known names otherwise. (The one place that parses the
+    flag, so that further forms extend it here.)
+    """
+    name = text.strip().lower()
+    if name not in MANAGERS:
+        raise ValueError(f"unknown manager {text!r} (known: {', '.join(MANAGERS)})")
+    return name
+
+
+class _StepExecutor(Executor):
+    """Runs each task a fixed number of engine steps after submission (a slow tier), or fails
+    it with ``OSError`` at a seeded rate (a failing tier); deterministic, no threads."""
+
+    def __init__(self, delay_steps: int, fail_prob: float, rng: random.Random) -> None:
+        self.delay = delay_steps
+        self.fail_prob = fail_prob
+        self.rng = rng
+        self.step = 0
+        self._queue: list[tuple[int, Future[Any], Callable[[], Any]]] = []
+        self.failed = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._queue.append((self.step + self.delay, fut, lambda: fn(*args, **kwargs)))
+        if self.delay == 0:
+            self.advance(self.step)
+        return fut
+
+    def advance(self, step: int) -> None:
+        """Run the tasks due at ``step``."""
+        self.step = step
+        due = [q for q in self._queue if q[0] <= step]
+        if not due:
+            return
+        self._queue = [q for q in self._queue if q[0] > step]
+        for _, fut, task in due:
+            if self.fail_prob and self.rng.random() < self.fail_prob:
+                self.failed += 1
+                fut.set_exception(OSError("injected file-tier failure"))
+                continue
+            try:
+                fut.set_result(task())
+            except BaseException as exc:  # delivered through the future, as a thread would
+                fut.set_exception(exc)
+
+    def pending(self) -> int:
+        """Tasks not yet run."""
+        return len(self._queue)
+
+    def run_all(self) -> None:
+        """Run every queued task now (a tier's ``drain`` waits for them)."""
+        self.advance(max((q[0] for q in self._queue), default=self.step))
+
+
+def _drained_by(tier: Any, ex: _StepExecutor) -> Any:
+    """Make ``tier.drain`` run the executor's queued tasks first (it waits on their futures,
+    which only a later engine step would otherwise complete)."""
+    real = tier.drain
+
+    def drain() -> None:
+        ex.run_all()
+        real()
+
+    tier.drain = drain
+    return tier
 
 
 class _InlineExecutor(Executor):
@@ -110,6 +194,7 @@ def _make_backend(
                 pool_regions=list(regions),
                 threads=1,
                 copy_impl=copy_impl,
+                group_tensors=[list(ts) for ts in kv.group_tensors],
             )
     from statecore.worker import MemoryBackend
 
@@ -118,6 +203,7 @@ def _make_backend(
         kv.num_blocks,
         [pool.region(i) for i in regions],
         bpc,
+        group_tensors=[list(ts) for ts in kv.group_tensors],
     )
     backend.gpu = [t.numpy().data.cast("B") for t in kv.tensors[rank]]  # type: ignore[misc]
     return backend
@@ -130,28 +216,39 @@ class SimStack:
         self.cfg = cfg
         root = random.Random(cfg.seed ^ 0x5EED)
         self.clock = SimClock()
-        self.kv = KVCache(cfg.num_workers, cfg.num_gpu_blocks, cfg.num_tensors, cfg.page_bytes)
+        self.groups = cfg.kv_groups()
+        n_tensors = cfg.num_tensors * len(self.groups)  # each group its own tensors
+        self.n_tensors = n_tensors
+        self.kv = KVCache(
+            cfg.num_workers, cfg.num_gpu_blocks, n_tensors, cfg.page_bytes, len(self.groups)
+        )
         row = cfg.page_bytes * cfg.blocks_per_chunk
         # one pool holds every rank's regions, so a secondary tier copies whole chunks
-        self.pool = CPUPool(cfg.cpu_slots, [row] * (cfg.num_tensors * cfg.num_workers))
-        self.tmpdir: str | None = None
+        self.pool = CPUPool(cfg.cpu_slots, [row] * (n_tensors * cfg.num_workers))
+        self.tmpdirs: list[str] = []
+        self.executors: list[_StepExecutor] = []
+        self._manager_rng = random.Random(root.getrandbits(64))
         self.manager = self._make_manager()
+        self.observed = ObservedManager(self.manager)
         self.sched_config = SchedulerConfig(
-            groups=(GroupConfig(cfg.tokens_per_block),),
+            groups=self.groups,
             blocks_per_chunk=cfg.blocks_per_chunk,
             num_workers=cfg.num_workers,
             stall_timeout_s=cfg.stall_timeout_s,
             stall_check_interval_s=cfg.stall_check_interval_s,
         )
         self.scheduler = OffloadingScheduler(
-            self.sched_config, self.manager, clock=self.clock, checked=cfg.checked
+            self.sched_config,
+            self.observed,  # type: ignore[arg-type]
+            clock=self.clock,
+            checked=cfg.checked,
         )
         self.failures_injected = 0
         self.scheduler_keys: dict[int, tuple[Any, ...]] = {}
         self.ranks: list[RankStackImpl] = []
         f = cfg.faults
         for r in range(cfg.num_workers):
-            regions = range(r * cfg.num_tensors, (r + 1) * cfg.num_tensors)
+            regions = range(r * n_tensors, (r + 1) * n_tensors)
             inner = _make_backend(
                 self.kv, r, self.pool, regions, cfg.blocks_per_chunk, cfg.copy_impl
             )
@@ -175,31 +272,50 @@ class SimStack:
 
         return fail
 
-    def _make_manager(self) -> OffloadingManager:
-        cfg = self.cfg
-        primary = CPUOffloadingManager(cfg.cpu_slots)
-        if not cfg.tiering:
-            return primary
-        from statecore.managers.filetier import FileTier
-        from statecore.managers.tiering import TieringOffloadingManager
-
-        self.tmpdir = tempfile.mkdtemp(prefix="statecore-sim-")
-        tier = FileTier(self.tmpdir, self.pool, executor=_InlineExecutor())
-        return TieringOffloadingManager(primary, [tier])
-
     def close(self) -> None:
         """Release the pool and the temporary directory."""
         with contextlib.suppress(Exception):
             self.scheduler.shutdown()
-        if self.tmpdir is not None:
-            shutil.rmtree(self.tmpdir, ignore_errors=True)
-            self.tmpdir = None
+        for d in self.tmpdirs:
+            shutil.rmtree(d, ignore_errors=True)
+        self.tmpdirs = []
+
+    def _make_manager(self) -> OffloadingManager:
+        """The manager of this stack (:func:`make_manager`; subclasses bring their own)."""
+        return make_manager(self, self._manager_rng)
+
+    def advance(self, step: int) -> None:
+        """The slow and failing tiers' clocks."""
+        for ex in self.executors:
+            ex.advance(step)
+
+
+def make_manager(stack: SimStack, rng: random.Random) -> OffloadingManager:
+    """The manager ``stack.cfg`` names (see :data:`MANAGERS`)."""
+    cfg = stack.cfg
+    kind = parse_manager(cfg.manager_kind())
+    if kind in ("lru", "arc"):
+        return CPUOffloadingManager(cfg.cpu_slots, policy=kind)
+    from statecore.managers.filetier import FileTier
+    from statecore.managers.tiering import TieringOffloadingManager
+
+    tiers = []
+    for name, delay, fail in (("fast", 0, 0.0), ("slow", 3, 0.0), ("failing", 0, 0.2)):
+        d = tempfile.mkdtemp(prefix=f"statecore-sim-{name}-")
+        stack.tmpdirs.append(d)
+        if delay or fail:
+            step_ex = _StepExecutor(delay, fail, random.Random(rng.getrandbits(64)))
+            stack.executors.append(step_ex)
+            tiers.append(_drained_by(FileTier(d, stack.pool, executor=step_ex, name=name), step_ex))
+        else:
+            tiers.append(FileTier(d, stack.pool, executor=_InlineExecutor(), name=name))
+    return TieringOffloadingManager(CPUOffloadingManager(cfg.cpu_slots), tiers)
 
 
 def make_store_oracle(stack: SimStack, engine: SimEngine) -> Callable[[int, Any], list[str]]:
     """INV-DATA at store time: a store that completed successfully left exactly its keys'
     bytes in its CPU slots (checked on every rank and tensor)."""
-    from statecore.keys import key_hash
+    from statecore.keys import key_group, key_hash
     from statecore.manager import CPULoadStoreSpec
     from statecore.sim.hashing import block_content
 
@@ -208,6 +324,8 @@ def make_store_oracle(stack: SimStack, engine: SimEngine) -> Callable[[int, Any]
     m = stack.manager
     primary: Any = getattr(m, "primary", m)
     page = cfg.page_bytes
+    group_tensors = stack.kv.group_tensors
+    n_tensors = stack.n_tensors
 
     def check(job_id: int, job: Any) -> list[str]:
         dst = job.dst
@@ -218,13 +336,14 @@ def make_store_oracle(stack: SimStack, engine: SimEngine) -> Callable[[int, Any]
         for key, slot in zip(keys, dst.slots, strict=False):
             if primary.slot_of(key) != slot or not primary.is_ready(key):
                 continue  # failed, stalled, discarded or since evicted: nothing to check
-            chunk = engine.chunk_hashes.get(key_hash(key))
+            g = key_group(key)
+            chunk = engine.chunk_hashes.get(key_hash(key) + bytes([g]))
             if chunk is None:
                 continue
             for r in range(cfg.num_workers):
-                for t in range(cfg.num_tensors):
+                for t in group_tensors[g]:
                     want = b"".join(block_content(h, r, t, page) for h in chunk)
-                    if bytes(pool.row(r * cfg.num_tensors + t, slot)) != want:
+                    if bytes(pool.row(r * n_tensors + t, slot)) != want:
                         errors.append(
                             f"store job {job_id} completed but CPU slot {slot} (rank {r}, "
                             f"tensor {t}) holds wrong bytes for key {key.hex()[:12]}"
@@ -250,6 +369,13 @@ def attach_store_oracle(stack: SimStack, engine: SimEngine) -> None:
     sched.build_connector_meta = build  # type: ignore[method-assign]
     engine.conn = sched
     engine.live_jobs = lambda: sched.jobs
+    engine.stalled_jobs = lambda: sched.stalled_jobs
+    engine.observed = stack.observed
+    if stack.executors:
+        engine.step_hooks.append(stack.advance)
+    engine.extra_pending = lambda: bool(
+        sched.stalled_jobs or any(ex.pending() for ex in stack.executors)
+    )
     engine.store_oracle = make_store_oracle(stack, engine)
 
 
@@ -260,7 +386,6 @@ def build_stack(cfg: SimConfig) -> tuple[SimStack, SimEngine]:
     engine = SimEngine(
         cfg, sched, stack.ranks, stack.kv, stack.clock, in_flight=lambda: len(sched.jobs)
     )
-    engine.extra_pending = lambda: bool(sched.stalled_jobs)
     attach_store_oracle(stack, engine)
     return stack, engine
 
@@ -346,9 +471,11 @@ def _report(cfg: SimConfig, stack: SimStack, engine: SimEngine) -> SimReport:
         steps=st.steps - st.drain_steps,
         drain_steps=st.drain_steps,
         workers=cfg.num_workers,
-        tiering=cfg.tiering,
+        tiering=cfg.manager_kind() == "tiering",
         checked=cfg.checked,
         requests_wanted=cfg.workload.num_requests,
+        groups=cfg.groups,
+        manager=cfg.manager_kind(),
     )
     rep.requests = {
         "arrived": engine.arrived,
@@ -358,6 +485,7 @@ def _report(cfg: SimConfig, stack: SimStack, engine: SimEngine) -> SimReport:
         "preempted": st.preemptions,
         "deferred_lookups": st.deferrals,
         "loads": st.loads_started,
+        "foreign": st.foreign_requests,
     }
     rep.tokens = {
         "prompt": st.prompt_tokens,
@@ -371,7 +499,7 @@ def _report(cfg: SimConfig, stack: SimStack, engine: SimEngine) -> SimReport:
     rep.hit_rate = (st.local_hit_tokens + st.tokens_loaded) / adm if adm else 0.0
     rep.external_hit_rate = st.tokens_loaded / adm if adm else 0.0
     rep.bytes_moved = {"GPU->CPU": c.store_bytes, "CPU->GPU": c.load_bytes}
-    mstats = stack.manager.get_stats() if cfg.tiering else {}
+    mstats = stack.manager.get_stats() if cfg.manager_kind() == "tiering" else {}
     for k, v in mstats.items():
         if isinstance(v, int) and "bytes" in k:
             rep.bytes_moved[k] = v

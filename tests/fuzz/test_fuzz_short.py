@@ -15,6 +15,22 @@ def test_short_fuzz_campaign(capsys: pytest.CaptureFixture[str]) -> None:
     assert "steps/s" in out
 
 
+@pytest.mark.parametrize(("manager", "groups"), [("arc", "mixed"), ("tiering", "full")])
+def test_short_campaign_rotates_managers_and_groups(
+    manager: str, groups: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = fuzz.main(["--seconds", "3", "--manager", manager, "--groups", groups, "--seed", "5"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"manager {manager}, groups {groups}" in out
+
+
+def test_bad_manager_or_groups_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert fuzz.main(["--seconds", "1", "--manager", "nope"]) == 2
+    assert fuzz.main(["--seconds", "1", "--groups", "nope"]) == 2
+    assert "unknown manager" in capsys.readouterr().err
+
+
 def test_decode_and_reproduction_format() -> None:
     program = bytes([0, 0, 5, 0, 3, 9])  # padding, then two operations
     ops = fuzz.decode(program)

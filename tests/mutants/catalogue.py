@@ -38,6 +38,7 @@ from statecore.keys import OffloadKey
 from statecore.manager import ReqContext
 from statecore.managers import redistier
 from statecore.managers.cpu import CPUOffloadingManager
+from statecore.managers.policies import ARCCachePolicy, LRUCachePolicy
 from statecore.scheduler import OffloadingScheduler
 from statecore.wire import ConnectorMetadata
 
@@ -144,6 +145,75 @@ def _build_without_flushes(self: OffloadingScheduler, output: Any) -> ConnectorM
     return dataclasses.replace(meta, jobs_to_flush=frozenset())
 
 
+def _drop_stale_window_blocks_scheduled_only(
+    self: OffloadingScheduler, allocated: set[int], window_new: list[tuple[int, Any, int]]
+) -> None:
+    # before issue 12: only the positions of requests scheduled in this step are checked
+    index = self._window_blocks
+    scheduled = {id(gs) for _, gs, _ in window_new}
+    fresh = {(id(gs), pos) for _, gs, pos in window_new}
+    for b in allocated:
+        held = index.get(b)
+        if not held:
+            continue
+        keep = []
+        for gs, pos in held:
+            if id(gs) not in scheduled:
+                keep.append((gs, pos))
+                continue
+            ids = gs.block_ids
+            if pos < len(ids) and ids[pos] == b and (id(gs), pos) not in fresh:
+                ids[pos] = 0
+        index[b] = keep
+    for b, gs, pos in window_new:
+        index.setdefault(b, []).append((gs, pos))
+
+
+def _untracked_not_recorded(
+    self: OffloadingScheduler, new_ids: Sequence[Sequence[int]], allocated: set[int]
+) -> None:
+    self.counters.unknown_scheduled_requests += 1  # skipped before its blocks are recorded
+
+
+_real_alloc = OffloadingScheduler.update_state_after_alloc
+
+
+def _alloc_load_not_recorded(
+    self: OffloadingScheduler, request: Any, block_ids: Any, num_external_tokens: int
+) -> None:
+    before = set(self._batch.allocated)
+    _real_alloc(self, request, block_ids, num_external_tokens)
+    if num_external_tokens > 0:  # recorded only once the request is scheduled, steps later
+        self._batch.allocated.intersection_update(before)
+
+
+_real_build_stores = OffloadingScheduler._build_store_jobs
+
+
+def _final_stores_skipped(
+    self: OffloadingScheduler, rec: Any, store_jobs: Any, finished: bool
+) -> None:
+    if finished:
+        return  # a finished request's last chunks are silently never stored
+    _real_build_stores(self, rec, store_jobs, finished)
+
+
+def _flush_request_noop(self: OffloadingScheduler, req: Any) -> None:
+    return None  # a preempted request's in-flight jobs are not flushed
+
+
+_real_lru_evict = LRUCachePolicy.evict
+_real_arc_evict = ARCCachePolicy.evict
+
+
+def _lru_evict_unprotected(self: LRUCachePolicy, n: int, protected: Any) -> Any:
+    return _real_lru_evict(self, n, frozenset())  # offered keys are eviction candidates
+
+
+def _arc_evict_unprotected(self: ARCCachePolicy, n: int, protected: Any) -> Any:
+    return _real_arc_evict(self, n, frozenset())
+
+
 def _mutant(
     name: str, description: str, bug_class: str, *patches: tuple[Any, str, Any]
 ) -> tuple[str, Mutant]:
@@ -193,6 +263,57 @@ MUTANTS: dict[str, Mutant] = dict(
             "the CPU manager marks failed and stalled stores loadable",
             "INV-FAIL-STATE: a failed store's garbage is served as a hit",
             (CPUOffloadingManager, "complete_store", _complete_store_always_ok),
+        ),
+        _mutant(
+            "stale_window_block_stored",
+            "a freed sliding-window block handed out while its owner is not scheduled stays "
+            "in the owner's store sources",
+            "issue 12 bug 1 (wrong bytes): stale sliding-window blocks stored; INV-OWN",
+            (
+                OffloadingScheduler,
+                "_drop_stale_window_blocks",
+                _drop_stale_window_blocks_scheduled_only,
+            ),
+        ),
+        _mutant(
+            "untracked_allocation_not_fenced",
+            "blocks scheduled for a request this connector does not track are not recorded "
+            "as handed out",
+            "issue 12 bug 2 (wrong bytes): another connector's allocation not fenced; INV-OWN",
+            (OffloadingScheduler, "_untracked_scheduled", _untracked_not_recorded),
+        ),
+        _mutant(
+            "over_report_completes_job",
+            "a count-only report for more workers than outstanding completes the job",
+            "issue 12 bug 3: a job completes before every worker finished; INV-QUORUM",
+            (kernels, "over_report", lambda pending, ok, bad: False),
+        ),
+        _mutant(
+            "final_store_never_built",
+            "a finished request's final store is silently never built",
+            "issue 12 item 4: a store that never happens (cache lost, bytes fine); "
+            "INV-STORE-COMPLETE",
+            (OffloadingScheduler, "_build_store_jobs", _final_stores_skipped),
+        ),
+        _mutant(
+            "evicts_offered_key",
+            "eviction ignores the keys offered to prepare_store in the same call",
+            "issue 12 item 4: a manager evicts a key it was just offered; INV-EVICT",
+            (LRUCachePolicy, "evict", _lru_evict_unprotected),
+            (ARCCachePolicy, "evict", _arc_evict_unprotected),
+        ),
+        _mutant(
+            "async_load_allocation_not_fenced",
+            "blocks allocated for an asynchronous load are recorded only when the request is "
+            "scheduled (steps later)",
+            "issue 12 item 4: allocations for an external load scheduled in a later step; INV-OWN",
+            (OffloadingScheduler, "update_state_after_alloc", _alloc_load_not_recorded),
+        ),
+        _mutant(
+            "preempt_without_flush",
+            "a preempted request's in-flight jobs are not flushed",
+            "issue 12 item 4: preemption does not flush a request's stores; INV-FLUSH-PREEMPT",
+            (OffloadingScheduler, "flush_request", _flush_request_noop),
         ),
     ]
 )

@@ -183,7 +183,8 @@ class Harness:
             )
         )
         for s in scheduled:
-            self.reqs[s.req_id].num_computed_tokens += s.num_scheduled_tokens
+            if s.req_id in self.reqs:  # not another connector's request
+                self.reqs[s.req_id].num_computed_tokens += s.num_scheduled_tokens
         return meta
 
     def report(

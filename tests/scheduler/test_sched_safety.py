@@ -27,6 +27,7 @@ from statecore import (
     UnknownRequestError,
     WorkerMetadata,
 )
+from statecore.views import ScheduledRequest
 
 
 def snapshot(h: Harness) -> Any:
@@ -133,6 +134,70 @@ def test_stale_sliding_window_ids_are_zeroed_never_stored() -> None:
     for job in meta.store_jobs.values():
         assert swa_first not in job.src.block_ids  # type: ignore[attr-defined]
         assert 0 not in job.src.block_ids  # type: ignore[attr-defined]
+
+
+def _stale_window_setup(h: Harness) -> int:
+    """Request a stores nothing at first (no CPU room); its first sliding-window block left
+    the window. Returns that block."""
+    h.add("a", list(range(8)))
+    h.admit("a")
+    h.step([h.schedule("a", 8)], new=["a"])
+    from sched_harness import chain_hashes
+
+    h.reqs["a"].num_tokens = 12
+    h.reqs["a"].block_hashes = chain_hashes(list(range(12)), 4)
+    return h.blocks["a"][1][0]
+
+
+def test_window_block_handed_out_while_owner_not_scheduled_is_never_stored() -> None:
+    """Bug 1 (issue 12): the owner is not scheduled in the step its freed sliding-window block
+    is handed to another request; its store in a later step must not read it."""
+    fake = RecordingManager()
+    fake.fail_prepare_store = True
+    h = Harness(fake, config(sliding=8))
+    swa_first = _stale_window_setup(h)
+    other = ScheduledRequest("ghost", ((), (swa_first,)), 1)  # any owner, tracked or not
+    h.step([other])  # a is not scheduled in this step
+    fake.fail_prepare_store = False
+    meta = h.step([h.schedule("a", 4)])
+    assert meta.store_jobs
+    for job in meta.store_jobs.values():
+        assert swa_first not in job.src.block_ids  # type: ignore[attr-defined]
+        assert 0 not in job.src.block_ids  # type: ignore[attr-defined]
+
+
+def test_final_store_skips_window_block_handed_out_in_the_same_step() -> None:
+    """Bug 1 (issue 12): a finished request's final store is built in the step its freed
+    sliding-window block is handed out again: the block is not read."""
+    fake = RecordingManager()
+    fake.fail_prepare_store = True
+    h = Harness(fake, config(sliding=8))
+    swa_first = _stale_window_setup(h)
+    h.reqs["a"].num_computed_tokens = 11
+    h.finish("a")
+    fake.fail_prepare_store = False
+    h.add("b", list(range(100, 104)))
+    h.admit("b")
+    meta = h.step(
+        [ScheduledRequest("b", ((h.alloc(1)[0],), (swa_first,)), 4)], finished=["a"], new=["b"]
+    )
+    final = [job for job in meta.store_jobs.values() if job.req_id == "a"]
+    sources = [b for job in final for b in job.src.block_ids]  # type: ignore[attr-defined]
+    assert sources and swa_first not in sources
+
+
+def test_blocks_handed_to_an_untracked_request_flush_the_stores_reading_them(kind: str) -> None:
+    """Bug 2 (issue 12): another connector's request gets a block under an in-flight store;
+    the scheduler skips (and counts) the request but still flushes the store."""
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(16)))
+    (job_id,) = prefill(h, "a")
+    h.finish("a")
+    h.step(finished=["a"])
+    reused = h.blocks["a"][0][1]
+    meta = h.step([ScheduledRequest("other-connector", ((reused,),), 4)])
+    assert job_id in meta.jobs_to_flush
+    assert h.sched.counters.unknown_scheduled_requests == 1
 
 
 # -- 6. finish -----------------------------------------------------------------------------------
@@ -385,10 +450,18 @@ def test_bad_reports_are_absorbed_counted_and_change_nothing(kind: str) -> None:
     with pytest.raises(MetadataError, match="must be a WorkerMetadata"):
         h.sched.update_connector_output({"completed": {job_id: 2}})  # type: ignore[arg-type]
     assert snapshot(h) == before
-    # more reports than workers: the job completes exactly once, the excess is counted
+    # more count-only reports than outstanding workers: rejected whole and counted, so no
+    # job completes before every worker finished; the real reports then complete it once
     h.sched.update_connector_output(WorkerMetadata(completed={job_id: 5}))
+    assert snapshot(h) == before
+    assert (h.sched.counters.over_reports, h.sched.counters.jobs_completed) == (1, 0)
+    h.sched.update_connector_output(WorkerMetadata(completed={job_id: 1}))
+    assert h.sched.jobs[job_id].pending == 1
+    h.sched.update_connector_output(WorkerMetadata(completed={job_id: 2}))  # 2 > 1: rejected
+    assert h.sched.jobs[job_id].pending == 1
+    h.sched.update_connector_output(WorkerMetadata(completed={job_id: 1}))
     assert job_id not in h.sched.jobs
-    assert (h.sched.counters.over_reports, h.sched.counters.jobs_completed) == (1, 1)
+    assert (h.sched.counters.over_reports, h.sched.counters.jobs_completed) == (2, 1)
 
 
 def test_unknown_request_ids_get_typed_errors(kind: str) -> None:
