@@ -209,7 +209,7 @@ class GarbageMachine(StackMachine):
                 lambda: s.get_num_new_matched_tokens(real, nc),
             )
         elif hook == 3 and real is not None:
-            mx = draw(st.sampled_from(INT_BAD))
+            mx = draw(st.sampled_from([x for x in INT_BAD if x is not None]))  # None: no cap
             self._reject(
                 "get_num_new_matched_tokens(max_num_new_tokens)",
                 lambda: s.get_num_new_matched_tokens(real, 0, mx),
@@ -225,7 +225,7 @@ class GarbageMachine(StackMachine):
                 ext = draw(st.sampled_from(INT_BAD))
                 self._reject(
                     "update_state_after_alloc(num_external_tokens)",
-                    lambda: s.update_state_after_alloc(real, [[1]], ext),
+                    lambda: s.update_state_after_alloc(real, [[1]] * len(s.config.groups), ext),
                 )
         elif hook == 5:
             kind = draw(st.integers(0, 2))
@@ -233,9 +233,8 @@ class GarbageMachine(StackMachine):
             if kind == 0:
                 out = draw(st.sampled_from(OBJ_BAD))
             elif kind == 1 and real is not None:
-                out = SchedulerOutput(
-                    scheduled=[ScheduledRequest(real.request_id, ((1,), (2,)), 1)]
-                )
+                wrong = tuple((1 + g,) for g in range(len(s.config.groups) + 1))
+                out = SchedulerOutput(scheduled=[ScheduledRequest(real.request_id, wrong, 1)])
             else:
                 out = dataclasses.replace  # a function: not a SchedulerOutput
             self._reject("build_connector_meta", lambda: s.build_connector_meta(out))

@@ -72,8 +72,11 @@ def test_staging_copy_mode_run_is_clean() -> None:
 def test_group_and_manager_rotation_is_clean(groups: str, manager: str, bpc: int) -> None:
     """Every KV-group preset and manager (the tiering one with a slow and a failing file
     tier) passes the per-group byte oracle and the expectation oracles."""
-    cfg = _small(seed=7, groups=groups, manager=manager, blocks_per_chunk=bpc, steps=700)
-    cfg = dataclasses.replace(cfg, workload=WorkloadConfig(num_requests=120))
+    cfg = dataclasses.replace(
+        _small(seed=7, groups=groups, manager=manager, blocks_per_chunk=bpc),
+        steps=700,
+        workload=WorkloadConfig(num_requests=120),
+    )
     rep = simulate(cfg)
     assert rep.ok, rep.format_text()
     assert rep.jobs["stores"] > 0 and rep.tokens["loaded"] > 0
@@ -85,7 +88,7 @@ def test_engine_model_frees_window_blocks_and_checks_expectations() -> None:
     foreign requests, and the oracles really ran."""
     from statecore.sim.run import build_stack
 
-    stack, engine = build_stack(_small(seed=2, steps=400))
+    stack, engine = build_stack(dataclasses.replace(_small(seed=2), steps=400))
     try:
         engine.run()
     finally:
