@@ -105,7 +105,10 @@ def test_unmodified_stack_passes(name: str) -> None:
     if res.counterexample is not None and _is_stale_list_bug(res.counterexample.violation):
         pytest.xfail(f"known bug (test_stale_block_list_bug): {res.counterexample.violation}")
     assert res.counterexample is None, format_counterexample(res.scope, res.counterexample)
-    assert res.complete and res.states > 1000 and res.depth == TEST_DEPTH[name]
+    # with another connector's allocations recorded (issue 12 bug 2 fixed), "foreign" has no
+    # wrong-bytes branches left: a smaller state space
+    least = 500 if name == "foreign" and UNTRACKED_FIXED else 1000
+    assert res.complete and res.states > least and res.depth == TEST_DEPTH[name]
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
@@ -118,6 +121,8 @@ def test_mutant_found_and_replayed(name: str, tmp_path: Path) -> None:
             if res.counterexample is not None:
                 break
         cex = res.counterexample
+        if cex is not None and name in OUTSIDE_THE_WORLD and _is_stale_list_bug(cex.violation):
+            pytest.xfail(f"{name}: only the known bug was found (test_stale_block_list_bug)")
         if cex is None and name in OUTSIDE_THE_WORLD:
             pytest.skip(f"{name}: not found in {order}: {OUTSIDE_THE_WORLD[name]}")
         assert cex is not None, f"mutant {name!r} survived scopes {order}: {res.summary()}"
