@@ -78,6 +78,7 @@ def test_counters_have_exact_values_after_a_realistic_run(kind: str) -> None:
         "invalid_report_counts": 0,
         "lookups": 4,
         "lookups_deferred": 1,
+        "loader_waits_expired": 0,
         "lookup_hit_tokens": 16,
         "allocation_failures": 0,
         "flushes_requested": 0,
@@ -103,6 +104,8 @@ def test_counters_count_each_kind_of_bad_report_once(kind: str) -> None:
     bad = WorkerMetadata(completed={job: 0, 4242: 1}, failed={job: -1})
     h.sched.update_connector_output(bad)
     h.sched.update_connector_output(WorkerMetadata(completed={job: 3}))  # one over quorum
+    assert h.sched.jobs[job].pending == 2  # rejected whole: no job completes early
+    h.sched.update_connector_output(WorkerMetadata(completed={job: 2}))
     h.sched.update_connector_output(WorkerMetadata(completed={-5: 1}))  # never issued
     c = h.sched.counters
     assert (c.invalid_report_counts, c.unknown_reports, c.over_reports) == (2, 2, 1)
