@@ -13,7 +13,14 @@ import itertools
 import pytest
 
 from statecore.keys import OffloadKey, make_offload_key
-from statecore.manager import LookupResult, ReqContext, ScheduleEndContext
+from statecore.manager import (
+    LookupResult,
+    Medium,
+    ReqContext,
+    ScheduleEndContext,
+    TierFilter,
+    TierMatcher,
+)
 from statecore.managers import (
     ARCCachePolicy,
     CPUOffloadingManager,
@@ -209,3 +216,21 @@ def test_arc_policy_evicts_the_selected_victims_into_ghost_lists(target: float) 
         assert key not in p.t1 and key not in p.t2
         assert key in (p.b1 if src == 1 else p.b2)
     assert set(p.evictable_keys()) == {k(i) for i in range(1, 7)} - set(victims)
+
+
+# -- tiering: a tier the request may not load from is skipped, not the end of the search ---------
+
+
+def test_disallowed_tier_is_skipped_and_the_next_one_promotes() -> None:
+    cpu_tier = MemoryTier(medium=Medium.CPU, name="cpu")
+    disk_tier = MemoryTier(medium=Medium.STORAGE, name="disk")
+    cpu_tier.put(k(1))
+    disk_tier.put(k(1))
+    disk_tier.put(k(2))
+    m = TieringOffloadingManager(CPUOffloadingManager(4), [cpu_tier, disk_tier])
+    disk_only = ReqContext("r", load_tier_filter=TierFilter((TierMatcher(Medium.STORAGE),)))
+    assert m.lookup(k(1), disk_only) is LookupResult.HIT_PENDING  # the first tier is skipped
+    assert m.lookup(k(2), disk_only) is LookupResult.HIT_PENDING
+    m.on_schedule_end(END)
+    assert not cpu_tier.submitted
+    assert [j.keys for j in disk_tier.submitted] == [(k(1), k(2))]
