@@ -276,3 +276,29 @@ def test_lookup_with_the_first_chunk_pending_loads_nothing() -> None:
     k2 = list(h2.sched.requests["b"].groups[0].keys)
     h2.manager.lookup_override[k2[0]] = LookupResult.HIT_PENDING  # type: ignore[attr-defined]
     assert h2.sched.get_num_new_matched_tokens(h2.reqs["b"], 0) == (None, False)
+
+
+# -- sliding window: a chunk being written blocks the window it falls in -------------------------
+
+H, P, M, R = kernels.HIT, kernels.HIT_PENDING, kernels.MISS, kernels.RETRY
+
+
+@pytest.mark.parametrize(
+    ("results", "window", "expected"),
+    [
+        ([H, H, H, H], 2, 4),  # the rightmost full window
+        ([H, H, P, H], 2, None),  # the rightmost window holds a pending chunk: defer
+        ([H, H, M, H], 2, 2),  # the window left of the miss
+        ([P, H], 3, None),  # no full window; the leading run has a pending chunk
+        ([H, H], 3, 2),  # no full window: the leading run of hits
+        ([M, H], 3, 0),  # no full window and no leading hit: nothing
+        ([H, R, H, H], 2, 4),  # a RETRY left of the chosen window does not matter
+        ([H, R, H], 2, None),  # a RETRY before any full window is found: defer
+        ([P, M, H, H], 2, 4),  # a pending chunk outside the chosen window does not matter
+        ([], 1, 0),
+    ],
+)
+def test_window_hits_never_reads_a_pending_chunk(
+    results: list[int], window: int, expected: int | None
+) -> None:
+    assert kernels.window_hits(results, window) == expected
