@@ -846,8 +846,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write, check or print the generated pages as ``args`` say."""
-    pages = rendered_pages()
     if args.print:
+        pages = rendered_pages()
         if args.print not in pages:
             print(
                 f"statecore docs: argument --print: no generated page {args.print!r}; "
@@ -858,13 +858,14 @@ def run(args: argparse.Namespace) -> int:
         print(pages[args.print], end="")
         return 0
     docs_dir = args.out if args.out is not None else default_docs_dir()
-    if docs_dir is None:
+    if docs_dir is None:  # checked before the (slower) rendering
         print(
             "statecore docs: not running from a source checkout; say where the docs are with "
             "--out DIR (e.g. --out docs)",
             file=sys.stderr,
         )
         return 2
+    pages = rendered_pages()
     if args.check:
         return report_stale("statecore docs", check(docs_dir, pages), len(pages), "pages", docs_dir)
     for path in write(docs_dir, pages):
