@@ -135,3 +135,17 @@ def test_implemented_values_build_the_config() -> None:
     assert not plain.tiering and plain.eviction_policy == "lru" and not plain.tier_specs
     own = validate_extra_config({"secondary_tiers": [{"kind": "redis", "url": "redis://h/0"}]})
     assert own.tiering and own.tier_specs == ({"kind": "redis", "url": "redis://h/0"},)
+
+
+def test_the_page_shows_the_error_of_every_refusable_key() -> None:
+    from statecore.adapters.vllm_keys import REFUSED_EXAMPLES, refusal_message
+
+    page = render_table_page()
+    shown = {key for key, _ in REFUSED_EXAMPLES}
+    for spec in EXTRA_KEYS.values():
+        if spec.status == "rejected" or spec.name in ("tier_poll_interval_s", "canonical_layout"):
+            assert spec.name in shown, spec.name
+    for key, example in REFUSED_EXAMPLES:
+        msg = refusal_message(example)
+        assert key == "(unknown)" or f"'{key}'" in msg
+        assert msg.replace("|", "\\|") in page
