@@ -132,10 +132,14 @@ class SimReport:
         for w in warnings:
             add(f"WARNING       {w}")
         r = self.requests
+        wanted = f" (of {self.requests_wanted} requested)" if self.requests_wanted else ""
         add(
             "requests      "
-            + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in r.items())
-            + (f" (of {self.requests_wanted} requested)" if self.requests_wanted else "")
+            + ", ".join(
+                f"{k.replace('_', ' ')} {v}{wanted if k == 'arrived' else ''}"
+                + (" (another connector's)" if k == "foreign" else "")
+                for k, v in r.items()
+            )
         )
         t = self.tokens
         add(
