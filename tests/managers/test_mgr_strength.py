@@ -12,6 +12,7 @@ import itertools
 
 import pytest
 
+from statecore.errors import ConfigError
 from statecore.keys import OffloadKey, make_offload_key
 from statecore.manager import (
     LookupResult,
@@ -234,3 +235,17 @@ def test_disallowed_tier_is_skipped_and_the_next_one_promotes() -> None:
     m.on_schedule_end(END)
     assert not cpu_tier.submitted
     assert [j.keys for j in disk_tier.submitted] == [(k(1), k(2))]
+
+
+# -- CPU manager configuration: each bound is exact ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "minimum"), [("num_slots", 0), ("store_threshold", 0), ("max_tracker_size", 1)]
+)
+def test_cpu_manager_config_bounds_are_exact(field: str, minimum: int) -> None:
+    base: dict[str, int] = {"num_slots": 4, "store_threshold": 1, "max_tracker_size": 8}
+    m = CPUOffloadingManager(**{**base, field: minimum})  # type: ignore[arg-type]
+    assert getattr(m, "capacity" if field == "num_slots" else field) == minimum
+    with pytest.raises(ConfigError, match=field):
+        CPUOffloadingManager(**{**base, field: minimum - 1})  # type: ignore[arg-type]
