@@ -75,6 +75,7 @@ FAST_TESTS: tuple[str, ...] = (
     "tests/managers",
     "tests/lifecycle",
     "tests/worker/test_worker_core.py",
+    "tests/worker/test_worker_strength.py",
 )
 """The fast test subset the killers run (each mutant's own folder first)."""
 
@@ -92,7 +93,10 @@ FIRST_TESTS: dict[str, tuple[str, ...]] = {
         "tests/managers/test_mgr_policies.py",
         "tests/managers/test_mgr_strength.py",
     ),
-    "statecore/worker.py": ("tests/worker/test_worker_core.py",),
+    "statecore/worker.py": (
+        "tests/worker/test_worker_core.py",
+        "tests/worker/test_worker_strength.py",
+    ),
 }
 """Tests run first for a mutant of each module (the rest of the subset follows)."""
 
