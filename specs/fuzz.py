@@ -252,7 +252,10 @@ def _manager_kit(args: argparse.Namespace) -> int:
         args.examples or DEFAULT_EXAMPLES,
         args.steps or DEFAULT_STEPS,
         args.seed,
+        exact=not args.composite,
         shrink_seconds=shrink,
+        admission=args.admission,
+        eviction=args.eviction,
     )
 
 
@@ -314,6 +317,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         default=None,
         help="--manager: shrinking time cap (default 10)",
+    )
+    p.add_argument(
+        "--composite",
+        action="store_true",
+        help="--manager: may hold more than its store results say (a tiering manager)",
+    )
+    p.add_argument(
+        "--admission",
+        action="store_true",
+        help="--manager: may decline offered keys or refuse a store it has room for",
+    )
+    p.add_argument(
+        "--eviction",
+        choices=("fifo", "lru"),
+        default=None,
+        help="--manager: declared victim order, checked on every eviction",
     )
     try:
         args = p.parse_args(list(argv) if argv is not None else None)

@@ -67,6 +67,8 @@ def run_kit(
     seed: int | None,
     exact: bool = True,
     shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
+    admission: bool = False,
+    eviction: str | None = None,
     out: Any = None,
 ) -> int:
     """Run the conformance kit against ``spec``; 0 when it passes, 1 on a finding, 2 on misuse."""
@@ -90,6 +92,8 @@ def run_kit(
         lambda: make(capacity),
         capacity,
         exact=exact,
+        admission=admission,
+        eviction=eviction,
         step_count=steps,
         examples=examples,
         repro_factory=f"{module_name}:{attr}({capacity})",

@@ -248,6 +248,10 @@ def test_fuzz_manager_import_path(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert bad == 1
     assert "INV-EVICT" in out and "from statecore.specs.planted import EvictsPinned" in out
+    declared = ["--manager", "statecore.specs.fifo:FifoManager", "--examples", "20"]
+    assert fuzz_main([*declared, "--seed", "0", "--eviction", "fifo", "--admission"]) == 0
+    assert fuzz_main([*declared, "--seed", "1", "--composite"]) == 0
+    capsys.readouterr()
     assert fuzz_main(["--manager", "statecore.specs.fifo:Nope"]) == 2
     assert fuzz_main(["--manager", "no_such_module_xyz:F"]) == 2
 
