@@ -933,10 +933,7 @@ class OffloadingScheduler:
                 self._update_keys(rec)
             rec.num_scheduled = s.num_scheduled_tokens
             if s.resumed_from_preemption:
-                rec.store_floor = 0
-                for gs in rec.groups:
-                    gs.block_ids.clear()
-                    gs.cursor = 0
+                self._clear_block_lists(rec)
             for g, ids in enumerate(new_ids):
                 if ids:
                     gs = rec.groups[g]
@@ -1442,6 +1439,20 @@ class OffloadingScheduler:
     def flush_request(self, req: RequestRecord) -> None:
         """Flush every in-flight job of a preempted request."""
         self._batch.flush.update(req.jobs)
+
+    def drop_block_lists(self, req: RequestRecord) -> None:
+        """A preempted request's blocks are freed: its block lists and store cursors start
+        over (INV-CURSOR), so no store (a final one after an abort, say) can read a block
+        that the engine has handed to another owner since. The next scheduling brings the
+        new lists."""
+        self._clear_block_lists(req)
+
+    @staticmethod
+    def _clear_block_lists(req: RequestRecord) -> None:
+        req.store_floor = 0
+        for gs in req.groups:
+            gs.block_ids.clear()
+            gs.cursor = 0
 
     def on_finish(self, req: RequestRecord) -> None:
         """Fence the full-attention sources of the finished request's in-flight stores."""

@@ -57,6 +57,9 @@ class LifecycleEffects(Protocol):
     def flush_request(self, req: Any) -> None:
         """Put every in-flight job of the request in this step's flush set."""
 
+    def drop_block_lists(self, req: Any) -> None:
+        """The engine freed the request's blocks (preemption): forget its block lists."""
+
     def on_finish(self, req: Any) -> None:
         """The request finished: fence the sources of its in-flight stores."""
 
@@ -114,6 +117,11 @@ def no_jobs(model: Any) -> bool:
 def flush_request(model: Any) -> None:
     """Flush every in-flight job of the request (preemption)."""
     model.owner.flush_request(model)
+
+
+def drop_block_lists(model: Any) -> None:
+    """Forget the preempted request's block lists: the engine freed them (INV-CURSOR)."""
+    model.owner.drop_block_lists(model)
 
 
 def on_finish(model: Any) -> None:
@@ -177,10 +185,10 @@ class RequestLifecycle(StateMachine):
         | finished_draining.to(released, cond=no_jobs, on=release_request)
     )
     preempt = (
-        no_transfer.to.itself(internal=True)
-        | loading.to(preempted_draining, on=flush_request)
-        | storing.to(preempted_draining, on=flush_request)
-        | preempted_draining.to.itself(internal=True)
+        no_transfer.to.itself(internal=True, on=drop_block_lists)
+        | loading.to(preempted_draining, on=[flush_request, drop_block_lists])
+        | storing.to(preempted_draining, on=[flush_request, drop_block_lists])
+        | preempted_draining.to.itself(internal=True, on=drop_block_lists)
     )
     finish = (
         no_transfer.to(finished_pending_final, on=on_finish)

@@ -73,15 +73,11 @@ STALE_LIST_TRACE = [
     ("step",),
     ("ok", 0, 2),
 ]
-"""A bug of the unmodified scheduler that ``statecore check`` found (scope ``one``): a
+"""A bug that ``statecore check`` found in the scheduler (scope ``one``), now fixed: a
 preempted request is re-admitted with a load into new blocks, the cache is reset (its cursor
-rewinds), it is aborted while loading; its final store then reads the block list of its
-*first* allocation, whose blocks the load filled with other chunks: wrong bytes stored under
-valid keys."""
-
-
-def _is_stale_list_bug(violation: str) -> bool:
-    return violation.startswith("INV-DATA: store job") and "completed" in violation
+rewinds), it is aborted while loading; its final store read the block list of its *first*
+allocation, whose blocks the load had filled with other chunks: wrong bytes stored under valid
+keys. The seeded mutant ``preempt_keeps_block_lists`` re-introduces it."""
 
 
 UNTRACKED_FIXED = hasattr(OffloadingScheduler, "_untracked_scheduled")
@@ -102,8 +98,6 @@ def test_unmodified_stack_passes(name: str) -> None:
         assert res.counterexample is not None
         assert res.counterexample.violation.startswith("INV-DATA")
         return
-    if res.counterexample is not None and _is_stale_list_bug(res.counterexample.violation):
-        pytest.xfail(f"known bug (test_stale_block_list_bug): {res.counterexample.violation}")
     assert res.counterexample is None, format_counterexample(res.scope, res.counterexample)
     # with another connector's allocations recorded (issue 12 bug 2 fixed), "foreign" has no
     # wrong-bytes branches left: a smaller state space
@@ -121,8 +115,6 @@ def test_mutant_found_and_replayed(name: str, tmp_path: Path) -> None:
             if res.counterexample is not None:
                 break
         cex = res.counterexample
-        if cex is not None and name in OUTSIDE_THE_WORLD and _is_stale_list_bug(cex.violation):
-            pytest.xfail(f"{name}: only the known bug was found (test_stale_block_list_bug)")
         if cex is None and name in OUTSIDE_THE_WORLD:
             pytest.skip(f"{name}: not found in {order}: {OUTSIDE_THE_WORLD[name]}")
         assert cex is not None, f"mutant {name!r} survived scopes {order}: {res.summary()}"
@@ -140,11 +132,17 @@ def test_mutant_found_and_replayed(name: str, tmp_path: Path) -> None:
         assert violation is None or violation.startswith("replay:"), violation
 
 
-@pytest.mark.xfail(strict=True, reason="scheduler bug found by statecore check, not fixed yet")
-def test_stale_block_list_bug() -> None:
-    """The counterexample of :data:`STALE_LIST_TRACE` runs clean (fails until fixed)."""
+def test_stale_block_list_bug_fixed() -> None:
+    """The counterexample of :data:`STALE_LIST_TRACE` runs clean; under the mutant that keeps
+    a preempted request's block lists it reaches the wrong bytes again."""
     _, violation, n = replay(SCOPES["one"], STALE_LIST_TRACE)
+    # fixed, the final store from the stale lists is never built: its report has no job
+    assert violation == "replay: action ('ok', 0, 2) is not enabled at step 12", violation
+    _, violation, n = replay(SCOPES["one"], STALE_LIST_TRACE[:-1])
     assert violation is None, f"after {n} actions: {violation}"
+    with MUTANTS["preempt_keeps_block_lists"].apply():
+        _, violation, n = replay(SCOPES["one"], STALE_LIST_TRACE)
+    assert violation is not None and violation.startswith("INV-DATA: store job"), violation
 
 
 def test_shortest_trace_is_shortest() -> None:

