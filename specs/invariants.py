@@ -384,7 +384,9 @@ INVARIANTS: dict[str, Invariant] = {
             "computed, in a request life without a reset, is offered to a prepare_store that "
             "answers (stored, or declined by the manager), or is known to the manager (found "
             "by a lookup), or was refused for lack of room at its last chance (the final "
-            "store). Sliding-window chunks may be skipped (their blocks left the window).",
+            "store), or was covered by an admission with a load (local prefix plus loaded "
+            "chunks, never offered again under the chunk-level policy). Sliding-window chunks "
+            "may be skipped (their blocks left the window).",
             "A store that silently never happens: cache lost, bytes fine.",
             ("simulator (engine model)", "fuzzing"),
         ),

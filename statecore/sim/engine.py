@@ -251,6 +251,9 @@ class SimRequest:
     load_since: int = 0
     deferred_since: int | None = None
     deferred_last: int = -1
+    covered: int = 0
+    """Tokens an admission with a load covered (local prefix + loaded): under the chunk-level
+    policy the connector never offers those chunks again."""
     hung: bool = False
     epoch: int = 0
 
@@ -736,7 +739,8 @@ class SimEngine:
                 continue
             tpc = self.g_tpb[g] * bpc
             hpc = self.g_hpb[g] * bpc
-            for c in range(n_off // tpc):
+            skip = -(-r.covered // tpc)  # covered at admission: a named cause, never offered
+            for c in range(skip, n_off // tpc):
                 keys.append(make_offload_key(req.block_hashes[(c + 1) * hpc - 1], g))
         if keys:
             self._completeness.append((r.turn.req_id, keys, self.epoch))
@@ -985,6 +989,7 @@ class SimEngine:
                     )
                     r.status = Status.LOADING
                     r.load = (n_local, ext)
+                    r.covered = max(r.covered, total)
                     r.load_since = k
                     if self.rng.random() < cfg.workload.abort_during_load_prob:
                         r.abort_at = k + 1
