@@ -302,3 +302,47 @@ def test_window_hits_never_reads_a_pending_chunk(
     results: list[int], window: int, expected: int | None
 ) -> None:
     assert kernels.window_hits(results, window) == expected
+
+
+# -- first scheduling after an allocation: both forms of the block lists -------------------------
+
+
+@pytest.mark.parametrize("form", ["complete", "delta"])
+def test_first_scheduling_after_a_load_keeps_the_allocated_blocks(kind: str, form: str) -> None:
+    """vLLM may repeat the complete block lists or send only the blocks added since the
+    allocation; either way the request's blocks are the allocation followed by the new ones
+    (whatever their ids), and its stores read the new blocks."""
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(16)))
+    h.report(list(prefill(h, "a")))
+    h.add("b", list(range(16)) + list(range(500, 516)))
+    assert h.admit("b") == (16, True)
+    (load,) = h.step().load_jobs
+    assert h.report([load]).finished_loads == {"b"}
+    allocated = list(h.blocks["b"][0])
+    added = [900, 901, 902, 903]  # ids above the allocation's (the engine's free list order)
+    sent = allocated + added if form == "complete" else added
+    h.reqs["b"].num_computed_tokens = 16
+    meta = h.step([ScheduledRequest("b", (tuple(sent),), 16)])
+    assert list(h.sched.requests["b"].groups[0].block_ids) == allocated + added
+    (store,) = meta.store_jobs.values()
+    assert list(store.src.block_ids) == added  # type: ignore[attr-defined]
+
+
+def test_first_scheduling_that_repeats_exactly_the_allocation(kind: str) -> None:
+    """The allocation already covers the tokens scheduled next (as in vLLM): the complete
+    lists sent at the first scheduling equal the allocation and are taken once, not twice."""
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(16)))
+    h.report(list(prefill(h, "a")))
+    b = h.add("b", list(range(16)) + [7, 7, 7, 7])
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (16, True)
+    blocks = h.alloc(5)  # 16 loaded tokens and the 4 computed next
+    h.sched.update_state_after_alloc(b, [blocks], 16)
+    (load,) = h.step().load_jobs
+    h.report([load])
+    b.num_computed_tokens = 16
+    meta = h.step([ScheduledRequest("b", (tuple(blocks),), 4)])
+    assert list(h.sched.requests["b"].groups[0].block_ids) == blocks
+    (store,) = meta.store_jobs.values()
+    assert list(store.src.block_ids) == blocks[4:]  # type: ignore[attr-defined]
