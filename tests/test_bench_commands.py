@@ -49,3 +49,28 @@ def test_bench_tier_prints_store_and_load_for_every_chunk_size(
     rows = re.findall(row, out, re.M)
     assert sorted(rows) == [("256", "load"), ("256", "store"), ("64", "load"), ("64", "store")]
     assert "MISMATCH" not in out
+
+
+def test_bench_scheduler_change_proportional_mode_prints_the_reference_and_each_n(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "scheduler", "--engine", "standalone", "--clock", "thread"]
+    assert main([*argv, "--active", "4", "--concurrency", "16", "--steps", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "at most 4 requests scheduled per step" in out
+    assert re.search(r"^N=4 \(reference, no cap\)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+1\.00$", out, re.M)
+    assert re.search(r"^N=16, 4 active\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M)
+
+
+def test_bench_scheduler_soak_prints_a_memory_curve_and_stops_at_the_job_target(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "scheduler", "--soak", "--concurrency", "8", "--clock", "thread"]
+    assert main([*argv, "--soak-jobs", "30", "--soak-seconds", "60", "--soak-samples", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "soak: N=8, until 30 jobs or 60 s" in out
+    rows = re.findall(r"^\s+([\d.]+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+0\.0(?:\s+[\d.]+){4}$", out, re.M)
+    assert rows, out
+    jobs = [int(r[2]) for r in rows]
+    assert jobs == sorted(jobs) and jobs[-1] >= 30  # stopped at the target, not the clock
+    assert all(float(r[3]) > 0 for r in rows)  # RSS read

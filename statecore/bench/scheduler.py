@@ -104,6 +104,10 @@ class Scenario:
     """Enable KV events (self-describing ones) and collect the connector's event stream."""
     clock: str = "perf"
     """Timer of the hooks: ``perf`` (wall) or ``thread`` (this thread's CPU time)."""
+    active: int = 0
+    """Standalone engine: at most this many requests scheduled per step (0: no cap). The
+    others stay in flight, tracked by the connector, idle; running ones are served
+    round-robin and waiting ones get a share of the slots (the change-proportional mode)."""
 
     def num_gpu_blocks(self) -> int:
         """GPU blocks: 1.1x what N average requests need, at least two of the largest."""
@@ -169,9 +173,11 @@ class StepDelayBackend:
         self.fail_every = fail_every
         self._loads = 0
         self._failing: set[int] = set()
+        self.submitted = 0
 
     def submit(self, job_id: int, job: TransferJob, is_store: bool) -> None:
         """Queue the job (every ``fail_every``-th load will report a failure)."""
+        self.submitted += 1
         self._due[job_id] = (self.clock[0] + self.delay[is_store], is_store)
         if not is_store and self.fail_every:
             self._loads += 1
@@ -220,6 +226,7 @@ class HookTimer:
     ) -> None:
         self.ns: dict[str, int] = dict.fromkeys(HOOKS, 0)
         self.steps: list[tuple[int, dict[str, int]]] = []
+        self.target = target
         # thread CPU time: ratios between runs hold on a loaded machine (no preemption noise)
         pc = time.thread_time_ns if clock == "thread" else time.perf_counter_ns
         for name in HOOKS:
@@ -325,7 +332,12 @@ def _standalone_scheduler(sc: Scenario) -> tuple[OffloadingScheduler, CPUOffload
     return OffloadingScheduler(cfg, manager), manager
 
 
-def run_standalone(sc: Scenario) -> RunResult:
+StepProbe = Callable[[int, "HookTimer", "RunResult", int], bool]
+"""Called after every standalone step with (step, timer, result, jobs submitted so far);
+returning True ends the run at once (no drain)."""
+
+
+def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
     """The scenario on this module's engine loop over statecore's stack."""
     sched, _ = _standalone_scheduler(sc)
     clock = [0]
@@ -374,9 +386,12 @@ def run_standalone(sc: Scenario) -> RunResult:
         scheduled: list[tuple[_Req, int]] = []
         new_ids: set[str] = set()
         preempted: set[str] = set()
-        # running requests first (as vLLM): chunked prefill or one decode token
+        # running requests first (as vLLM): chunked prefill or one decode token; with
+        # ``active``, at most that many requests a step, waiting ones keeping a share
+        cap = sc.active or len(running) + len(waiting) + 1
+        run_cap = max(cap - len(waiting), cap // 2)
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0 and i < run_cap:
             r = running[i]
             v = r.view
             n = min(v.num_tokens - v.num_computed_tokens, budget)
@@ -402,12 +417,15 @@ def run_standalone(sc: Scenario) -> RunResult:
             scheduled.append((r, n))
             budget -= n
             i += 1
+        if sc.active:  # round-robin: the next step starts after the last one served
+            running = running[i:] + running[:i]
         # waiting requests
         still: list[_Req] = []
         blocked = False  # FCFS, as vLLM: the first request that does not fit stops admission
         for r in waiting:
             v = r.view
-            if blocked or r.loading or budget <= 0 or len(running) >= sc.concurrency:
+            full = len(running) >= sc.concurrency or len(scheduled) >= cap
+            if blocked or r.loading or budget <= 0 or full:
                 still.append(r)
                 continue
             if r.blocks:  # its load ended: schedule the rest
@@ -515,6 +533,8 @@ def run_standalone(sc: Scenario) -> RunResult:
         timer.end_step(sum(n for _, n in scheduled))
         step += 1
         clock[0] += 1
+        if probe is not None and probe(step, timer, res, backends[0].submitted):
+            break
     res.wall_s = time.perf_counter() - t0
     res.summary = summarize(timer.steps, sc.warmup_steps, sc.steps)
     res.counters.update(
@@ -527,7 +547,8 @@ def run_standalone(sc: Scenario) -> RunResult:
         "fences": len(sched.fence_index),
         "backend_pending": sum(b.pending() for b in backends),
     }
-    res.bytes_per_job = job_record_bytes()
+    if probe is None and not sc.active:  # (soak and capped runs: not printed)
+        res.bytes_per_job = job_record_bytes()
     return res
 
 
@@ -570,6 +591,81 @@ def job_record_bytes(n: int = 2000) -> float:
         raise RuntimeError(f"expected {n} in-flight jobs, found {len(sched.jobs)}")
     grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
     return grown / n
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (``/proc/self/statm``; else the peak RSS)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class SoakSample:
+    """One point of the soak curve: memory and per-step cost over the window that ends here."""
+
+    elapsed_s: float
+    step: int
+    jobs: int
+    rss_mib: float
+    traced_mib: float
+    """``tracemalloc``'s current traced memory (0 when not tracing)."""
+    tracked_requests: int
+    tracked_jobs: int
+    median_us: float
+    p99_us: float
+
+
+def run_soak(
+    sc: Scenario, seconds: float, jobs: int, samples: int = 20, trace: bool = False
+) -> list[SoakSample]:
+    """The standalone engine until ``jobs`` transfer jobs were submitted or ``seconds`` passed,
+    sampled about ``samples`` times: RSS (and ``tracemalloc`` with ``trace``), the
+    scheduler's table sizes and the hooks' per-step cost (median, p99) since the last sample.
+    The benchmark's own per-step records are dropped at each sample so that they do not grow
+    with the run."""
+    curve: list[SoakSample] = []
+    interval = seconds / max(samples, 1)
+    t0 = time.perf_counter()
+    nxt = [t0 + interval]
+    if trace:
+        tracemalloc.start()
+
+    def probe(step: int, timer: HookTimer, res: RunResult, submitted: int) -> bool:
+        now = time.perf_counter()
+        stop = submitted >= jobs or now - t0 >= seconds
+        if now < nxt[0] and not stop:
+            return False
+        nxt[0] = now + interval
+        costs = [sum(ns.values()) / 1e3 for tok, ns in timer.steps if tok > 0] or [0.0]
+        timer.steps.clear()
+        res.outputs.clear()
+        sched = timer.target
+        curve.append(
+            SoakSample(
+                now - t0,
+                step,
+                submitted,
+                rss_bytes() / 2**20,
+                tracemalloc.get_traced_memory()[0] / 2**20 if trace else 0.0,
+                len(sched.requests),
+                len(sched.jobs),
+                statistics.median(costs),
+                _pct(costs, 99),
+            )
+        )
+        return stop
+
+    try:
+        run_standalone(sc, probe)
+    finally:
+        if trace:
+            tracemalloc.stop()
+    return curve
 
 
 # --------------------------------------------------------------------------------------------
@@ -1046,6 +1142,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "a loaded machine)",
     )
     p.add_argument(
+        "--active",
+        type=int_range(1),
+        metavar="K",
+        help="change-proportional mode (standalone): at most K requests scheduled per step, "
+        "the others in flight and idle; each N is printed next to an uncapped N=K run",
+    )
+    p.add_argument(
+        "--soak",
+        action="store_true",
+        help="soak (standalone): N concurrent requests (default 10000) until --soak-jobs jobs "
+        "or --soak-seconds; prints the memory and per-step cost curve",
+    )
+    p.add_argument("--soak-jobs", type=int_range(1), default=10**6, help="soak: job target")
+    p.add_argument("--soak-seconds", type=float, default=60.0, help="soak: time bound (default 60)")
+    p.add_argument("--soak-samples", type=int_range(1), default=20, help="soak: curve points")
+    p.add_argument(
+        "--tracemalloc", action="store_true", help="soak: also trace Python allocations (slow)"
+    )
+    p.add_argument(
         "--json", metavar="FILE", type=output_file, help="write every run's summary here"
     )
     a = p.parse_args(list(argv) if argv is not None else None)
@@ -1057,7 +1172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gpu_cache_factor": a.gpu_cache_factor,
         "clock": a.clock,
     }
+    if a.soak:
+        return _soak_main(a, shape)
     ns = a.concurrency or [64, 256, 1024]
+    if a.active:
+        return _active_main(a, shape, ns)
     vns = a.vllm_concurrency or [n for n in ns if n <= 256] or ns
     use_vllm = a.engine in ("vllm", "both") or (a.engine == "auto" and have_vllm())
     use_standalone = a.engine in ("standalone", "both", "auto")
@@ -1088,6 +1207,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump([r.as_json() for r in runs], f, indent=1)
+    return 0
+
+
+def _active_main(a: Any, shape: dict[str, Any], ns: list[int]) -> int:
+    k = a.active
+    print(f"change-proportional mode: at most {k} requests scheduled per step")
+    print(_header() + f" {'ratio':>7}")
+    base = Scenario(concurrency=k, steps=a.steps, num_workers=a.workers, seed=a.seed, **shape)
+    ref = run_standalone(base)
+    ref_med = max(ref.summary["sum of 4 hooks"]["median_us"], 1e-9)
+    print(_row(f"N={k} (reference, no cap)", ref.summary) + f" {1.0:>7.2f}")
+    runs = [ref]
+    for n in ns:
+        sc = Scenario(
+            concurrency=n,
+            steps=a.steps,
+            num_workers=a.workers,
+            seed=a.seed,
+            active=k,
+            warmup_steps=max(20, 2 * n // k),
+            **shape,
+        )
+        r = run_standalone(sc)
+        runs.append(r)
+        ratio = r.summary.get("sum of 4 hooks", {"median_us": 0.0})["median_us"] / ref_med
+        print(_row(f"N={n}, {k} active", r.summary) + f" {ratio:>7.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([r.as_json() for r in runs], f, indent=1)
+    return 0
+
+
+def _soak_main(a: Any, shape: dict[str, Any]) -> int:
+    n = (a.concurrency or [10_000])[0]
+    sc = Scenario(concurrency=n, steps=10**9, num_workers=a.workers, seed=a.seed, **shape)
+    print(f"soak: N={n}, until {a.soak_jobs} jobs or {a.soak_seconds:g} s (standalone)")
+    curve = run_soak(sc, a.soak_seconds, a.soak_jobs, a.soak_samples, a.tracemalloc)
+    cols = "elapsed_s step jobs rss_mib traced_mib requests in_flight median_us p99_us"
+    print("".join(f"{c:>11}" for c in cols.split()))
+    for p in curve:
+        vals: tuple[float | int, ...] = (p.elapsed_s, p.step, p.jobs, p.rss_mib, p.traced_mib)
+        vals += (p.tracked_requests, p.tracked_jobs, p.median_us, p.p99_us)
+        print("".join(f"{v:>11.1f}" if isinstance(v, float) else f"{v:>11}" for v in vals))
+    if len(curve) >= 4:  # after warm-up: from the first quarter's end to the last point
+        w, z = curve[len(curve) // 4], curve[-1]
+        print(
+            f"after warm-up (t={w.elapsed_s:.0f}s..{z.elapsed_s:.0f}s): RSS "
+            f"{z.rss_mib - w.rss_mib:+.1f} MiB, median per-step cost x"
+            f"{z.median_us / max(w.median_us, 1e-9):.2f}"
+        )
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([asdict(p) for p in curve], f, indent=1)
     return 0
 
 
