@@ -1,0 +1,57 @@
+"""Lifecycle compilation refuses what it cannot run fast (issue 18: a sampled mutation run
+found the action check unasserted): a guard or an action given by name, not as a function."""
+
+from __future__ import annotations
+
+import pytest
+from statemachine import State, StateMachine
+
+from statecore.lifecycle.table import compile_lifecycle
+
+
+def _ok(*_args: object, **_kwargs: object) -> bool:
+    return True
+
+
+class _NamedAction(StateMachine):
+    idle = State(initial=True)
+    busy = State(final=True)
+
+    start = idle.to(busy, on="do_start")
+
+    def do_start(self) -> None:
+        """A method: python-statemachine resolves the name; the table cannot."""
+
+
+class _NamedGuard(StateMachine):
+    idle = State(initial=True)
+    busy = State(final=True)
+
+    start = idle.to(busy, cond="can_start")
+
+    def can_start(self) -> bool:
+        return True
+
+
+class _Functions(StateMachine):
+    idle = State(initial=True)
+    busy = State(final=True)
+
+    start = idle.to(busy, cond=_ok, on=_ok)
+
+
+def test_action_given_by_name_is_refused_at_compile_time() -> None:
+    with pytest.raises(TypeError, match=r"_NamedAction: action 'do_start' must be callable"):
+        compile_lifecycle(_NamedAction, "thing", "thing_id")
+
+
+def test_guard_given_by_name_is_refused_at_compile_time() -> None:
+    with pytest.raises(TypeError, match=r"_NamedGuard: guard 'can_start' of idle->busy"):
+        compile_lifecycle(_NamedGuard, "thing", "thing_id")
+
+
+def test_functions_compile() -> None:
+    table = compile_lifecycle(_Functions, "thing", "thing_id")
+    assert [(t.event, t.source, t.target, t.actions) for t in table.transitions] == [
+        ("start", "idle", "busy", (_ok,))
+    ]
