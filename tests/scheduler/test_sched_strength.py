@@ -13,10 +13,12 @@ from sched_harness import Harness, config, make_manager, prefill
 from statecore.specs.fakes import RecordingManager
 
 from statecore import (
+    InvalidMetadataError,
     InvariantViolation,
     LookupResult,
     OffloadingScheduler,
     ReqContext,
+    Request,
     ScheduledRequest,
     WorkerMetadata,
     kernels,
@@ -346,3 +348,25 @@ def test_first_scheduling_that_repeats_exactly_the_allocation(kind: str) -> None
     assert list(h.sched.requests["b"].groups[0].block_ids) == blocks
     (store,) = meta.store_jobs.values()
     assert list(store.src.block_ids) == blocks[4:]  # type: ignore[attr-defined]
+
+
+# -- errors name the entity and its state --------------------------------------------------------
+
+
+def test_input_error_names_the_tracked_request_and_its_state(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    a = h.add("a", list(range(16)))
+    h.add("b", list(range(50, 58)))
+    (_,) = prefill(h, "b")
+    h.finish("b")
+    with pytest.raises(InvalidMetadataError) as err:
+        h.sched.update_state_after_alloc(a, [[1, "x"]], 0)  # type: ignore[list-item]
+    assert (err.value.entity, err.value.state) == ("request 'a'", "no_transfer")
+    assert "[request 'a' in state 'no_transfer']" in str(err.value)
+    with pytest.raises(InvalidMetadataError) as err:
+        h.sched.update_state_after_alloc(h.reqs["b"], [[1]], -1)
+    assert err.value.state == h.sched.request_state("b") != "no_transfer"
+    ghost = Request("ghost", num_prompt_tokens=1, num_tokens=1, block_hashes=[])
+    with pytest.raises(InvalidMetadataError) as err:
+        h.sched.update_state_after_alloc(ghost, [[1]], -1)
+    assert err.value.state == "untracked"
