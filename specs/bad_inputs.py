@@ -741,6 +741,7 @@ CASES: list[Case] = [
         PinUnderflowError,
     ),
     Case(M, "prepare_store", "keys=None", lambda s: s.manager.prepare_store(None, s.ctx), IK),
+    Case(M, "complete_store", "keys=None", lambda s: s.manager.complete_store(None, s.ctx), IK),
     Case(
         M,
         "prepare_store",

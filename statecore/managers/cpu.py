@@ -531,8 +531,10 @@ class CPUOffloadingManager(OffloadingManager):
         if type(flag) is not bool:
             validate.flag(flag, "complete_store", "success")
         try:  # C speed: every key is bytes (absent ones are ignored, so they must be keys)
-            bad = bool(keys) and (set(map(type, keys)) != _BYTES_ONLY or min(map(len, keys)) < 4)
-        except TypeError:
+            bad = bool(set(map(type, keys)) - _BYTES_ONLY) or (
+                bool(keys) and min(map(len, keys)) < 4
+            )
+        except TypeError:  # not iterable (None, a number, ...)
             bad = True
         if bad:
             validate.offload_keys(keys, "complete_store")
