@@ -907,7 +907,8 @@ class OffloadingScheduler:
             gs.block_ids.clear()
             gs.cursor = 0
             n = len(adm)
-            if n and (len(ids) < n or tuple(ids[:n]) != adm):
+            head = ids[:n]  # ScheduledRequest stores tuples: no conversion in the usual case
+            if n and (len(ids) < n or (head if type(head) is tuple else tuple(head)) != adm):
                 out.append([*adm, *ids])
             else:
                 out.append(ids)
