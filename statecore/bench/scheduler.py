@@ -412,7 +412,7 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
                 c["preemptions"] = c.get("preemptions", 0) + 1
                 if victim is r:
                     break
-            if r not in running:
+            if v.request_id in preempted:  # it was the victim (O(1): soak sizes)
                 continue
             scheduled.append((r, n))
             budget -= n
@@ -522,8 +522,10 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
             lr.view.num_computed_tokens = min(lr.view.num_computed_tokens, lr.view.num_tokens - 1)
             if result.invalid_block_ids:
                 lr.view.num_computed_tokens = 0
+        if done:  # one pass, not a remove per request (O(N) a step at soak sizes)
+            ended = set(map(id, done))
+            running = [r for r in running if id(r) not in ended]
         for r in done:
-            running.remove(r)
             sched.request_finished(r.view)
             free(r)
             del live[r.view.request_id]
