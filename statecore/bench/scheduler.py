@@ -1137,6 +1137,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "below 1: CPU hits, preemption)",
     )
     p.add_argument(
+        "--cpu-cache-factor",
+        type=float,
+        default=4.0,
+        help="CPU tier size as a multiple of the GPU blocks (default 4; small: the tier fills "
+        "and evicts early, e.g. for a soak's steady state)",
+    )
+    p.add_argument(
         "--clock",
         choices=["perf", "thread"],
         default="perf",
@@ -1166,12 +1173,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--json", metavar="FILE", type=output_file, help="write every run's summary here"
     )
     a = p.parse_args(list(argv) if argv is not None else None)
-    if a.gpu_cache_factor <= 0:
-        p.error("--gpu-cache-factor must be > 0")
+    if a.gpu_cache_factor <= 0 or a.cpu_cache_factor <= 0:
+        p.error("--gpu-cache-factor and --cpu-cache-factor must be > 0")
     shape = {
         "reset_at": a.reset_at,
         "reset_with_loads": a.reset_with_loads,
         "gpu_cache_factor": a.gpu_cache_factor,
+        "cpu_cache_factor": a.cpu_cache_factor,
         "clock": a.clock,
     }
     if a.soak:
