@@ -9,7 +9,7 @@ chunk still being written at index 0 of a lookup never counted as a hit.
 from __future__ import annotations
 
 import pytest
-from sched_harness import Harness, config, make_manager, prefill
+from sched_harness import Harness, chain_hashes, config, make_manager, prefill
 from statecore.specs.fakes import RecordingManager
 
 from statecore import (
@@ -370,3 +370,23 @@ def test_input_error_names_the_tracked_request_and_its_state(kind: str) -> None:
     with pytest.raises(InvalidMetadataError) as err:
         h.sched.update_state_after_alloc(ghost, [[1]], -1)
     assert err.value.state == "untracked"
+
+
+# -- block hashes of any bytes-like type give the same keys --------------------------------------
+
+
+@pytest.mark.parametrize("as_type", [bytearray, memoryview])
+def test_bytes_like_block_hashes_give_the_same_keys(kind: str, as_type: type) -> None:
+    h = Harness(make_manager(kind), config())
+    tokens = list(range(16))
+    h.add("a", tokens)
+    (job,) = prefill(h, "a")
+    h.report([job])
+    hashes = chain_hashes(tokens + [9, 9, 9, 9], h.tph)
+    b = Request("b", num_prompt_tokens=20, num_tokens=20, block_hashes=[as_type(x) for x in hashes])
+    h.reqs["b"] = b
+    h.sched.on_new_request(b)
+    assert h.admit("b") == (16, True)  # a's keys: the same bytes, whatever the hash type
+    keys = h.sched.request_keys("b")[0]
+    assert all(type(k) is bytes for k in keys)
+    assert keys[:4] == h.sched.request_keys("a")[0]
