@@ -110,6 +110,41 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "core/ReplaceComparisonOperator_Gt_GtE",
         "return storable if storable > cursor else cursor",
     ): "when storable == cursor both branches return the same value",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceComparisonOperator_LtE_Eq",
+        "if max_hit <= num_computed:",
+    ): "unreachable as true: the group loop above returns 0 whenever max_hit <= num_computed",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceComparisonOperator_LtE_Lt",
+        "if max_hit <= num_computed:",
+    ): "unreachable as true: the group loop above returns 0 whenever max_hit <= num_computed",
+    (
+        "statecore/kernels.py",
+        "core/NumberReplacer",
+        "LIVE = 0",
+    ): "ReportKind members are compared by identity only; no code reads their numbers",
+    (
+        "statecore/kernels.py",
+        "core/NumberReplacer",
+        "STALLED = 1",
+    ): "ReportKind members are compared by identity only; no code reads their numbers",
+    (
+        "statecore/kernels.py",
+        "core/NumberReplacer",
+        "STALE = 2",
+    ): "ReportKind members are compared by identity only; no code reads their numbers",
+    (
+        "statecore/kernels.py",
+        "core/NumberReplacer",
+        "UNKNOWN = 3",
+    ): "ReportKind members are compared by identity only; no code reads their numbers",
+    (
+        "statecore/kernels.py",
+        "core/NumberReplacer",
+        "DUPLICATE = 4",
+    ): "ReportKind members are compared by identity only; no code reads their numbers",
 }
 """Mutants judged equivalent, with a one-line reason each (skipped and reported apart)."""
 

@@ -390,3 +390,36 @@ def test_bytes_like_block_hashes_give_the_same_keys(kind: str, as_type: type) ->
     keys = h.sched.request_keys("b")[0]
     assert all(type(k) is bytes for k in keys)
     assert keys[:4] == h.sched.request_keys("a")[0]
+
+
+# -- found by the third sample (seed 4242) -------------------------------------------------------
+
+
+def test_storable_chunks_is_bounded_by_each_limit() -> None:
+    # (tokens, tokens per chunk, block ids, blocks per chunk, keys)
+    assert kernels.storable_chunks(64, 8, 4, 2, 10) == 2  # the blocks bind
+    assert kernels.storable_chunks(20, 8, 16, 2, 10) == 2  # the tokens bind
+    assert kernels.storable_chunks(64, 8, 16, 2, 3) == 3  # the keys bind
+    assert kernels.storable_chunks(64, 8, 5, 2, 10) == 2  # a partial chunk of blocks is not one
+
+
+def test_view_turned_bad_before_the_step_is_counted_and_stores_nothing(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(16)))
+    h.admit("a")
+    sched = h.schedule("a", 16)
+    h.reqs["a"].num_computed_tokens = -1  # the engine's view turned bad after the lookup
+    meta = h.step([sched], new=["a"])
+    assert not meta.store_jobs
+    assert h.sched.counters.invalid_request_views == 1
+
+
+def test_lookup_with_more_computed_than_loadable_answers_zero(kind: str) -> None:
+    """A sliding-window request computed to its last token locally: nothing is loadable
+    (the last token must be computed), so the lookup answers 0 without deferring."""
+    h = Harness(make_manager(kind), config(sliding=8))
+    h.add("a", list(range(16)))
+    h.report(list(prefill(h, "a")))
+    b = h.add("b", list(range(16)))
+    assert h.sched.get_num_new_matched_tokens(b, 16) == (0, False)
+    assert h.sched.get_num_new_matched_tokens(b, 15) == (0, False)
