@@ -423,3 +423,19 @@ def test_lookup_with_more_computed_than_loadable_answers_zero(kind: str) -> None
     b = h.add("b", list(range(16)))
     assert h.sched.get_num_new_matched_tokens(b, 16) == (0, False)
     assert h.sched.get_num_new_matched_tokens(b, 15) == (0, False)
+
+
+def test_sliding_window_load_skips_leading_null_blocks(kind: str) -> None:
+    """Blocks of a sliding-window group that fell out of the window are the null block (0):
+    the load writes only the blocks after them (found by a scan that must advance)."""
+    h = Harness(make_manager(kind), config(sliding=8))
+    h.add("a", list(range(32)))
+    h.report(list(prefill(h, "a")))
+    b = h.add("b", list(range(32)) + [3, 3, 3, 3])
+    hits, _ = h.sched.get_num_new_matched_tokens(b, 0)
+    assert hits == 32
+    full = h.alloc(8)
+    swa = [0] * 6 + h.alloc(2)  # only the last two blocks lie inside the window
+    h.sched.update_state_after_alloc(b, [full, swa], 32)
+    (load,) = h.step().load_jobs.values()
+    assert list(load.dst.block_ids) == full + swa[6:]  # type: ignore[attr-defined]
