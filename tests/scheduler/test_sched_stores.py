@@ -1,0 +1,163 @@
+"""Store building step by step: layouts, chunk boundaries, limits (issue 18).
+
+A request computed a few tokens at a time stores each chunk in the step that completes it,
+exactly then and never earlier, with the GPU layout the worker needs (block ids, blocks per
+group, index of the first block); limits from the transfer parameters hold exactly at their
+value; the allocation that follows a lookup checks that its lists hold the locally computed
+tokens; the engine keeps stepping while any of the three kinds of pending work exists.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sched_harness import Harness, chain_hashes, config, make_manager, prefill
+
+from statecore import MetadataError, Request, ScheduledRequest
+from statecore.manager import LookupResult, ReqContext
+from statecore.managers import CPUOffloadingManager, MemoryTier, TieringOffloadingManager
+
+
+def _layout(meta_store: object) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    src = meta_store.src  # type: ignore[attr-defined]
+    return tuple(src.block_ids), tuple(src.group_sizes), tuple(src.block_indices)
+
+
+def _request(h: Harness, rid: str, n: int, params: dict[str, object] | None = None) -> Request:
+    tokens = list(range(1000 * len(h.reqs), 1000 * len(h.reqs) + n))
+    req = Request(
+        rid,
+        num_prompt_tokens=n,
+        num_tokens=n,
+        block_hashes=chain_hashes(tokens, h.tph),
+        kv_transfer_params=params,
+    )
+    h.reqs[rid] = req
+    h.sched.on_new_request(req)
+    return req
+
+
+@pytest.mark.parametrize("bpc", [1, 2])
+def test_each_chunk_is_stored_in_the_step_that_completes_it(kind: str, bpc: int) -> None:
+    h = Harness(make_manager(kind), config(tokens_per_block=4, blocks_per_chunk=bpc))
+    tpc = 4 * bpc
+    h.add("a", list(range(3 * tpc)))
+    assert h.admit("a") == (0, False)
+    # (tokens scheduled, chunk stored in that step or None)
+    plan = [(tpc, 0), (tpc, 1), (tpc - 1, None), (1, 2)]
+    stored: list[int] = []
+    for step, (n, chunk) in enumerate(plan):
+        meta = h.step([h.schedule("a", n)], new=["a"] if step == 0 else [])
+        if chunk is None:
+            assert not meta.store_jobs, step
+            continue
+        ((job, store),) = meta.store_jobs.items()
+        blocks = h.blocks["a"][0][chunk * bpc : (chunk + 1) * bpc]
+        assert _layout(store) == (tuple(blocks), (bpc,), (chunk * bpc,))
+        assert h.sched.jobs[job].keys == (h.sched.request_keys("a")[0][chunk],)
+        assert h.sched.requests["a"].groups[0].cursor == chunk + 1
+        stored.append(chunk)
+        h.report([job])
+    assert stored == [0, 1, 2]
+    assert h.sched.counters.store_jobs_created == 3
+
+
+def test_blocks_per_chunk_two_stores_whole_chunks_only(kind: str) -> None:
+    """With two blocks a chunk, a step that computes one and a half chunks stores one; the
+    half chunk follows with the step that completes it, entered at block index 2."""
+    h = Harness(make_manager(kind), config(tokens_per_block=4, blocks_per_chunk=2))
+    h.add("a", list(range(24)))
+    h.admit("a")
+    meta = h.step([h.schedule("a", 12)], new=["a"])
+    (s1,) = meta.store_jobs.values()
+    b = h.blocks["a"][0]
+    assert _layout(s1) == ((b[0], b[1]), (2,), (0,))
+    meta = h.step([h.schedule("a", 12)])
+    ((j2, s2),) = meta.store_jobs.items()
+    assert _layout(s2) == ((b[2], b[3], b[4], b[5]), (4,), (2,))
+    assert h.sched.jobs[j2].keys == tuple(h.sched.request_keys("a")[0][1:3])
+
+
+def test_max_offload_tokens_stores_up_to_exactly_its_value(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    _request(h, "a", 16, {"max_offload_tokens": 8})
+    h.admit("a")
+    keys: list[bytes] = []
+    for step, n in enumerate([4, 4, 8]):
+        meta = h.step([h.schedule("a", n)], new=["a"] if step == 0 else [])
+        for job in meta.store_jobs:
+            keys.extend(h.sched.jobs[job].keys)
+            h.report([job])
+    assert keys == list(h.sched.request_keys("a")[0][:2])  # tokens 0..7: two chunks
+    assert h.sched.counters.invalid_transfer_params == 0
+
+
+def test_zero_transfer_limits_are_valid_and_mean_nothing(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(16)))
+    h.report(list(prefill(h, "a")))
+    b = _request(h, "b", 20, {"max_load_tokens": 0, "max_offload_tokens": 0})
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (0, False)  # would hit 16 otherwise
+    h.sched.update_state_after_alloc(b, [h.alloc(5)], 0)
+    meta = h.step([h.schedule("b", 20)], new=["b"])
+    assert not meta.store_jobs
+    c = h.sched.counters
+    assert (c.invalid_transfer_params, c.lookup_hit_tokens, c.store_jobs_created) == (0, 0, 1)
+
+
+def test_allocation_must_hold_the_locally_computed_tokens(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    a = h.add("a", list(range(16)))
+    assert h.sched.get_num_new_matched_tokens(a, 8) == (0, False)  # 8 tokens computed locally
+    with pytest.raises(MetadataError, match="cannot hold the 8 locally computed tokens"):
+        h.sched.update_state_after_alloc(a, [h.alloc(1)], 0)
+    h.sched.update_state_after_alloc(a, [h.alloc(2)], 0)  # exactly enough: accepted
+    h.sched.get_num_new_matched_tokens(a, 9)
+    with pytest.raises(MetadataError):
+        h.sched.update_state_after_alloc(a, [h.alloc(2)], 0)  # 9 tokens need 3 blocks
+    h.sched.update_state_after_alloc(a, [h.alloc(3)], 0)
+
+
+def test_engine_keeps_stepping_while_any_work_is_pending(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    assert not h.sched.has_pending_push_work()
+    h.add("a", list(range(8)))
+    (job,) = prefill(h, "a")
+    assert h.sched.has_pending_push_work()  # a job in flight
+    h.report([job])
+    assert not h.sched.has_pending_push_work()
+    h.finish("a")
+    assert h.sched.has_pending_push_work()  # a finish to signal to the manager
+    h.step(finished=["a"])
+    assert not h.sched.has_pending_push_work()
+
+
+def test_manager_work_alone_keeps_the_engine_stepping() -> None:
+    tier = MemoryTier()
+    manager = TieringOffloadingManager(CPUOffloadingManager(8), [tier])
+    h = Harness(manager, config())
+    b = h.add("b", list(range(8)))
+    keys = h.sched.request_keys("b")  # no keys before a lookup
+    assert keys == ((),)
+    h.sched.get_num_new_matched_tokens(b, 0)
+    first = h.sched.request_keys("b")[0][0]
+    tier.put(first)
+    assert not h.sched.has_pending_push_work()
+    assert manager.lookup(first, ReqContext("x")) is LookupResult.HIT_PENDING  # queued
+    assert h.sched.has_pending_push_work()
+    assert not h.sched.jobs
+
+
+def test_sliding_window_chunk_with_a_null_block_is_not_stored(kind: str) -> None:
+    """Two blocks a chunk: a sliding-window chunk is stored only when none of its blocks is
+    the null block, whichever of its blocks that is."""
+    h = Harness(make_manager(kind), config(tokens_per_block=4, blocks_per_chunk=2, sliding=8))
+    h.add("a", list(range(24)))
+    h.admit("a")
+    full = h.alloc(6)
+    x, y, z = h.alloc(3)
+    swa = (0, 0, x, y, 0, z)  # chunk 0 out of the window; chunk 2's first block is null
+    meta = h.step([ScheduledRequest("a", (tuple(full), swa), 24)], new=["a"])
+    ((job, store),) = meta.store_jobs.items()
+    assert _layout(store) == ((*full, x, y), (6, 2), (0, 2))
+    keys = h.sched.request_keys("a")
+    assert h.sched.jobs[job].keys == (*keys[0], keys[1][1])
