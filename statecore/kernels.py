@@ -213,19 +213,19 @@ def prefix_hits(results: Sequence[int], budget_chunks: int) -> int | None:
     post: __return__ is None or all(r == HIT for r in results[:__return__])
     """
     count = 0
-    first_pending = -1
+    first_pending: int | None = None
     retry = False
     for r in results:
         if r == MISS:
             break
         if r == RETRY:
             retry = True
-        elif r == HIT_PENDING and first_pending < 0:
+        elif r == HIT_PENDING and first_pending is None:
             first_pending = count
         count += 1
     if retry:
         return None
-    if first_pending < 0:
+    if first_pending is None:
         return count
     if count - first_pending > budget_chunks:
         return None
