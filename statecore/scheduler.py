@@ -1173,10 +1173,7 @@ class OffloadingScheduler:
                     entry = reports.get(job_id)
                     if entry is None:
                         entry = reports[job_id] = [0, 0, 0, 0]
-                    if col < 2:
-                        entry[col] += n
-                    else:
-                        entry[col] |= n
+                    entry[col] = n  # a map names a job once: the column is still 0 here
             for job_id, (ok, bad, ok_mask, bad_mask) in reports.items():
                 self._apply_report(job_id, ok, bad, ok_mask, bad_mask)
         self._check_stalls()
