@@ -44,8 +44,8 @@ def test_annotation_spans_cover_annotations_only() -> None:
     sig = next(i for i, line in enumerate(lines, 1) if line.startswith("def prefix_hits("))
     col = lines[sig - 1].index("int | None")
     assert mutate._in_annotation((sig, col + 4), spans)  # the `|` of the return annotation
-    body = next(i for i, line in enumerate(lines, 1) if "if first_pending < 0:" in line)
-    assert not mutate._in_annotation((body, lines[body - 1].index("<")), spans)
+    body = next(i for i, line in enumerate(lines, 1) if "if count - first_pending >" in line)
+    assert not mutate._in_annotation((body, lines[body - 1].index(">")), spans)
 
 
 def test_equivalent_reason_matches_module_operator_and_line() -> None:
