@@ -72,6 +72,7 @@ class Request:
 
 
 _SEQ = (list, tuple)
+_NO_NEW_BLOCK = ((),)
 
 
 def _ids_ok(ids: Any) -> bool:
@@ -110,27 +111,34 @@ class ScheduledRequest:
     resumed_from_preemption: bool = False
 
     def __post_init__(self) -> None:
+        # Happy path, no call per group: a tuple of tuples of ints >= 0 (the sum of ints is an
+        # int: a float, None or a str makes it something else or raises, diagnosed below).
         ids: Any = self.new_block_ids
         n = self.num_scheduled_tokens
         if (
             type(self.req_id) is str
-            and type(ids) in _SEQ
             and type(n) is int
             and n >= 0
             and type(self.resumed_from_preemption) is bool
         ):
-            ok = True
-            norm = True
-            for group in ids:
-                if type(group) is not tuple:
-                    norm = False
-                if not _ids_ok(group):
-                    ok = False
-                    break
-            if ok:
-                if not norm or type(ids) is not tuple:
-                    object.__setattr__(self, "new_block_ids", tuple(tuple(g) for g in ids))
-                return
+            if type(ids) is tuple:
+                if ids == _NO_NEW_BLOCK:  # most entries: a decode step, one group, no block
+                    return
+                try:
+                    for group in ids:
+                        if type(group) is not tuple or (
+                            group and (type(sum(group)) is not int or min(group) < 0)
+                        ):
+                            break
+                    else:
+                        return
+                except TypeError:
+                    pass
+            if type(ids) in _SEQ:  # lists (vLLM's form): check, then store as tuples
+                groups = tuple(g if type(g) is tuple else tuple(g) for g in ids if _ids_ok(g))
+                if len(groups) == len(ids):
+                    object.__setattr__(self, "new_block_ids", groups)
+                    return
         from statecore.validate import scheduled_request
 
         scheduled_request(self, "ScheduledRequest")
@@ -161,35 +169,33 @@ class SchedulerOutput:
     """How many block lists the entries carry (one value when they agree); computed."""
 
     def __post_init__(self) -> None:
+        # Happy path, one pass: the entries' group counts, -1 for an entry that is not a
+        # ScheduledRequest (each entry validated its own fields when it was built)
         scheduled: Any = self.scheduled
         if type(scheduled) is list:
             scheduled = tuple(scheduled)
             object.__setattr__(self, "scheduled", scheduled)
-        counts: set[int] = set()
-        if type(scheduled) is tuple:
-            for s in scheduled:
-                if type(s) is not ScheduledRequest:
-                    break
-                counts.add(len(s.new_block_ids))
-            else:
-                if _sets_ok(self):
-                    object.__setattr__(self, "group_counts", frozenset(counts))
-                    return
+        if type(scheduled) is tuple and _sets_ok(self):
+            entry = ScheduledRequest
+            counts = {len(s.new_block_ids) if type(s) is entry else -1 for s in scheduled}
+            if -1 not in counts:
+                object.__setattr__(self, "group_counts", frozenset(counts))
+                return
         from statecore.validate import scheduler_output_fields
 
         scheduler_output_fields(self)
 
 
 _SETS = (frozenset, set)
+_STR = {str}
 
 
 def _sets_ok(output: Any) -> bool:
     for value in (output.new_req_ids, output.finished_req_ids, output.preempted_req_ids):
         if type(value) not in _SETS:
             return False
-        for v in value:
-            if type(v) is not str:
-                return False
+        if value and set(map(type, value)) != _STR:
+            return False
     extra = output.extra_allocated_block_ids
     if type(extra) not in _SETS:
         return False
