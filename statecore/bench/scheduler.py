@@ -1170,6 +1170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--tracemalloc", action="store_true", help="soak: also trace Python allocations (slow)"
     )
     p.add_argument(
+        "--validation-share",
+        action="store_true",
+        help="the validation layer's share of the per-step cost, measured in one process "
+        "(statecore.bench.validation_share: lockstep A/B, checks stubbed in B); standalone "
+        "engine, or vLLM's with --engine vllm",
+    )
+    p.add_argument(
         "--json", metavar="FILE", type=output_file, help="write every run's summary here"
     )
     a = p.parse_args(list(argv) if argv is not None else None)
@@ -1185,6 +1192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.soak:
         return _soak_main(a, shape)
     ns = a.concurrency or [64, 256, 1024]
+    if a.validation_share:
+        from statecore.bench.validation_share import main_share
+
+        engine = "vllm" if a.engine == "vllm" else "standalone"
+        return main_share(a, shape, a.vllm_concurrency or ns if engine == "vllm" else ns, engine)
     if a.active:
         return _active_main(a, shape, ns)
     vns = a.vllm_concurrency or [n for n in ns if n <= 256] or ns

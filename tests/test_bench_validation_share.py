@@ -1,0 +1,53 @@
+"""``statecore bench scheduler --validation-share``: the lockstep A/B runs, both copies take
+the same decisions, and the bench-only switch is undone afterwards (no timing is asserted)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import statecore.bench.scheduler as bench
+import statecore.scheduler as sched_mod
+import statecore.validate as validate
+from statecore.bench.validation_share import stubbed_validation
+from statecore.cli import main
+from statecore.errors import InvalidMetadataError
+from statecore.views import ScheduledRequest, SchedulerOutput
+
+
+def _patched_names() -> list[object]:
+    return [
+        validate.request_id,
+        validate.request_view,
+        validate.scheduler_output,
+        validate.worker_metadata,
+        validate.offload_keys,
+        sched_mod._admitted_lists,
+        ScheduledRequest.__post_init__,
+        SchedulerOutput.__post_init__,
+        vars(bench)["SchedulerOutput"],
+        bench.HookTimer.end_step,
+    ]
+
+
+def test_validation_share_prints_both_tables_with_identical_decisions(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    before = _patched_names()
+    argv = ["bench", "scheduler", "--validation-share", "--engine", "standalone"]
+    assert main([*argv, "--clock", "thread", "--concurrency", "8", "--steps", "40"]) == 0
+    out = capsys.readouterr().out
+    row = r"^N=8\s+(\d+)(?:\s+-?[\d.]+%?){8}\s+(yes|NO)$"
+    rows = re.findall(row, out, re.M)
+    assert len(rows) == 2, out  # hooks only, hooks + views
+    assert all(int(steps) > 0 and same == "yes" for steps, same in rows)
+    assert "the four hooks + building the step's views" in out
+    assert all(a is b for a, b in zip(before, _patched_names(), strict=True))
+
+
+def test_the_switch_turns_checks_off_inside_only() -> None:
+    with stubbed_validation():
+        ScheduledRequest("r", None, 1)  # type: ignore[arg-type]  # unchecked in copy B
+    with pytest.raises(InvalidMetadataError, match="new_block_ids"):
+        ScheduledRequest("r", None, 1)  # type: ignore[arg-type]
