@@ -161,3 +161,65 @@ def test_sliding_window_chunk_with_a_null_block_is_not_stored(kind: str) -> None
     assert _layout(store) == ((*full, x, y), (6, 2), (0, 2))
     keys = h.sched.request_keys("a")
     assert h.sched.jobs[job].keys == (*keys[0], keys[1][1])
+
+
+def test_released_request_leaves_other_holders_of_a_window_block_indexed(kind: str) -> None:
+    """Two requests list the same sliding-window block from the same step on (a shared
+    prefix); the first one is released. When the engine hands the block out again, the second
+    one's position is still known and zeroed, so its later store never reads the block
+    (INV-SRC-VALID)."""
+    h = Harness(make_manager(kind), config(sliding=8))
+    h.add("a", list(range(16)))
+    h.add("b", list(range(50, 74)))
+    h.admit("a")
+    h.admit("b")
+    sa = h.alloc(4)
+    shared = sa[3]
+    sb = (*h.alloc(3), shared, *h.alloc(2))  # b lists a's last sliding-window block too
+    meta = h.step(
+        [
+            ScheduledRequest("a", (tuple(h.alloc(4)), tuple(sa)), 16),
+            ScheduledRequest("b", (tuple(h.alloc(6)), sb), 4),
+        ],
+        new=["a", "b"],
+    )
+    h.report(list(meta.store_jobs))
+    h.finish("a")
+    h.step(finished=["a"])
+    assert "a" not in h.sched.requests
+    meta = h.step([ScheduledRequest("b", ((), ()), 20)], extra_allocated=[shared])
+    assert h.sched.requests["b"].groups[1].block_ids == [*sb[:3], 0, *sb[4:]]
+    ((job, store),) = meta.store_jobs.items()
+    assert shared not in store.src.block_ids  # type: ignore[attr-defined]
+    keys = h.sched.request_keys("b")
+    assert h.sched.jobs[job].keys == (*keys[0][1:6], *keys[1][1:3], *keys[1][4:6])
+
+
+def test_handing_out_a_block_a_request_listed_before_its_preemption_spares_its_new_list(
+    kind: str,
+) -> None:
+    """A preempted request resumes with new blocks; when the engine hands out one of its old
+    sliding-window blocks, the new block at that position stays (only a position still
+    holding the handed-out block is stale) and its chunk is stored."""
+    h = Harness(make_manager(kind), config(sliding=8))
+    a = h.add("a", list(range(16)))
+    h.admit("a")
+    old = (h.alloc(4), h.alloc(4))
+    meta = h.step([ScheduledRequest("a", (tuple(old[0]), tuple(old[1])), 4)], new=["a"])
+    h.report(list(meta.store_jobs))
+    h.step(preempted=["a"])
+    a.num_computed_tokens = 0
+    new = (h.alloc(3), h.alloc(3))  # one block shorter than the old lists
+    resumed = ScheduledRequest("a", (tuple(new[0]), tuple(new[1])), 4, True)
+    h.report(list(h.step([resumed], extra_allocated=[old[1][3]]).store_jobs))
+    more = (h.alloc(1), h.alloc(1))
+    new[0].extend(more[0])
+    new[1].extend(more[1])
+    meta = h.step(
+        [ScheduledRequest("a", (tuple(more[0]), tuple(more[1])), 12)], extra_allocated=[old[1][2]]
+    )
+    assert h.sched.requests["a"].groups[1].block_ids == new[1]
+    ((job, store),) = meta.store_jobs.items()
+    assert store.src.block_ids == (*new[0][1:], *new[1][1:])  # type: ignore[attr-defined]
+    keys = h.sched.request_keys("a")
+    assert h.sched.jobs[job].keys == (*keys[0][1:], *keys[1][1:])
