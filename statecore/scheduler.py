@@ -140,6 +140,8 @@ class RequestRecord:
         "store_floor",
     )
 
+    state: int  # set by REQUEST.attach
+
     def __init__(
         self,
         owner: OffloadingScheduler,
@@ -169,7 +171,6 @@ class RequestRecord:
         # complete block lists of the last allocation, until the next scheduling applies them
         self.admitted: list[tuple[int, ...]] | None = None
         self.hashes_ok = 0  # block hashes already validated (a prefix of the view's list)
-        self.state = 0
         REQUEST.attach(self)
 
 
@@ -214,6 +215,8 @@ class JobRecord:
         "state",
     )
 
+    state: int  # set by JOB.attach
+
     def __init__(
         self,
         owner: OffloadingScheduler,
@@ -244,7 +247,6 @@ class JobRecord:
         self.flushed = False
         self.sent = is_store  # a store is created while its metadata is built
         self.carried = False
-        self.state = 0
         JOB.attach(self)
 
 

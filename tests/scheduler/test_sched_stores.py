@@ -223,3 +223,19 @@ def test_handing_out_a_block_a_request_listed_before_its_preemption_spares_its_n
     assert store.src.block_ids == (*new[0][1:], *new[1][1:])  # type: ignore[attr-defined]
     keys = h.sched.request_keys("a")
     assert h.sched.jobs[job].keys == (*keys[0][1:], *keys[1][1:])
+
+
+def test_long_request_without_limits_stores_every_chunk(kind: str) -> None:
+    """No transfer limit and no prompt-only rule: a long request stores all its chunks,
+    however far they lie (a 4096-token request, chunk by chunk in 512-token steps)."""
+    h = Harness(make_manager(kind, capacity=2048), config())
+    h.add("a", list(range(4096)))
+    h.admit("a")
+    stored: list[bytes] = []
+    for step in range(8):
+        meta = h.step([h.schedule("a", 512)], new=["a"] if step == 0 else [])
+        for job in meta.store_jobs:
+            stored.extend(h.sched.jobs[job].keys)
+            h.report([job])
+    assert stored == list(h.sched.request_keys("a")[0])
+    assert len(stored) == 1024
