@@ -12,12 +12,13 @@ simulator's byte oracle.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from statecore import kernels
 from statecore.errors import InvariantViolation
+from statecore.keys import OffloadKey, make_offload_key
 from statecore.lifecycle import (
     J_CARRIED,
     J_IN_FLIGHT,
@@ -36,7 +37,16 @@ from statecore.lifecycle import (
 if TYPE_CHECKING:
     from statecore.scheduler import OffloadingScheduler
 
-__all__ = ["INVARIANTS", "Invariant", "check_scheduler", "scheduler_violations"]
+__all__ = [
+    "INVARIANTS",
+    "Invariant",
+    "check_scheduler",
+    "evict_violation",
+    "own_violation",
+    "scheduler_violations",
+    "store_complete_keys",
+    "store_complete_violation",
+]
 
 Check = Callable[["OffloadingScheduler"], Iterator[str]]
 
@@ -358,7 +368,11 @@ INVARIANTS: dict[str, Invariant] = {
             "eviction succeeds exactly when enough evictable capacity exists; a failed "
             "eviction changes nothing.",
             "Evicting a block still in use; half-applied evictions.",
-            ("conformance", "CrossHair", "simulator and fuzzing (every prepare_store)"),
+            (
+                "conformance",
+                "CrossHair",
+                "simulator, fuzzing and statecore check (every prepare_store)",
+            ),
         ),
         Invariant(
             "INV-OWN",
@@ -369,7 +383,7 @@ INVARIANTS: dict[str, Invariant] = {
             "holds that store. A violation even when the bytes happen to match.",
             "Another request's KV stored under this request's key (stale sliding-window "
             "blocks, unfenced allocations to untracked requests): wrong bytes served as hits.",
-            ("simulator (engine model, every step)", "fuzzing"),
+            ("simulator (engine model, every step)", "fuzzing", "statecore check (new stores)"),
         ),
         Invariant(
             "INV-FLUSH-PREEMPT",
@@ -388,7 +402,7 @@ INVARIANTS: dict[str, Invariant] = {
             "chunks, never offered again under the chunk-level policy). Sliding-window chunks "
             "may be skipped (their blocks left the window).",
             "A store that silently never happens: cache lost, bytes fine.",
-            ("simulator (engine model)", "fuzzing"),
+            ("simulator (engine model)", "fuzzing", "statecore check"),
         ),
         Invariant(
             "INV-ORDER",
@@ -429,6 +443,95 @@ INVARIANTS: dict[str, Invariant] = {
     )
 }
 """Every invariant, by code."""
+
+
+# ---------------------------------------------------------------------------------------------
+# whole-stack expectation oracles: the one definition of the checks of INV-EVICT (at the stack
+# level) and INV-STORE-COMPLETE that need the engine's view (the simulator's engine and
+# ``statecore check``'s world both call these)
+
+
+def evict_violation(
+    req_id: str, offered: Collection[OffloadKey], evicted: Iterable[OffloadKey]
+) -> str | None:
+    """INV-EVICT on one ``prepare_store``: none of the keys it evicted was offered to it."""
+    bad = set(offered).intersection(evicted)
+    if not bad:
+        return None
+    k = min(bad)
+    return (
+        f"INV-EVICT: prepare_store for {req_id!r} evicted offered key "
+        f"{bytes(k).hex()[:12]} ({len(bad)} offered keys evicted)"
+    )
+
+
+def own_violation(
+    job_id: int,
+    req_id: str,
+    src_blocks: Iterable[int],
+    owners: Sequence[Collection[str]],
+    handed_now: Collection[int],
+    pulled: bool,
+    handed_at: Sequence[int] | None = None,
+) -> str | None:
+    """INV-OWN (a), on a store job the step's metadata creates: every source block (the null
+    block 0 aside) may be read by the store's request (``owners[b]``: the requests it was handed
+    to, shared by prefix hits), or it was handed out in this very step (``handed_now``) and the
+    store is ``pulled`` (in this step's ``jobs_to_flush``: it reads before the step's compute
+    writes). ``handed_at`` (the step each block was handed out) only enriches the message."""
+    for b in sorted(set(src_blocks)):
+        if b and req_id not in owners[b] and not (pulled and b in handed_now):
+            when = f" at step {handed_at[b]}" if handed_at is not None else " before"
+            return (
+                f"INV-OWN: store job {job_id} of {req_id!r} reads GPU block {b}, which was "
+                f"handed to {sorted(owners[b])}{when}"
+            )
+    return None
+
+
+def store_complete_keys(
+    block_hashes: Sequence[bytes],
+    n_off: int,
+    covered: int,
+    groups: Sequence[tuple[int, int | None]],
+    hash_tokens: int,
+    blocks_per_chunk: int,
+) -> list[OffloadKey]:
+    """INV-STORE-COMPLETE: the keys a finished (not aborted) request, in a life without a
+    reset, must have offered to the manager: every full chunk of every full-attention group up
+    to ``n_off`` tokens (the request's offloadable tokens at its finish), past the ``covered``
+    tokens of its admission with a load (never offered again). ``groups`` holds each group's
+    ``(tokens per block, sliding window or None)``; ``hash_tokens`` is the tokens per block
+    hash."""
+    keys: list[OffloadKey] = []
+    for g, (tpb, window) in enumerate(groups):
+        if window is not None:
+            continue  # sliding-window chunks may be skipped: their blocks left the window
+        tpc = tpb * blocks_per_chunk
+        hpc = tpb // hash_tokens * blocks_per_chunk
+        for c in range(-(-covered // tpc), n_off // tpc):
+            keys.append(make_offload_key(block_hashes[(c + 1) * hpc - 1], g))
+    return keys
+
+
+def store_complete_violation(
+    req_id: str,
+    keys: Sequence[OffloadKey],
+    known: Collection[OffloadKey],
+    refused: Collection[OffloadKey],
+) -> str | None:
+    """INV-STORE-COMPLETE, checked after the request's final store was built: every one of
+    ``keys`` (:func:`store_complete_keys`) is ``known`` (offered to a ``prepare_store`` that
+    answered, stored or declined, or found by a lookup, since the last reset) or was
+    ``refused`` for lack of room in this step (its last chance, the final store)."""
+    missing = [key for key in keys if key not in known and key not in refused]
+    if not missing:
+        return None
+    return (
+        f"INV-STORE-COMPLETE: finished request {req_id!r}: {len(missing)} of its "
+        f"{len(keys)} full chunks were never offered to the manager nor known to "
+        f"it (first {bytes(missing[0]).hex()[:12]})"
+    )
 
 
 def scheduler_violations(sched: OffloadingScheduler) -> Iterator[tuple[str, str]]:

@@ -17,7 +17,8 @@ The environment's moves are :data:`Action` tuples, applied by :meth:`World.apply
   (the copy scribbles garbage and the job is reported failed), ``("lose", ...)`` (the copy
   runs, the report never arrives), ``("late", ...)`` (the copy runs, the report arrives after a
   clock jump past the stall timeout), ``("dup", rank, job, ok)`` (a delivered report arrives
-  again);
+  again), ``("over", job)`` (a count-only report, without rank masks, claims one more
+  completion than the job still waits for);
 * ``("jump",)``: the clock passes the stall timeout and the stall check runs;
   ``("reset",)``: the operator calls ``reset_cache``.
 
@@ -27,6 +28,13 @@ Compute writes labels, transfers copy them (through the worker's own block-mappi
 :func:`~statecore.worker.plan_block_copies`), failed transfers scribble :data:`GARBAGE`. The
 engine checks, whenever a load ends and before a request computes, that every block the
 request treats as valid holds the label its tokens imply (INV-DATA), on every rank.
+
+The whole-stack expectation oracles are those of the simulator, defined once in
+:mod:`statecore.specs.invariants`: the scheduler drives the simulator's
+:class:`~statecore.sim.engine.ObservedManager` over the real manager (INV-EVICT on every
+``prepare_store``, the keys the stack knows of), the engine records the request each GPU block
+was last handed to (INV-OWN on every store job of a step's metadata) and checks
+INV-STORE-COMPLETE once a finished request's final store was built.
 
 :meth:`World.key` is the canonical, hashable form of the whole state used to explore each
 state once. It renames job ids (order-preserving, which is all the scheduler compares) and
@@ -48,6 +56,7 @@ from statecore.keys import make_offload_key
 from statecore.manager import CPULoadStoreSpec, OffloadPolicy
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.scheduler import OffloadingScheduler
+from statecore.sim.engine import ObservedManager
 from statecore.sim.hashing import ROOT_HASH, chain_hash, extend_block_hashes
 from statecore.views import Request, ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, GPULoadStoreSpec, TransferJob, WorkerMetadata
@@ -96,6 +105,11 @@ class Scope:
         foreign: indices of requests this connector never hears of (another connector's, as
             in a multi-connector setup): the engine schedules them, the scheduler only sees
             them in the step's output.
+        free_order: ``"lifo"``: a just-freed GPU block is the next one handed out (reuse as
+            soon as possible, the harshest order for fences); ``"fifo"``: vLLM's free-block
+            queue, freed blocks join the tail and allocation takes the head, so a block freed
+            early (a sliding-window block that left the window) is handed out before the
+            blocks a request freed later (at its finish).
         description: one line for the docs.
     """
 
@@ -112,6 +126,7 @@ class Scope:
     max_faults: int = 1
     max_resets: int = 1
     foreign: tuple[int, ...] = ()
+    free_order: str = "lifo"
     description: str = ""
 
     @property
@@ -212,6 +227,8 @@ class EngineRequest:
     __slots__ = (
         "aborted",
         "blocks",
+        "covered",
+        "epoch",
         "foreign",
         "idx",
         "load",
@@ -242,6 +259,8 @@ class EngineRequest:
         self.resumed = False
         self.scheduled_once = False
         self.aborted = False
+        self.epoch = 0  # the world's reset count at arrival (INV-STORE-COMPLETE)
+        self.covered = 0  # tokens an admission with a load covered (never offered again)
 
 
 def _guarded(world: World, call: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -263,9 +282,20 @@ class World:
         self.n_groups = scope.num_groups
         self.tpb = scope.tokens_per_block
         self.window = scope.sliding_window
+        self._groups: tuple[tuple[int, int | None], ...] = tuple(
+            (g.tokens_per_block, g.sliding_window) for g in cfg.groups
+        )
         self.clock = Clock()
         self.manager = CPUOffloadingManager(scope.cpu_slots, "lru")
-        self.sched = OffloadingScheduler(cfg, self.manager, self.clock, checked=False)
+        # the simulator's observer of the manager: INV-EVICT on every prepare_store, the keys
+        # the stack knows of (INV-STORE-COMPLETE); snapshots copy it with the world
+        self.observed = ObservedManager(self.manager)
+        self.sched = OffloadingScheduler(
+            cfg,
+            self.observed,  # type: ignore[arg-type]
+            self.clock,
+            checked=False,
+        )
         n_blocks = scope.gpu_blocks + 1
         self.gpu: list[list[bytes]] = [[b""] * n_blocks for _ in range(scope.workers)]
         self.cpu: list[list[bytes]] = [[b""] * scope.cpu_slots for _ in range(scope.workers)]
@@ -277,7 +307,21 @@ class World:
         ]
         self.waiting: list[int] = []
         self.running: list[int] = []
-        self.free: list[int] = list(range(scope.gpu_blocks, 0, -1))  # pop() takes 1 first
+        # the free-block list: _take() hands out block 1 first in either order
+        self.fifo = scope.free_order == "fifo"
+        if scope.free_order not in ("lifo", "fifo"):
+            raise ValueError(f"scope {scope.name}: free_order {scope.free_order!r}")
+        self.free: list[int] = (
+            list(range(1, scope.gpu_blocks + 1))
+            if self.fifo
+            else list(range(scope.gpu_blocks, 0, -1))
+        )
+        # INV-OWN: the request each GPU block was last handed to (-1: never), and the blocks
+        # handed out in the current step (empty between steps)
+        self.owner: list[int] = [-1] * (scope.gpu_blocks + 1)
+        self.handed_now: set[int] = set()
+        # INV-STORE-COMPLETE: finished requests whose final store the next step builds
+        self.completeness: list[tuple[int, tuple[bytes, ...], int]] = []
         self.preempted_next: set[int] = set()
         self.finished_since: set[int] = set()
         self.delivered: list[tuple[int, int, bool]] = []
@@ -352,6 +396,8 @@ class World:
         if faults_left:
             for rep in self.delivered:
                 out.append(("dup", *rep))
+            for job_id in s.jobs:
+                out.append(("over", job_id))
         return out
 
     def apply(self, action: Action) -> None:
@@ -378,8 +424,14 @@ class World:
             self.faults += 1
             _, rank, job_id, ok = action
             self.feed(_report(rank, job_id, ok))
+        elif kind == "over":
+            self.over_report(action[1])
         else:
             raise ValueError(f"unknown action {action!r}")
+        obs = self.observed
+        if obs.violations:
+            self.errors += obs.violations
+            obs.violations.clear()
         self.manager.take_events()  # events and allocation statistics would only grow
         self.manager.get_stats()
         self._prune_delivered()
@@ -419,6 +471,13 @@ class World:
             self.delivered.append((rank, j, True))
         for j in meta.failed:
             self.delivered.append((rank, j, False))
+
+    def over_report(self, job_id: int) -> None:
+        """A count-only report (no rank: a merged report, a legacy worker) claims one more
+        completion of a live job than it still waits for (a duplicate merged in)."""
+        self.faults += 1
+        job = self.sched.jobs[job_id]
+        self.feed(WorkerMetadata(completed={job_id: job.pending + 1}))
 
     def jump(self) -> None:
         """The clock passes the stall timeout; the stall check runs."""
@@ -472,6 +531,7 @@ class World:
     def arrive(self, r: EngineRequest) -> None:
         """A request arrives."""
         r.status = WAITING
+        r.epoch = self.resets
         self.waiting.append(r.idx)
         if not r.foreign:
             _guarded(self, "on_new_request", self.sched.on_new_request, r.req)
@@ -480,8 +540,48 @@ class World:
         """A decoding request stops (stop string) between steps."""
         if not r.foreign:
             _guarded(self, "request_finished", self.sched.request_finished, r.req)
+            self._note_finished(r)
         self.finished_since.add(r.idx)
         self._retire(r)
+
+    def _note_finished(self, r: EngineRequest) -> None:
+        """INV-STORE-COMPLETE: a request that finished (not aborted) in a life without a reset
+        is checked after the next step built its final store."""
+        req = r.req
+        if r.epoch != self.resets or req.is_aborted:
+            return  # a reset during the request's life or an abort: nothing is promised
+        n_off = min(max(req.num_prompt_tokens, req.num_tokens - 1), req.num_computed_tokens)
+        keys = _invariants().store_complete_keys(
+            req.block_hashes, n_off, r.covered, self._groups, self.tpb, 1
+        )
+        if keys:
+            self.completeness.append((r.idx, tuple(keys), r.epoch))
+
+    def _check_owners(self, meta: ConnectorMetadata) -> None:
+        """INV-OWN (a) on every store job of this step's metadata."""
+        ids = [r.req.request_id for r in self.reqs]
+        owners = [(ids[o],) if o >= 0 else () for o in self.owner]
+        flush = meta.jobs_to_flush
+        own = _invariants().own_violation
+        for j, job in meta.store_jobs.items():
+            src = job.src
+            blocks = src.block_ids if isinstance(src, GPULoadStoreSpec) else ()
+            bad = own(j, job.req_id, blocks, owners, self.handed_now, j in flush)
+            if bad is not None:
+                self.errors.append(bad)
+                return
+
+    def _check_completeness(self) -> None:
+        pending, self.completeness = self.completeness, []
+        obs = self.observed
+        for idx, keys, epoch in pending:
+            if epoch != self.resets:
+                continue
+            bad = _invariants().store_complete_violation(
+                self.reqs[idx].req.request_id, keys, obs.known, obs.refused
+            )
+            if bad is not None:
+                self.errors.append(bad)
 
     def abort(self, r: EngineRequest) -> None:
         """A request is aborted; while it loads it keeps its blocks until the load ended."""
@@ -542,7 +642,9 @@ class World:
             for i in positions:
                 while len(blocks) <= i:
                     blocks.append(0)
-                b = self.free.pop()
+                b = self.free.pop(0) if self.fifo else self.free.pop()
+                self.owner[b] = r.idx
+                self.handed_now.add(b)
                 blocks[i] = b
                 got.append(b)
             new.append(got)
@@ -562,6 +664,7 @@ class World:
     def step(self) -> None:
         """One engine step in vLLM's order (see the module docstring)."""
         sched = self.sched
+        self.observed.refused.clear()
         budget = self.scope.max_batched_tokens
         scheduled: list[tuple[EngineRequest, int, tuple[tuple[int, ...], ...], bool]] = []
         new_ids: set[str] = set()
@@ -597,6 +700,7 @@ class World:
                     )
                     r.status = LOADING
                     r.load = (0, ext)
+                    r.covered = max(r.covered, ext)
                     r.load_job = sched.next_job_id - 1
                     continue
                 computed = 0
@@ -689,6 +793,12 @@ class World:
         meta = _guarded(self, "build_connector_meta", sched.build_connector_meta, output)
         if meta is None:
             meta = ConnectorMetadata()
+        if meta.store_jobs:
+            self._check_owners(meta)
+        self.handed_now.clear()
+        if self.completeness:
+            self._check_completeness()
+        self.observed.refused.clear()  # used only by that check: empty between steps
         for w in self.workers:
             _guarded(self, "worker.start_step", w.start_step, meta)
         for r, n, _, _ in scheduled:
@@ -728,6 +838,7 @@ class World:
         if r.outputs >= self.scope.max_output:
             if not r.foreign:
                 _guarded(self, "request_finished", self.sched.request_finished, req)
+                self._note_finished(r)
             self.finished_since.add(r.idx)
             self._retire(r)
 
@@ -737,7 +848,7 @@ class World:
         """Everything wrong with this state: errors raised into the engine, data errors,
         every scheduler ``INV-*`` predicate and the CPU manager's own bookkeeping."""
         out = list(self.errors)
-        inv = importlib.import_module("statecore.specs.invariants")
+        inv = _invariants()
         for code, msg in inv.scheduler_violations(self.sched):
             out.append(f"{code}: {msg}")
             break
@@ -869,6 +980,7 @@ class World:
             tuple(m.policy.evictable_blocks),  # type: ignore[attr-defined]
             tuple(m._free),
             m._high_water,
+            tuple(sorted(self.observed.known)),
             tuple([(slot, rel - ends) for slot, rel in m._quarantine.items()]),
         )
         workers_key = tuple(
@@ -897,6 +1009,8 @@ class World:
                         r.aborted,
                         ren[r.load_job] if r.load is not None else -1,
                         r.load_failed,
+                        r.epoch == self.resets,
+                        r.covered,
                     )
                     for r in self.reqs
                 ]
@@ -904,9 +1018,11 @@ class World:
             tuple(self.waiting),
             tuple(self.running),
             tuple(self.free),
+            tuple(self.owner),
             tuple(sorted(self.preempted_next)),
             tuple(sorted(self.finished_since)),
             tuple([(a, ren[j], ok) for a, j, ok in self.delivered]),
+            tuple([(i, k, e == self.resets) for i, k, e in self.completeness]),
             self.faults,
             self.resets,
         )
@@ -956,6 +1072,11 @@ class World:
                     out[f"rank {rank} cpu slot {slot}"] = _label(lab)
         out["clock"] = f"{self.clock.now:g}s"
         return out
+
+
+def _invariants() -> Any:
+    """The invariant catalogue (specs/ is mapped into the package at build time)."""
+    return importlib.import_module("statecore.specs.invariants")
 
 
 def _transfer_key(job: TransferJob) -> tuple[Any, ...]:
@@ -1010,5 +1131,6 @@ def format_action(action: Action) -> str:
         "lose": "rank {1} completes job {2}, the report is lost",
         "late": "rank {1} completes job {2}, the report arrives after the stall timeout",
         "dup": "rank {1}'s report for job {2} (ok={3}) is delivered again",
+        "over": "a count-only report claims one more completion of job {1} than outstanding",
     }.get(kind, repr(action))
     return text.format(*action)

@@ -14,6 +14,7 @@ __all__ = ["SCOPES"]
 _A = (1, 2, 3, 4)
 _B = (1, 2, 5, 6)
 _C = (7, 8, 9, 10)
+_D = (7, 8)
 
 SCOPES: dict[str, Scope] = {
     s.name: s
@@ -26,6 +27,16 @@ SCOPES: dict[str, Scope] = {
             cpu_slots=2,
             depth=9,
             description="two requests sharing a chunk, one worker, full attention",
+        ),
+        Scope(
+            "pair",
+            prompts=(_A, _B),
+            workers=1,
+            gpu_blocks=4,
+            cpu_slots=2,
+            depth=8,
+            description="two requests sharing a chunk that fit on the GPU together (both "
+            "compute the shared chunk; the CPU tier cannot take both)",
         ),
         Scope(
             "apart",
@@ -74,6 +85,19 @@ SCOPES: dict[str, Scope] = {
             cpu_slots=4,
             depth=9,
             description="full attention + a sliding-window group, one worker",
+        ),
+        Scope(
+            "window",
+            prompts=(_A, _D),
+            workers=1,
+            sliding_window=1,
+            gpu_blocks=7,
+            cpu_slots=6,
+            depth=9,
+            max_output=3,
+            free_order="fifo",
+            description="a sliding window of half a block and three outputs (a block leaves "
+            "the window while its request runs on) with vLLM's FIFO free-block queue",
         ),
         Scope(
             "swa2",

@@ -44,6 +44,7 @@ chunk a finished request produced was offered to the manager or is known to it).
 from __future__ import annotations
 
 import enum
+import importlib
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -52,7 +53,7 @@ from typing import Any, Protocol
 
 from statecore.config import GroupConfig
 from statecore.errors import InvariantViolation, StatecoreError
-from statecore.keys import OffloadKey, make_offload_key
+from statecore.keys import OffloadKey
 from statecore.sim.blocks import BlockPool
 from statecore.sim.faults import ReportChannel, SimFaults
 from statecore.sim.hashing import ROOT_HASH, extend_block_hashes
@@ -305,6 +306,12 @@ class EngineStats:
     in_flight_series: list[int] = field(default_factory=list)
 
 
+def _oracles() -> Any:
+    """The invariant catalogue, where the expectation oracles are defined once (specs/ is
+    mapped into the package at build time and type-checked on its own)."""
+    return importlib.import_module("statecore.specs.invariants")
+
+
 class ObservedManager:
     """A transparent proxy of the manager that the scheduler drives, for the whole-stack
     expectation oracles: INV-EVICT on every ``prepare_store`` (no offered key among the
@@ -322,6 +329,9 @@ class ObservedManager:
         self.calls = 0
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_inner" or name.startswith("__"):
+            # not forwarded: a copy or unpickling asks for these before ``_inner`` is set
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: Any) -> Any:
@@ -334,13 +344,9 @@ class ObservedManager:
             return out
         self.known.update(offered)
         if out.evicted_keys:
-            bad = set(offered).intersection(out.evicted_keys)
-            if bad:
-                k = next(iter(bad))
-                self.violations.append(
-                    f"INV-EVICT: prepare_store for {ctx.req_id!r} evicted offered key "
-                    f"{bytes(k).hex()[:12]} ({len(bad)} offered keys evicted)"
-                )
+            bad = _oracles().evict_violation(ctx.req_id, offered, out.evicted_keys)
+            if bad is not None:
+                self.violations.append(bad)
         return out
 
     def lookup(self, key: OffloadKey, ctx: Any) -> Any:
@@ -690,13 +696,11 @@ class SimEngine:
             rid = job.req_id
             srcs = frozenset(b for b in getattr(job.src, "block_ids", ()) if b)
             pulled = j in flush  # submitted before this step's compute: reads first
-            for b in sorted(srcs):
-                if rid not in self.owners[b] and not (pulled and self.handed_at[b] == k):
-                    self._violation(
-                        f"INV-OWN: store job {j} of {rid!r} reads GPU block {b}, which was "
-                        f"handed to {sorted(self.owners[b])} at step {self.handed_at[b]}"
-                    )
-                    break
+            bad = _oracles().own_violation(
+                j, rid, srcs, self.owners, self._handed, pulled, self.handed_at
+            )
+            if bad is not None:
+                self._violation(bad)
             if j not in flush:
                 unflushed[j] = (rid, srcs)
             self._job_req[j] = rid
@@ -732,16 +736,14 @@ class SimEngine:
         if r.epoch != self.epoch or req.is_aborted:
             return  # a reset during the request's life or an abort: nothing is promised
         n_off = min(max(req.num_prompt_tokens, req.num_tokens - 1), req.num_computed_tokens)
-        bpc = self.cfg.blocks_per_chunk
-        keys: list[OffloadKey] = []
-        for g in range(self.n_groups):
-            if self.g_win[g] is not None:
-                continue
-            tpc = self.g_tpb[g] * bpc
-            hpc = self.g_hpb[g] * bpc
-            skip = -(-r.covered // tpc)  # covered at admission: a named cause, never offered
-            for c in range(skip, n_off // tpc):
-                keys.append(make_offload_key(req.block_hashes[(c + 1) * hpc - 1], g))
+        keys: list[OffloadKey] = _oracles().store_complete_keys(
+            req.block_hashes,
+            n_off,
+            r.covered,  # covered at admission: a named cause, never offered
+            list(zip(self.g_tpb, self.g_win, strict=True)),
+            self.tph,
+            self.cfg.blocks_per_chunk,
+        )
         if keys:
             self._completeness.append((r.turn.req_id, keys, self.epoch))
 
@@ -753,13 +755,9 @@ class SimEngine:
             self.stats.completeness_checked += 1
             # named causes: stored or declined by the manager (known), found by a lookup
             # (known), no room at the last chance, the final store (refused this step)
-            missing = [key for key in keys if key not in obs.known and key not in obs.refused]
-            if missing:
-                self._violation(
-                    f"INV-STORE-COMPLETE: finished request {rid!r}: {len(missing)} of its "
-                    f"{len(keys)} full chunks were never offered to the manager nor known to "
-                    f"it (first {bytes(missing[0]).hex()[:12]})"
-                )
+            bad = _oracles().store_complete_violation(rid, keys, obs.known, obs.refused)
+            if bad is not None:
+                self._violation(bad)
 
     # -- arrivals, aborts, finish --------------------------------------------------------------
 
