@@ -184,3 +184,18 @@ def test_prefix_hits_table(results: list[int], budget: int, expected: int | None
 )
 def test_window_hits_table(results: list[int], window: int, expected: int | None) -> None:
     assert kernels.window_hits(results, window) == expected
+
+
+# -- fence index ---------------------------------------------------------------------------------
+
+
+def test_fence_remove_goes_on_after_a_missing_pair() -> None:
+    index: dict[int, set[int]] = {}
+    kernels.fence_add(index, 1, [4, 5])
+    kernels.fence_add(index, 2, [5, 6])
+    # block 9 never held job 1, block 6 never held it either: both counted, and the blocks
+    # listed after them are still released
+    assert kernels.fence_remove(index, 1, [9, 4, 6, 5]) == 2
+    assert index == {5: {2}, 6: {2}}
+    assert kernels.fence_remove(index, 2, [5, 5, 6]) == 1
+    assert index == {}
