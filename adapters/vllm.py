@@ -44,6 +44,7 @@ import importlib
 import mmap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, cast
 
 try:
@@ -81,7 +82,7 @@ from statecore.managers.redistier import TierLayout
 from statecore.managers.tiering import TieringOffloadingManager
 from statecore.pool import CPUPool
 from statecore.scheduler import OffloadingScheduler
-from statecore.views import ScheduledRequest, SchedulerOutput
+from statecore.views import ScheduledColumns, ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, WorkerMetadata
 from statecore.worker import OffloadingWorker, TransferBackend
 
@@ -171,10 +172,11 @@ class VllmRequestView:
 
 
 def to_scheduler_output(so: VllmSchedulerOutput, num_groups: int) -> SchedulerOutput:
-    """vLLM's ``SchedulerOutput`` as statecore's (new requests first, then cached ones).
-
-    Block id lists are passed through without copying (statecore only reads them during
-    ``build_connector_meta``). A cached request with no new blocks gets empty lists.
+    """vLLM's ``SchedulerOutput`` as statecore's: new requests as
+    :class:`~statecore.views.ScheduledRequest` entries, cached (running) ones in vLLM's
+    columnar form as :class:`~statecore.views.ScheduledColumns` (validated in bulk, so a
+    decode entry is not an object of its own). A cached request with no new blocks has None
+    in the block column, as in vLLM.
     """
     nst: dict[str, int] = so.num_scheduled_tokens
     scheduled: list[ScheduledRequest] = []
@@ -184,23 +186,21 @@ def to_scheduler_output(so: VllmSchedulerOutput, num_groups: int) -> SchedulerOu
         new_ids.append(rid)
         scheduled.append(ScheduledRequest(rid, cast(Any, nr.block_ids), nst.get(rid, 0), False))
     cached = so.scheduled_cached_reqs
-    if cached.req_ids:
-        empty = tuple(() for _ in range(num_groups))
-        resumed = cached.resumed_req_ids
-        for rid, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            scheduled.append(
-                ScheduledRequest(
-                    rid,
-                    cast(Any, blocks) if blocks is not None else empty,
-                    nst.get(rid, 0),
-                    rid in resumed,
-                )
-            )
+    columns = None
+    rids = cached.req_ids
+    if rids:
+        columns = ScheduledColumns(
+            rids,
+            cached.new_block_ids,
+            list(map(nst.get, rids, repeat(0, len(rids)))),
+            frozenset(cached.resumed_req_ids),
+        )
     return SchedulerOutput(
         scheduled=scheduled,
         new_req_ids=frozenset(new_ids),
         finished_req_ids=frozenset(so.finished_req_ids),
         preempted_req_ids=frozenset(so.preempted_req_ids or ()),
+        columns=columns,
     )
 
 

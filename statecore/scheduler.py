@@ -46,8 +46,10 @@ from __future__ import annotations
 import importlib
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 from statecore import kernels, validate
@@ -77,7 +79,7 @@ from statecore.manager import (
     ReqContext,
     ScheduleEndContext,
 )
-from statecore.views import RequestLike, SchedulerOutput
+from statecore.views import RequestLike, ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, GPULoadStoreSpec, TransferJob, WorkerMetadata
 
 __all__ = [
@@ -329,6 +331,11 @@ def _ceil_div(a: int, b: int) -> int:
 
 _SEQ = (list, tuple)
 
+# the fields of a ScheduledRequest, as the tuple _update_req_states iterates (C speed)
+_ENTRY: Callable[[ScheduledRequest], tuple[str, Any, int, bool]] = attrgetter(
+    "req_id", "new_block_ids", "num_scheduled_tokens", "resumed_from_preemption"
+)
+
 
 def _admitted_lists(
     block_ids: Any, n_groups: int, num_external_tokens: Any
@@ -416,6 +423,7 @@ class OffloadingScheduler:
         self._hpc = [config.hashes_per_chunk(g) for g in range(n)]
         self._window = [config.window_chunks(g) for g in range(n)]
         self._sliding = [w is not None for w in self._window]
+        self._no_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in range(n))
         self._any_sliding = int(any(self._sliding))
         # lookup order: full attention first, then sliding window by window size, descending
         self._lookup_order = [g for g in range(n) if not self._sliding[g]] + sorted(
@@ -917,41 +925,58 @@ class OffloadingScheduler:
         return out
 
     def _update_req_states(self, output: SchedulerOutput) -> list[RequestRecord]:
+        """Apply the step's entries (``scheduled``, then ``columns``) to the request records;
+        return the records that may have a chunk to store.
+
+        A decode entry (no new blocks, under its store floor) costs a record lookup and a few
+        comparisons: keys are built when a store or lookup needs them (:meth:`_update_keys`
+        from :meth:`_build_store_jobs`), not each time a block hash appears.
+        """
         allocated = self._batch.allocated
         scheduled: list[RequestRecord] = []
-        reqs = self._reqs
+        get = self._reqs.get
         sliding = self._sliding if self._any_sliding else None
         window_new: list[tuple[int, GroupState, int]] = []
-        for s in output.scheduled:
-            new_ids: Sequence[Sequence[int]] = s.new_block_ids
-            rec = reqs.get(s.req_id)
+        entries: Iterable[tuple[str, Any, int, bool]] = map(_ENTRY, output.scheduled)
+        cols = output.columns
+        if cols is not None:
+            resumed = cols.resumed_req_ids
+            entries = chain(
+                entries,
+                zip(
+                    cols.req_ids,
+                    cols.new_block_ids,
+                    cols.num_scheduled_tokens,
+                    map(resumed.__contains__, cols.req_ids),
+                    strict=True,
+                ),
+            )
+        for rid, new_ids, n, resumed_now in entries:
+            rec = get(rid)
             if rec is None:
-                self._untracked_scheduled(new_ids, allocated)
+                self._untracked_scheduled(new_ids or (), allocated)
                 continue
             if rec.admitted is not None:
-                new_ids = self._admit(rec, new_ids)
-            request = rec.request
-            hashes = request.block_hashes
-            if type(hashes) is not list or len(hashes) != rec.n_hashes:
-                self._update_keys(rec)
-            rec.num_scheduled = s.num_scheduled_tokens
-            if s.resumed_from_preemption:
+                new_ids = self._admit(rec, new_ids or self._no_blocks)
+            rec.num_scheduled = n
+            if resumed_now:
                 self._clear_block_lists(rec)
-            for g, ids in enumerate(new_ids):
-                if ids:
-                    gs = rec.groups[g]
-                    if sliding is not None and sliding[g]:
-                        base = len(gs.block_ids)
-                        window_new.extend((b, gs, base + i) for i, b in enumerate(ids) if b)
-                    gs.block_ids.extend(ids)
-                    allocated.update(ids)
+            if new_ids:
+                for g, ids in enumerate(new_ids):
+                    if ids:
+                        gs = rec.groups[g]
+                        if sliding is not None and sliding[g]:
+                            base = len(gs.block_ids)
+                            window_new.extend((b, gs, base + i) for i, b in enumerate(ids) if b)
+                        gs.block_ids.extend(ids)
+                        allocated.update(ids)
             # most steps are decode steps that cannot complete a chunk: skip store building
             floor = rec.store_floor
             if floor:
                 if rec.store_cap < floor:
                     continue
-                nc = request.num_computed_tokens
-                if type(nc) is int and nc + s.num_scheduled_tokens < floor:
+                nc = rec.request.num_computed_tokens
+                if type(nc) is int and nc + n < floor:
                     continue  # (a view turned bad is counted in _build_store_jobs)
             scheduled.append(rec)
         allocated.update(output.extra_allocated_block_ids)
@@ -1032,6 +1057,7 @@ class OffloadingScheduler:
             return  # the common decode step: no new whole chunk yet
         if not REQUEST.accepts(rec, RE_STORE_CREATED):
             return  # loading or draining: INV-EXCL, retried in a later step
+        self._update_keys(rec)  # keys of the blocks hashed since they were last needed
         self._store_chunks(rec, n_off, store_jobs, finished)
         chunk_level = rec.policy is OffloadPolicy.CHUNK_LEVEL
         rec.store_floor = min(

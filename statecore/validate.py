@@ -39,6 +39,7 @@ from statecore.errors import (
     InvalidMetadataError,
     describe,
 )
+from statecore.views import ScheduledColumns as _ScheduledColumns
 from statecore.views import ScheduledRequest as _ScheduledRequest
 from statecore.views import SchedulerOutput as _SchedulerOutput
 from statecore.wire import DirectionStats as _DirectionStats
@@ -281,6 +282,57 @@ def scheduled_request(s: Any, call: str) -> None:
     object.__setattr__(s, "new_block_ids", tuple(tuple(group) for group in ids))
 
 
+def scheduled_columns(c: Any, call: str) -> None:
+    """Diagnose a :class:`~statecore.views.ScheduledColumns` built with a malformed field
+    (raises naming it and the entry); when every field is acceptable, normalise it as its
+    fast path does."""
+    rids = c.req_ids
+    blocks = c.new_block_ids
+    counts = c.num_scheduled_tokens
+    columns = (("req_ids", rids), ("new_block_ids", blocks), ("num_scheduled_tokens", counts))
+    for name, col in columns:
+        if not _is_seq(col):
+            _fail(call, name, col, "a sequence, one item per scheduled request")
+    if not len(rids) == len(blocks) == len(counts):
+        _fail(
+            call,
+            "columns",
+            (len(rids), len(blocks), len(counts)),
+            "req_ids, new_block_ids and num_scheduled_tokens of one length",
+        )
+    for i, rid in enumerate(rids):
+        if not isinstance(rid, str):
+            _fail(call, f"req_ids[{i}]", rid, "a str")
+    for i, n in enumerate(counts):
+        if type(n) is not int or n < 0:
+            _fail(call, f"num_scheduled_tokens[{i}]", n, "an int >= 0", _nowhere, rids[i])
+    out: list[Any] = []
+    group_counts: set[int] = set()
+    for i, ids in enumerate(blocks):
+        if ids is None:
+            out.append(None)
+            continue
+        if not _is_seq(ids):
+            _fail(
+                call,
+                f"new_block_ids[{i}]",
+                ids,
+                "None or a sequence of block-id sequences, one per group",
+                _nowhere,
+                rids[i],
+            )
+        for g, group in enumerate(ids):
+            _int_list(group, call, f"new_block_ids[{i}][{g}]", _nowhere, rids[i], "GPU block id")
+        group_counts.add(len(ids))
+        out.append(tuple(tuple(group) for group in ids))
+    _id_set(c.resumed_req_ids, call, "resumed_req_ids", str, "request ids (str)")
+    object.__setattr__(c, "req_ids", tuple(rids))
+    object.__setattr__(c, "new_block_ids", tuple(out))
+    object.__setattr__(c, "num_scheduled_tokens", tuple(counts))
+    object.__setattr__(c, "resumed_req_ids", frozenset(c.resumed_req_ids))
+    object.__setattr__(c, "group_counts", frozenset(group_counts))
+
+
 def scheduler_output_fields(output: Any) -> None:
     """Diagnose a :class:`~statecore.views.SchedulerOutput` built with a malformed field
     (raises naming it); when every field is acceptable, normalise it (tuple of entries, the
@@ -301,10 +353,14 @@ def scheduler_output_fields(output: Any) -> None:
         int,
         "GPU block ids (ints >= 0)",
     )
+    columns = output.columns
+    if columns is not None and type(columns) is not _ScheduledColumns:
+        _fail(call, "columns", columns, "None or a ScheduledColumns")
     object.__setattr__(output, "scheduled", tuple(scheduled))
-    object.__setattr__(
-        output, "group_counts", frozenset(len(s.new_block_ids) for s in output.scheduled)
-    )
+    counts = {len(s.new_block_ids) for s in output.scheduled}
+    if columns is not None:
+        counts.update(columns.group_counts)
+    object.__setattr__(output, "group_counts", frozenset(counts))
 
 
 def scheduler_output(output: object, n_groups: int, where: Where) -> None:
@@ -330,6 +386,18 @@ def scheduler_output(output: object, n_groups: int, where: Where) -> None:
                 where,
                 s.req_id,
             )
+    columns = output.columns
+    if columns is not None:
+        for i, ids in enumerate(columns.new_block_ids):
+            if ids is not None and len(ids) != n_groups:
+                block_lists(
+                    ids,
+                    n_groups,
+                    call,
+                    f"output.columns.new_block_ids[{i}]",
+                    where,
+                    columns.req_ids[i],
+                )
 
 
 def _finite(value: object) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Request", "RequestLike", "ScheduledRequest", "SchedulerOutput"]
+__all__ = ["Request", "RequestLike", "ScheduledColumns", "ScheduledRequest", "SchedulerOutput"]
 
 
 @runtime_checkable
@@ -73,6 +73,8 @@ class Request:
 
 _SEQ = (list, tuple)
 _NO_NEW_BLOCK = ((),)
+_SETS = (frozenset, set)
+_STR = {str}
 
 
 def _ids_ok(ids: Any) -> bool:
@@ -145,6 +147,95 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class ScheduledColumns:
+    """Requests scheduled in a step, in columnar form: the bulk counterpart of a tuple of
+    :class:`ScheduledRequest`, for the running requests of a large decode batch.
+
+    Entry ``i`` means ``ScheduledRequest(req_ids[i], new_block_ids[i], num_scheduled_tokens[i],
+    req_ids[i] in resumed_req_ids)``, where a ``new_block_ids[i]`` of None means no new blocks
+    in any group. An engine adapter builds it from the engine's own columnar step output
+    (vLLM's ``CachedRequestData``), so that an entry that carries nothing (a decode token) is
+    not an object of its own. It is validated in bulk when built, as strictly as the
+    per-entry form (the columns' types at C speed; only entries with new blocks are looked
+    at one by one); the lists with new blocks are stored as tuples of tuples.
+
+    Attributes:
+        req_ids: the request ids.
+        new_block_ids: per entry, None or per KV-cache group the GPU block ids given since the
+            request was last scheduled (its complete lists when it resumed or was just
+            allocated, as for :class:`ScheduledRequest`).
+        num_scheduled_tokens: per entry, the tokens computed for it in this step.
+        resumed_req_ids: the entries that resumed from preemption.
+
+    Raises :class:`~statecore.errors.InvalidMetadataError` when built with a malformed field
+    (columns of different lengths, an id that is not a str, a count that is not an int >= 0,
+    a block list that is not a sequence of ints >= 0).
+    """
+
+    req_ids: Sequence[str]
+    new_block_ids: Sequence[Sequence[Sequence[int]] | None]
+    num_scheduled_tokens: Sequence[int]
+    resumed_req_ids: frozenset[str] = frozenset()
+    group_counts: frozenset[int] = field(default=frozenset(), init=False, compare=False)
+    """How many block lists the entries with new blocks carry; computed."""
+
+    def __post_init__(self) -> None:
+        rids: Any = self.req_ids
+        blocks: Any = self.new_block_ids
+        counts: Any = self.num_scheduled_tokens
+        resumed: Any = self.resumed_req_ids
+        n = len(rids) if type(rids) in _SEQ else -1
+        if (
+            n >= 0
+            and type(blocks) in _SEQ
+            and type(counts) in _SEQ
+            and len(blocks) == n
+            and len(counts) == n
+            and type(resumed) in _SETS
+            and (not n or (set(map(type, rids)) == _STR and set(map(type, counts)) == _INT))
+            and (not n or min(counts) >= 0)
+            and all(type(r) is str for r in resumed)
+        ):
+            norm = _columns_blocks(blocks)
+            if norm is not None:
+                out, group_counts = norm
+                object.__setattr__(self, "req_ids", tuple(rids))
+                object.__setattr__(self, "new_block_ids", out)
+                object.__setattr__(self, "num_scheduled_tokens", tuple(counts))
+                object.__setattr__(self, "resumed_req_ids", frozenset(resumed))
+                object.__setattr__(self, "group_counts", group_counts)
+                return
+        from statecore.validate import scheduled_columns
+
+        scheduled_columns(self, "ScheduledColumns")
+
+
+_INT = {int}
+
+
+def _columns_blocks(
+    blocks: Sequence[Any],
+) -> tuple[tuple[tuple[tuple[int, ...], ...] | None, ...], frozenset[int]] | None:
+    """The block column with every present entry as a tuple of tuples, and its group counts;
+    None when an entry is malformed (the caller diagnoses). Entries of None cost one test."""
+    if blocks.count(None) == len(blocks):
+        return tuple(blocks), frozenset()
+    out: list[tuple[tuple[int, ...], ...] | None] = list(blocks)
+    counts: set[int] = set()
+    for i, ids in enumerate(out):
+        if ids is None:
+            continue
+        if type(ids) not in _SEQ:
+            return None
+        for group in ids:
+            if not _ids_ok(group):
+                return None
+        counts.add(len(ids))
+        out[i] = tuple(g if type(g) is tuple else tuple(g) for g in ids)
+    return tuple(out), frozenset(counts)
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """What the engine scheduled in one step.
 
@@ -154,6 +245,8 @@ class SchedulerOutput:
         finished_req_ids: requests that finished (or were aborted) since the last step.
         preempted_req_ids: requests preempted in this step (their blocks were freed).
         extra_allocated_block_ids: other blocks handed out this step (copy destinations).
+        columns: more scheduled requests in columnar form (:class:`ScheduledColumns`),
+            applied after ``scheduled``; None when every entry is in ``scheduled``.
 
     Raises :class:`~statecore.errors.InvalidMetadataError` when built with a malformed field
     (an entry that is not a :class:`ScheduledRequest`, an id set that is not a set of str, a
@@ -165,6 +258,7 @@ class SchedulerOutput:
     finished_req_ids: frozenset[str] = frozenset()
     preempted_req_ids: frozenset[str] = frozenset()
     extra_allocated_block_ids: frozenset[int] = frozenset()
+    columns: ScheduledColumns | None = None
     group_counts: frozenset[int] = field(default=frozenset(), init=False, compare=False)
     """How many block lists the entries carry (one value when they agree); computed."""
 
@@ -175,19 +269,22 @@ class SchedulerOutput:
         if type(scheduled) is list:
             scheduled = tuple(scheduled)
             object.__setattr__(self, "scheduled", scheduled)
-        if type(scheduled) is tuple and _sets_ok(self):
+        columns = self.columns
+        if (
+            type(scheduled) is tuple
+            and _sets_ok(self)
+            and (columns is None or type(columns) is ScheduledColumns)
+        ):
             entry = ScheduledRequest
             counts = {len(s.new_block_ids) if type(s) is entry else -1 for s in scheduled}
             if -1 not in counts:
+                if columns is not None:
+                    counts.update(columns.group_counts)
                 object.__setattr__(self, "group_counts", frozenset(counts))
                 return
         from statecore.validate import scheduler_output_fields
 
         scheduler_output_fields(self)
-
-
-_SETS = (frozenset, set)
-_STR = {str}
 
 
 def _sets_ok(output: Any) -> bool:

@@ -1,0 +1,126 @@
+"""The columnar form of a step's scheduled requests (``SchedulerOutput.columns``).
+
+An engine adapter may hand the running requests of a step as :class:`ScheduledColumns`
+instead of one :class:`ScheduledRequest` each. These tests pin that the two forms mean the
+same thing to the scheduler (same jobs, same counters, in checked mode) and that the
+columnar form is validated as strictly as the per-entry one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sched_harness import Harness, config, make_manager
+
+import statecore.bench.scheduler as bench
+from statecore import InvalidMetadataError, ScheduledRequest, SchedulerOutput
+from statecore.views import ScheduledColumns
+
+
+def _columnar(**kw: Any) -> SchedulerOutput:
+    """A SchedulerOutput with every entry not in ``new_req_ids`` moved into ``columns``
+    (no new blocks as None, as vLLM sends them)."""
+    entries = tuple(kw.pop("scheduled", ()))
+    new = kw.get("new_req_ids", frozenset())
+    first = [s for s in entries if s.req_id in new]
+    rest = [s for s in entries if s.req_id not in new]
+    columns = ScheduledColumns(
+        [s.req_id for s in rest],
+        [s.new_block_ids if any(s.new_block_ids) else None for s in rest],
+        [s.num_scheduled_tokens for s in rest],
+        frozenset(s.req_id for s in rest if s.resumed_from_preemption),
+    )
+    return SchedulerOutput(scheduled=first, columns=columns, **kw)
+
+
+@pytest.mark.parametrize(("n", "steps", "gpu_factor"), [(16, 150, 0.6), (24, 200, 0.5)])
+def test_columnar_steps_do_what_per_entry_steps_do(
+    monkeypatch: pytest.MonkeyPatch, n: int, steps: int, gpu_factor: float
+) -> None:
+    """The benchmark engine (admissions, CPU hits and loads, deferred lookups, chunked
+    prefill, decode, preemption: a GPU cache smaller than the requests need) run twice on one
+    seed, in checked mode: once with per-entry outputs, once with columnar ones. Every counter
+    and every request's output length agree."""
+    monkeypatch.setenv("STATECORE_CHECKED", "1")
+    sc = bench.Scenario(concurrency=n, steps=steps, gpu_cache_factor=gpu_factor)
+    # a probe that never stops the run: no memory-per-job measurement (2000 checked jobs)
+    plain = bench.run_standalone(sc, probe=lambda *_: False)
+    monkeypatch.setattr(bench, "SchedulerOutput", _columnar)
+    columnar = bench.run_standalone(sc, probe=lambda *_: False)
+    assert plain.counters == columnar.counters
+    assert plain.outputs == columnar.outputs
+    assert plain.counters["store_jobs_created"] > 0
+    assert plain.counters["load_jobs_created"] > 0
+    assert plain.counters["preemptions"] > 0
+
+
+def test_columns_normalise_block_lists_to_tuples() -> None:
+    c = ScheduledColumns(["a", "b"], [None, ([1, 2],)], [1, 3])
+    assert c.req_ids == ("a", "b")
+    assert c.new_block_ids == (None, ((1, 2),))
+    assert c.num_scheduled_tokens == (1, 3)
+    assert c.group_counts == frozenset({1})
+    assert SchedulerOutput(columns=c).group_counts == frozenset({1})
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        ((["a", 1], [None, None], [1, 1]), "req_ids[1]"),
+        ((["a"], [None, None], [1]), "columns"),
+        ((["a"], [None], [1, 2]), "columns"),
+        ((["a"], [None], [-1]), "num_scheduled_tokens[0]"),
+        ((["a"], [None], [True]), "num_scheduled_tokens[0]"),
+        ((["a"], [None], [1.0]), "num_scheduled_tokens[0]"),
+        ((["a"], [[1, 2]], [1]), "new_block_ids[0][0]"),
+        ((["a"], [([1, -2],)], [1]), "new_block_ids[0][0]"),
+        ((["a"], [("x",)], [1]), "new_block_ids[0][0]"),
+        ((["a"], [5], [1]), "new_block_ids[0]"),
+        (("a", [None], [1]), "req_ids"),
+        ((["a"], None, [1]), "new_block_ids"),
+        ((["a"], [None], [1], frozenset({3})), "resumed_req_ids"),
+        ((["a"], [None], [1], ["a"]), "resumed_req_ids"),
+    ],
+)
+def test_malformed_columns_raise_naming_the_field(args: tuple[Any, ...], named: str) -> None:
+    with pytest.raises(InvalidMetadataError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        ScheduledColumns(*args)
+
+
+def test_columns_not_a_columns_object_raise() -> None:
+    with pytest.raises(InvalidMetadataError, match="columns"):
+        SchedulerOutput(columns=[("a", None, 1)])  # type: ignore[arg-type]
+
+
+def test_wrong_group_count_in_columns_raises_before_any_change() -> None:
+    """Two KV-cache groups, an entry with one block list: refused whole, nothing applied."""
+    h = Harness(make_manager("cpu"), config(sliding=8))
+    h.add("a", list(range(16)))
+    h.admit("a")
+    first = h.schedule("a", 8)
+    h.step([first], new=["a"])
+    before = h.sched.request_keys("a"), [list(g.block_ids) for g in h.sched.requests["a"].groups]
+    bad = SchedulerOutput(columns=ScheduledColumns(["a"], [((50,),)], [4]))
+    with pytest.raises(InvalidMetadataError, match=r"columns\.new_block_ids\[0\]"):
+        h.sched.build_connector_meta(bad)
+    after = h.sched.request_keys("a"), [list(g.block_ids) for g in h.sched.requests["a"].groups]
+    assert before == after
+
+
+def test_columns_follow_scheduled_entries_and_resume() -> None:
+    """Entries in ``columns`` apply after ``scheduled``; a resumed id's lists replace the
+    request's lists (its old blocks are never stored)."""
+    h = Harness(make_manager("cpu"), config())
+    h.add("a", list(range(16)))
+    h.admit("a")
+    meta = h.step([h.schedule("a", 8)], new=["a"])
+    assert len(meta.store_jobs) == 1
+    h.report(completed=meta.store_jobs)
+    h.sched.build_connector_meta(SchedulerOutput(preempted_req_ids=frozenset({"a"})))
+    h.reqs["a"].num_computed_tokens = 0
+    resumed: ScheduledRequest = h.schedule("a", 16, resumed=True)
+    cols = ScheduledColumns(["a"], [resumed.new_block_ids], [16], frozenset({"a"}))
+    meta = h.sched.build_connector_meta(SchedulerOutput(columns=cols))
+    (job,) = meta.store_jobs.values()
+    assert set(job.src.block_ids) <= set(resumed.new_block_ids[0])
