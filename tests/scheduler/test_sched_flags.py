@@ -1,17 +1,22 @@
-"""Per-job flags the invariants read, set exactly when their event happens (issue 18).
+"""Per-job flags the invariants read, and checked mode's effect on manager errors (issue 18).
 
 ``flushed`` says a job went out in a step's ``jobs_to_flush``: every worker finishes it
 before that step writes any GPU block. INV-SRC-VALID accepts a store reading blocks that an
 unfinished load writes only if the store was flushed first; a job starts unflushed, and the
 step that flushes it marks it.
+
+A manager that raises on a completion is an anomaly the scheduler counts
+(``manager_errors``) and survives: the job still ends. In checked mode the error propagates.
 """
 
 from __future__ import annotations
 
 import pytest
 from sched_harness import Harness, admit_with_load, config, make_manager, offloaded, prefill
+from statecore.specs.fakes import RecordingManager
 
-from statecore import InvariantViolation
+from statecore import InvariantViolation, OffloadingScheduler
+from statecore.errors import ManagerError, StatecoreError, UnknownKeyError
 
 
 def test_store_is_unflushed_until_a_step_flushes_it(kind: str) -> None:
@@ -29,3 +34,39 @@ def test_store_is_unflushed_until_a_step_flushes_it(kind: str) -> None:
     assert store in meta.jobs_to_flush
     assert h.sched.jobs[store].flushed and not h.sched.jobs[load].flushed
     h.sched.check_invariants()
+
+
+class _ForgetfulManager(RecordingManager):
+    """Raises on its first store completion, as a manager that lost the keys would."""
+
+    failures: int = 1
+
+    def complete_store(self, keys, ctx, success=True):  # type: ignore[no-untyped-def]
+        if self.failures:
+            self.failures -= 1
+            raise UnknownKeyError(keys[0], "complete_store")
+        super().complete_store(keys, ctx, success)
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_manager_error_on_completion_is_counted_or_raised(checked: bool) -> None:
+    h = Harness(_ForgetfulManager(), config())
+    h.sched = OffloadingScheduler(h.config, h.manager, h.clock, checked=checked)
+    h.add("a", list(range(8)))
+    h.add("b", list(range(50, 58)))
+    (job_a,) = prefill(h, "a")
+    (job_b,) = prefill(h, "b")
+    if checked:
+        # the manager's error propagates (the invariant check that follows the call may
+        # report the half-completed job on top of it: the manager's error is then its cause)
+        with pytest.raises(StatecoreError) as err:
+            h.report([job_a])
+        assert isinstance(err.value, ManagerError) or isinstance(
+            err.value.__context__, UnknownKeyError
+        )
+        return
+    h.report([job_a])
+    assert job_a not in h.sched.jobs and not h.sched.requests["a"].jobs  # the job ended
+    h.report([job_b])  # the next completion goes through
+    c = h.sched.counters
+    assert (c.manager_errors, c.jobs_completed, c.jobs_failed) == (1, 2, 0)

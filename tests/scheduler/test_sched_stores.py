@@ -239,3 +239,22 @@ def test_long_request_without_limits_stores_every_chunk(kind: str) -> None:
             h.report([job])
     assert stored == list(h.sched.request_keys("a")[0])
     assert len(stored) == 1024
+
+
+@pytest.mark.parametrize("prompt_only", [False, True])
+def test_decode_step_that_completes_a_chunk_stores_it_at_once(kind: str, prompt_only: bool) -> None:
+    """Prompt of 8 tokens, then decode: the step that computes the KV of token 11 completes
+    chunk 2, which is stored in that very step, unless only the prompt is offloaded."""
+    h = Harness(make_manager(kind), config(offload_prompt_only=prompt_only))
+    tokens = list(range(100, 108))
+    a = h.add("a", tokens)
+    h.report(list(prefill(h, "a")))
+    stored: list[int] = []
+    for step in range(4):  # computes tokens 8, 9, 10, 11
+        tokens.append(step)
+        a.num_tokens = len(tokens)
+        a.block_hashes = chain_hashes(tokens, 4)
+        meta = h.step([h.schedule("a", 1)])
+        stored.extend(step for _ in meta.store_jobs)
+        h.report(list(meta.store_jobs))
+    assert stored == ([] if prompt_only else [3])
