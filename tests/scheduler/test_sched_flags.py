@@ -11,11 +11,18 @@ A manager that raises on a completion is an anomaly the scheduler counts
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from sched_harness import Harness, admit_with_load, config, make_manager, offloaded, prefill
 from statecore.specs.fakes import RecordingManager
 
-from statecore import InvariantViolation, OffloadingScheduler
+from statecore import (
+    ConnectorOutputResult,
+    InvariantViolation,
+    OffloadingScheduler,
+    SchedulerCounters,
+)
 from statecore.errors import ManagerError, StatecoreError, UnknownKeyError
 
 
@@ -70,3 +77,19 @@ def test_manager_error_on_completion_is_counted_or_raised(checked: bool) -> None
     h.report([job_b])  # the next completion goes through
     c = h.sched.counters
     assert (c.manager_errors, c.jobs_completed, c.jobs_failed) == (1, 2, 0)
+
+
+def test_counters_reject_a_name_that_is_not_a_counter() -> None:
+    """A misspelt counter is an error, never a new attribute nobody reads."""
+    c = SchedulerCounters()
+    with pytest.raises(AttributeError):
+        c.jobs_complete = 1  # type: ignore[attr-defined]
+    assert "jobs_complete" not in c.as_dict()
+
+
+def test_connector_output_result_is_immutable_and_hashable(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    result = h.report()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.finished_loads = frozenset({"x"})  # type: ignore[misc]
+    assert hash(result) == hash(ConnectorOutputResult())
