@@ -1,12 +1,14 @@
-"""Sampled mutation testing of statecore's core modules, on Cosmic Ray.
+"""Sampled mutation testing of statecore's core modules: Cosmic Ray's mutants, a forking runner.
 
-    python scripts/mutate.py --sample 40 --seed 1            # 40 mutants over the core
+    python scripts/mutate.py --sample 300 --seed 1           # 300 mutants over the core
     python scripts/mutate.py --per-module 10 --seed 1        # 10 mutants of every core module
+    python scripts/mutate.py --sample 30 --seed 1 --module statecore/managers/cpu.py
     python scripts/mutate.py --report SESSION.sqlite         # print a finished session again
 
 Needs the ``mutate`` extra (``pip install -e '.[mutate]'``: Cosmic Ray). Not part of
-``scripts/test.sh``: a survivor costs a whole run of the killers (minutes on a loaded 2-core
-machine), so the run is sized by ``--sample``/``--per-module``.
+``scripts/test.sh``: the first run on a version of the sources spends about two minutes
+measuring which killer runs which function (then cached), and each survivor costs the killers
+that reach it.
 
 Theory of operation. Cosmic Ray (``cosmic-ray init``) lists every mutation its core
 operators can make in the core modules (:data:`CORE_MODULES`): comparisons flipped, ``and``
@@ -14,46 +16,66 @@ and ``or`` swapped, ``not`` added or removed, numbers changed by one, ``True``/`
 swapped, ``break``/``continue`` swapped, loops run zero times, arithmetic operators replaced,
 decorators removed, exception types replaced. One source position with one operator family
 is a *site*; a site often has many variants (``+`` becomes ``-``, ``*``, ``//``...), so the
-sample draws **sites** uniformly at random (``random.Random(seed)``) and one variant per site,
-which keeps the arithmetic operators from dominating the score. Every other work item is
-marked skipped in the session database, then ``cosmic-ray exec`` runs the sample one mutant
-at a time: it rewrites the module on disk (the editable install imports it from here), runs
-the killer command, and restores the file.
+sample draws **sites** uniformly at random (``random.Random(seed)``, sites and variants in a
+fixed order) and one variant per site, which keeps the arithmetic operators from dominating
+the score. Mutants inside type annotations are left out of the draw (each core module
+postpones annotations: they never run). The rest of the session is marked skipped; a drawn
+mutant listed in :data:`EQUIVALENT` is marked equivalent with its reason.
 
-The killer command is this script with ``--kill``: it finds the mutated module with ``git
-diff``, removes its cached bytecode (a mutant of the same size written in the same second
-would otherwise load the original's ``.pyc``), and runs, stopping at the first failure:
+The killers are the real tests, :data:`FAST_TESTS` (the fast subset: scheduler, managers,
+lifecycle, the worker's core tests), then the ``statecore`` commands of :data:`CLI_KILLERS`
+(the model checker on its smallest scope, short seeded fuzz campaigns with the LRU, tiering
+and ARC managers). They run under the derandomized Hypothesis profile ``mutate`` (no example
+database), so every run sees the same examples. Cosmic Ray still makes each mutant (its
+operators rewrite the source text) and keeps the results (its session database), but this
+script runs them, because starting an interpreter and collecting the tests for each mutant
+cost more than the tests that kill it:
 
-1. pytest ``-x`` on the fast subset (``tests/scheduler tests/managers tests/lifecycle`` and
-   the worker's core tests), the mutated module's own test folder first;
-2. ``statecore check`` on the smallest scope (``one``, every interleaving to depth 9 under a
-   time limit);
-3. ``statecore fuzz`` for a few seconds.
+1. One pytest session collects the killers once (a profiler notes every core function run
+   while importing and collecting).
+2. A coverage pass, in a forked child, runs every killer once under a profiler and records
+   which core functions it runs and how long it takes (cached under the system temp folder,
+   named by a hash of the sources and tests).
+3. Each mutant runs in a child forked from the collected session. When the mutation lies in
+   the body of a function reachable by name (a module function or a method) that did not run
+   before the fork, the child swaps that function's ``__code__`` for the mutated one and runs
+   only the killers that run the function, fastest first, stopping at the first failure: a
+   killer that never calls the function cannot tell the mutant apart. Otherwise (module level,
+   class bodies, decorators, default values, code run at import) the mutant runs in a fresh
+   interpreter that imports the mutated source from memory and runs every killer, those that
+   touch the module first. Nothing is written to the source tree.
 
-A mutant is *killed* when the killers fail (a timeout counts as killed: the tool reports it
-so, and an endless loop is a bug the engine would hang on), *survived* when they pass.
-Mutants judged equivalent (no behaviour can tell them from the original) are listed in
-:data:`EQUIVALENT` with a one-line reason, by module, operator and the text of the mutated
-line; they are skipped and reported apart. The score of a module is killed / (killed +
-survived), equivalents excluded.
-
-The working tree's ``statecore/`` must be clean when a run starts (the killer finds the
-mutant with ``git diff``); an interrupted run is undone with ``git checkout statecore``.
+A mutant is *killed* when a killer fails, *timeout* when its run passes the time limit (an
+endless loop is a bug the engine would hang on: it counts as killed, and is listed apart),
+*survived* when every killer that reaches it passes. ``--confirm`` runs each survivor again
+in a fresh interpreter against every killer. The score of a module is (killed + timeout) /
+(killed + timeout + survived); equivalent mutants are listed with their reasons, not scored.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import difflib
+import hashlib
+import importlib.abc
+import importlib.util
+import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import CodeType, FrameType, FunctionType, ModuleType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,30 +100,6 @@ FAST_TESTS: tuple[str, ...] = (
     "tests/worker/test_worker_strength.py",
 )
 """The fast test subset the killers run (each mutant's own folder first)."""
-
-FIRST_TESTS: dict[str, tuple[str, ...]] = {
-    "statecore/scheduler.py": ("tests/scheduler",),
-    "statecore/kernels.py": ("tests/scheduler",),
-    "statecore/lifecycle/machines.py": ("tests/lifecycle",),
-    "statecore/lifecycle/table.py": ("tests/lifecycle",),
-    "statecore/managers/cpu.py": ("tests/managers/test_mgr_cpu.py",),
-    "statecore/managers/tiering.py": (
-        "tests/managers/test_mgr_tiering.py",
-        "tests/managers/test_mgr_strength.py",
-    ),
-    "statecore/managers/policies.py": (
-        "tests/managers/test_mgr_policies.py",
-        "tests/managers/test_mgr_strength.py",
-    ),
-    "statecore/worker.py": (
-        "tests/worker/test_worker_core.py",
-        "tests/worker/test_worker_strength.py",
-    ),
-}
-"""Tests run first for a mutant of each module (the rest of the subset follows)."""
-
-CHECK_ARGS: tuple[str, ...] = ("--scope", "one", "--time-limit", "10", "--no-liveness")
-FUZZ_SECONDS = "5"
 
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     # (module, operator name prefix, stripped text of the original line): reason
@@ -161,49 +159,523 @@ def _equivalent_reason(module: str, operator: str, line: str) -> str | None:
     return None
 
 
-# -- the killer (run by cosmic-ray for each mutant) ---------------------------------------------
+# -- the runner: one pytest session, one forked child per mutant --------------------------------
+
+HYPOTHESIS_PROFILE = "mutate"
+"""Hypothesis profile of every killer run: derandomized (the same examples for every mutant and
+for the coverage run), no example database (a mutant's failing example must not be replayed
+against the next one), the ``dev`` profile's example count."""
+
+CLI_KILLERS: tuple[tuple[str, ...], ...] = (
+    ("check", "--scope", "one", "--time-limit", "8", "--no-liveness"),
+    ("fuzz", "--seconds", "3", "--seed", "1"),
+    ("fuzz", "--seconds", "3", "--seed", "1", "--manager", "tiering"),
+    ("fuzz", "--seconds", "3", "--seed", "1", "--manager", "arc"),
+)
+"""The ``statecore`` commands run after the tests, as pseudo-tests named ``statecore ...``."""
+
+CACHE = Path(tempfile.gettempdir()) / "statecore-mutate-cache"
+"""Where the coverage map is kept, named by a hash of the sources and tests it was made from."""
 
 
-def _mutated_modules() -> list[str]:
-    out = subprocess.run(
-        ["git", "diff", "--name-only", "--", "statecore"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return [line for line in out.splitlines() if line]
+def _prepare_environment() -> None:
+    """The environment every killer runs in (the parent's, inherited by each child)."""
+    os.environ.pop("CI", None)
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+    os.environ["STATECORE_HYPOTHESIS_PROFILE"] = HYPOTHESIS_PROFILE
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.dont_write_bytecode = True
+    from hypothesis import settings
+
+    settings.register_profile(
+        HYPOTHESIS_PROFILE, max_examples=30, deadline=None, derandomize=True, database=None
+    )
 
 
-def kill() -> int:
-    """Run the killers against the working tree as it is (mutated); non-zero = killed."""
-    mutated = _mutated_modules()
-    for module in mutated:
-        path = ROOT / module
-        for pyc in (path.parent / "__pycache__").glob(path.stem + ".*.pyc"):
-            pyc.unlink(missing_ok=True)
-    first: list[str] = []
-    for module in mutated:
-        first.extend(p for p in FIRST_TESTS.get(module, ()) if p not in first)
-    ordered = first + [p for p in FAST_TESTS if not any(p == f for f in first)]
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    env.pop("CI", None)
-    # a file given first is not collected again from its folder (pytest skips duplicates)
-    pytest = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *ordered]
-    statecore = shutil.which("statecore", path=str(Path(sys.executable).parent)) or "statecore"
-    for cmd in (
-        pytest,
-        [statecore, "check", *CHECK_ARGS],
-        [statecore, "fuzz", "--seconds", FUZZ_SECONDS],
-    ):
-        rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+def _module_name(module: str) -> str:
+    return module.removesuffix(".py").replace("/", ".")
+
+
+def _core_paths() -> dict[str, str]:
+    return {str(ROOT / m): m for m in CORE_MODULES}
+
+
+class _Tracer:
+    """Records which core functions run (``module:qualname`` of the outermost named function;
+    nested functions, lambdas and comprehensions count as their enclosing function)."""
+
+    def __init__(self) -> None:
+        self.paths = _core_paths()
+        self.hits: set[str] = set()
+
+    def __call__(self, frame: FrameType, event: str, arg: object) -> None:
+        if event == "call":
+            code = frame.f_code
+            module = self.paths.get(code.co_filename)
+            if module is not None:
+                self.hits.add(module + ":" + code.co_qualname.split(".<locals>", 1)[0])
+
+    def start(self) -> None:
+        sys.setprofile(self)
+        threading.setprofile(self)
+
+    def stop(self) -> None:
+        sys.setprofile(None)
+        threading.setprofile(None)
+
+
+FuncSpans = dict[str, tuple[tuple[int, int], tuple[int, int]]]
+
+
+def _functions(module: str) -> FuncSpans:
+    """Every function reachable by attribute from the module (top level, or methods of
+    top-level classes, nested classes included): qualname -> span of its body. A name defined
+    twice (a property's setter, a conditional definition) is left out: it is ambiguous."""
+    tree = ast.parse((ROOT / module).read_text())
+    found: FuncSpans = {}
+    twice: set[str] = set()
+
+    def walk(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = prefix + node.name
+                if name in found:
+                    twice.add(name)
+                first = node.body[0]
+                end = (node.end_lineno or first.lineno, node.end_col_offset or 0)
+                found[name] = ((first.lineno, first.col_offset), end)
+            elif isinstance(node, ast.ClassDef):
+                walk(node.body, prefix + node.name + ".")
+
+    walk(tree.body, "")
+    return {k: v for k, v in found.items() if k not in twice}
+
+
+def _enclosing(module: str, pos: tuple[int, int], cache: dict[str, FuncSpans]) -> str | None:
+    """The qualname of the function whose body holds ``pos``, or None (module level, class
+    body, decorator, default value, signature)."""
+    if module not in cache:
+        cache[module] = _functions(module)
+    for name, (start, end) in cache[module].items():
+        if start <= pos < end:
+            return name
+    return None
+
+
+def _find_code(code: CodeType, qualname: str) -> CodeType | None:
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            if const.co_qualname == qualname:
+                return const
+            inner = _find_code(const, qualname)
+            if inner is not None:
+                return inner
+    return None
+
+
+def _live_function(module: str, qualname: str) -> FunctionType | None:
+    """The function object the imported module runs for ``qualname``, unwrapped from
+    staticmethod, classmethod, property and ``functools.wraps`` wrappers; None if not found."""
+    obj: object = sys.modules.get(_module_name(module))
+    for part in qualname.split("."):
+        if obj is None:
+            return None
+        space = getattr(obj, "__dict__", {})
+        obj = space.get(part)
+    for _ in range(5):
+        if isinstance(obj, staticmethod | classmethod):
+            obj = obj.__func__
+        elif isinstance(obj, property):
+            obj = next(
+                (
+                    f
+                    for f in (obj.fget, obj.fset, obj.fdel)
+                    if isinstance(f, FunctionType) and f.__code__.co_qualname == qualname
+                ),
+                None,
+            )
+        elif isinstance(obj, FunctionType) and obj.__code__.co_qualname == qualname:
+            return obj
+        elif hasattr(obj, "__wrapped__"):
+            obj = obj.__wrapped__
+        elif hasattr(obj, "func"):
+            obj = obj.func  # functools.cached_property
+        else:
+            return None
+    return None
+
+
+class _Failures:
+    """A pytest plugin that keeps the first failing report."""
+
+    def __init__(self) -> None:
+        self.first: str | None = None
+        self.failed: set[str] = set()
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        if report.failed:
+            self.failed.add(report.nodeid)
+            if self.first is None:
+                text = str(report.longreprtext).strip().splitlines()
+                self.first = f"{report.nodeid} ({report.when}): {text[-1] if text else ''}"
+
+
+def _run_cli_killer(argv: Sequence[str]) -> str | None:
+    from statecore.cli import main as statecore
+
+    rc: int = statecore(list(argv))
+    return None if rc == 0 else f"statecore {' '.join(argv)} (exit {rc})"
+
+
+def _run_items(items: list[Any], names: list[str], failures: _Failures) -> str | None:
+    """Run the named pytest items (and ``statecore ...`` killers) in order; the first failure."""
+    by_id = {item.nodeid: item for item in items}
+    chosen = [by_id[n] for n in names if n in by_id]
+    for i, item in enumerate(chosen):
+        nxt = chosen[i + 1] if i + 1 < len(chosen) else None
+        item.config.hook.pytest_runtest_protocol(item=item, nextitem=nxt)
+        if failures.first is not None:
+            if nxt is not None:
+                item.session._setupstate.teardown_exact(None)
+            return failures.first
+    for name in names:
+        if name.startswith("statecore "):
+            killed = _run_cli_killer(name.split()[1:])
+            if killed is not None:
+                return killed
+    return None
+
+
+def _fork(work: Callable[[], str], timeout: float) -> str:
+    """Run ``work`` in a forked child (its own process group, output discarded) and return its
+    one-line answer; ``"timeout"`` if it ran past ``timeout`` seconds, ``"crash ..."`` if it
+    died."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(read)
+        code = 0
+        try:
+            os.setpgid(0, 0)
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            answer = work()
+        except BaseException as exc:
+            answer = f"error {type(exc).__name__}: {exc}"
+            code = 1
+        os.write(write, answer.encode()[:8000])
+        os._exit(code)
+    os.close(write)
+    deadline = time.monotonic() + timeout
+    status = None
+    while status is None:
+        done, st = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status = st
+        elif time.monotonic() > deadline:
+            break
+        else:
+            time.sleep(0.01)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)  # the child's leftovers (servers it started), or itself
+    if status is None:
+        os.waitpid(pid, 0)
+        os.close(read)
+        return "timeout"
+    with os.fdopen(read, "rb") as pipe:
+        answer = pipe.read().decode(errors="replace")
+    if not answer:
+        return f"crash (wait status {status})"
+    return answer
+
+
+def _source_hash() -> str:
+    digest = hashlib.sha256()
+    digest.update(repr((FAST_TESTS, CLI_KILLERS, HYPOTHESIS_PROFILE)).encode())
+    for folder in ("statecore", "tests", "specs", "adapters"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(ROOT)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _coverage(items: list[Any], failures: _Failures) -> dict[str, Any]:
+    """Per killer: the core functions it runs and its duration (cached on disk by the hash of
+    the sources; computed in a forked child, every killer run once under a profiler)."""
+    path = CACHE / f"coverage-{_source_hash()}.json"
+    if path.exists():
+        cached: dict[str, Any] = json.loads(path.read_text())
+        return cached
+
+    def trace() -> str:
+        tracer = _Tracer()
+        result: dict[str, Any] = {"killers": {}, "failed": []}
+        tracer.start()
+        for i, item in enumerate(items):
+            nxt = items[i + 1] if i + 1 < len(items) else None
+            tracer.hits = set()
+            t0 = time.perf_counter()
+            item.config.hook.pytest_runtest_protocol(item=item, nextitem=nxt)
+            result["killers"][item.nodeid] = (time.perf_counter() - t0, sorted(tracer.hits))
+        for argv in CLI_KILLERS:
+            tracer.hits = set()
+            t0 = time.perf_counter()
+            killed = _run_cli_killer(argv)
+            name = "statecore " + " ".join(argv)
+            result["killers"][name] = (time.perf_counter() - t0, sorted(tracer.hits))
+            if killed:
+                failures.failed.add(name)
+        tracer.stop()
+        result["failed"] = sorted(failures.failed)
+        CACHE.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.replace(path)
+        return "done"
+
+    print("coverage run (once per version of the sources; a few minutes)...", flush=True)
+    t0 = time.monotonic()
+    answer = _fork(trace, 3600)
+    if answer != "done":
+        raise RuntimeError(f"coverage run failed: {answer}")
+    print(f"coverage run: {time.monotonic() - t0:.0f} s", flush=True)
+    cached = json.loads(path.read_text())
+    return cached
+
+
+def _diff(module: str, before: str, after: str) -> str:
+    lines = difflib.unified_diff(
+        before.splitlines(), after.splitlines(), f"a/{module}", f"b/{module}", lineterm="", n=1
+    )
+    return "\n".join(list(lines)[2:])
+
+
+def _mutant_source(module: str, operator_name: str, occurrence: int) -> str | None:
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+
+    source = (ROOT / module).read_text()
+    mutated: str | None = mutate_code(source, get_operator(operator_name)(), occurrence)
+    return mutated
+
+
+class _Run:
+    """The pytest plugin of the parent: after collection it runs the coverage pass and then
+    every pending mutant, each in a forked child, and records the results in the session."""
+
+    def __init__(self, session: Path, cap: float, prefork: _Tracer, confirm: bool) -> None:
+        self.confirm = confirm
+        self.session = session
+        self.cap = cap
+        self.prefork = prefork
+        self.failures = _Failures()
+
+    def pytest_runtestloop(self, session: Any) -> bool:
+        self.prefork.stop()
+        ran_early = set(self.prefork.hits)
+        print(f"{len(ran_early)} core functions ran at import or collection", flush=True)
+        items = list(session.items)
+        cov = _coverage(items, self.failures)
+        broken = set(cov["failed"])
+        if broken:
+            print(f"killers failing without a mutant (not used): {sorted(broken)}", flush=True)
+        killers = {k: v for k, v in cov["killers"].items() if k not in broken}
+        order = sorted(killers, key=lambda k: (k.startswith("statecore "), killers[k][0]))
+        _execute(
+            self.session, self.cap, items, killers, order, ran_early, self.failures, self.confirm
+        )
+        return True
+
+
+def _execute(
+    session_path: Path,
+    cap: float,
+    items: list[Any],
+    killers: dict[str, tuple[float, list[str]]],
+    order: list[str],
+    ran_early: set[str],
+    failures: _Failures,
+    confirm: bool,
+) -> None:
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+
+    covering: dict[str, list[str]] = defaultdict(list)
+    for name in order:
+        for key in killers[name][1]:
+            covering[key].append(name)
+    spans: dict[str, FuncSpans] = {}
+    t_start = time.monotonic()
+    with use_db(str(session_path), WorkDB.Mode.open) as db:
+        pending = sorted(db.pending_work_items, key=_order)
+        for n, item in enumerate(pending, 1):
+            (m,) = item.mutations
+            module = Path(m.module_path).as_posix()
+            if module.startswith(str(ROOT)):
+                module = Path(module).relative_to(ROOT).as_posix()
+            t0 = time.monotonic()
+            original = (ROOT / module).read_text()
+            mutated = _mutant_source(module, m.operator_name, m.occurrence)
+            if mutated is None:
+                db.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.NO_TEST))
+                continue
+            diff = _diff(module, original, mutated)
+            qual = _enclosing(module, tuple(m.start_pos), spans)
+            plan = None
+            if qual is not None and f"{module}:{qual}" not in ran_early:
+                plan = _patch_plan(module, qual, original, mutated)
+            if plan is not None:
+                live, code = plan
+                names = covering.get(f"{module}:{qual}", [])
+                expected = sum(killers[k][0] for k in names)
+                how = "patched"
+
+                def work(
+                    live: FunctionType = live, code: CodeType = code, names: list[str] = names
+                ) -> str:
+                    live.__code__ = code
+                    first = _run_items(items, names, failures)
+                    return "survived" if first is None else f"killed by {first}"
+
+                answer = _fork(work, min(cap, 20 + 4 * expected)) if names else "survived"
+                if not names:
+                    answer = "survived (no killer runs this function)"
+                if confirm and answer.startswith("survived"):
+                    how = "patched, confirmed"
+                    answer = _subprocess_run(module, mutated, order, cap)
+            else:
+                how = "reloaded"
+                mine = [k for k in order if any(h.startswith(module + ":") for h in killers[k][1])]
+                names = mine + [k for k in order if k not in mine]
+                answer = _subprocess_run(module, mutated, names, cap)
+            dt = time.monotonic() - t0
+            if answer == "timeout":
+                outcome, output = TestOutcome.KILLED, "timeout"
+            elif answer.startswith("survived"):
+                outcome, output = TestOutcome.SURVIVED, answer
+            else:
+                outcome, output = TestOutcome.KILLED, answer
+            db.set_result(
+                item.job_id,
+                WorkResult(
+                    worker_outcome=WorkerOutcome.NORMAL,
+                    test_outcome=outcome,
+                    output=f"{output}\n[{how}, {dt:.1f} s]",
+                    diff=diff,
+                ),
+            )
+            word = "TIMEOUT" if answer == "timeout" else outcome.value.upper()
+            print(
+                f"[{n}/{len(pending)}] {word:8} {dt:6.1f}s {how:8} {module}:{m.start_pos[0]} "
+                f"{m.operator_name}",
+                flush=True,
+            )
+    print(f"wall time of the mutants: {time.monotonic() - t_start:.0f} s", flush=True)
+
+
+def _patch_plan(
+    module: str, qual: str, original: str, mutated: str
+) -> tuple[FunctionType, CodeType] | None:
+    """The live function and the mutated code object to swap in, or None when the mutant
+    cannot be applied by swapping one function's code (it then runs in a fresh interpreter)."""
+    live = _live_function(module, qual)
+    if live is None:
+        return None
+    path = str(ROOT / module)
+    try:
+        before = _find_code(compile(original, path, "exec", dont_inherit=True), qual)
+        after = _find_code(compile(mutated, path, "exec", dont_inherit=True), qual)
+    except SyntaxError:
+        return None
+    if before is None or after is None or live.__code__.co_code != before.co_code:
+        return None
+    if after.co_freevars != live.__code__.co_freevars:
+        return None
+    return live, after
+
+
+def _subprocess_run(module: str, mutated: str, names: list[str], cap: float) -> str:
+    """Run a mutant a function swap cannot apply: a fresh interpreter imports the mutated
+    source (served from memory: the file on disk is not touched) and runs the killers."""
+    with tempfile.TemporaryDirectory(prefix="statecore-mutant-") as tmp:
+        src = Path(tmp) / "mutant.py"
+        src.write_text(mutated)
+        lst = Path(tmp) / "killers.txt"
+        lst.write_text("\n".join(names))
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--run-mutant", module, str(src)]
+        cmd += ["--killers", str(lst)]
+        try:
+            proc = subprocess.run(
+                cmd, cwd=ROOT, capture_output=True, text=True, timeout=cap, start_new_session=True
+            )
+        except subprocess.TimeoutExpired:
+            return "timeout"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("MUTANT: ")]
+    if lines:
+        return lines[-1][len("MUTANT: ") :]
+    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    return f"killed by a failed run (exit {proc.returncode}): {tail[-1] if tail else ''}"
+
+
+class _MutantFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves one module's mutated source from memory."""
+
+    def __init__(self, name: str, path: Path, source: str) -> None:
+        self.name, self.path, self.source = name, path, source
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        return importlib.util.spec_from_file_location(fullname, self.path, loader=self)
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        exec(compile(self.source, str(self.path), "exec", dont_inherit=True), module.__dict__)
+
+
+def run_mutant(module: str, source: Path, killers: Path) -> int:
+    """``--run-mutant``: run the killers (pytest node ids, then ``statecore`` commands) in
+    this interpreter with ``module`` imported from ``source``; prints ``MUTANT: ...``."""
+    import pytest
+
+    _prepare_environment()
+    sys.path.insert(0, str(ROOT))
+    sys.meta_path.insert(0, _MutantFinder(_module_name(module), ROOT / module, source.read_text()))
+    names = [n for n in killers.read_text().splitlines() if n]
+    tests = [n for n in names if not n.startswith("statecore ")]
+    failures = _Failures()
+    answer = None
+    if tests:
+        rc = pytest.main(["-x", "-q", "-p", "no:cacheprovider", *tests], plugins=[failures])
         if rc != 0:
-            print(f"KILLED by: {' '.join(cmd[:6])}", flush=True)
-            return 1
+            answer = f"killed by {failures.first or f'pytest exit {int(rc)}'}"
+    if answer is None:
+        for name in names:
+            if name.startswith("statecore "):
+                killed = _run_cli_killer(name.split()[1:])
+                if killed:
+                    answer = f"killed by {killed}"
+                    break
+    print(f"MUTANT: {answer or 'survived'}", flush=True)
     return 0
 
 
-# -- the driver --------------------------------------------------------------------------------
+def execute(session: Path, cap: float, confirm: bool = False) -> None:
+    """Run every pending mutant of ``session``: one pytest session collects the killers once;
+    each mutant runs in a child forked from it (see the module docstring)."""
+    import pytest
+
+    _prepare_environment()
+    sys.path.insert(0, str(ROOT))  # as ``python -m pytest`` would: the tests import ``tests.``
+    prefork = _Tracer()
+    prefork.start()
+    run = _Run(session, cap, prefork, confirm)
+    pytest.main(["-q", "-s", "-p", "no:cacheprovider", *FAST_TESTS], plugins=[run, run.failures])
 
 
 def _config(tmp: Path, timeout: float) -> Path:
@@ -214,7 +686,7 @@ def _config(tmp: Path, timeout: float) -> Path:
         f"module-path = [{modules}]\n"
         f"timeout = {timeout}\n"
         "excluded-modules = []\n"
-        f'test-command = "{sys.executable} {ROOT / "scripts" / "mutate.py"} --kill"\n'
+        'test-command = "false"\n'  # unused: this script runs the killers itself
         "\n[cosmic-ray.distributor]\n"
         'name = "local"\n'
     )
@@ -252,10 +724,14 @@ def _line(module: str, lineno: int, cache: dict[str, list[str]]) -> str:
     return cache[module][lineno - 1]
 
 
-def select(session: Path, sample: int, per_module: int, seed: int) -> tuple[int, int]:
+def select(
+    session: Path, sample: int, per_module: int, seed: int, modules: Sequence[str] = ()
+) -> tuple[int, int]:
     """Keep a seeded sample of sites (one variant each) pending; skip the rest.
 
-    Returns ``(kept, equivalent)``."""
+    Mutants inside type annotations are left out of the draw (never executed: every core
+    module postpones annotation evaluation). A drawn mutant listed in :data:`EQUIVALENT` is
+    marked equivalent with its reason instead of being run. Returns ``(kept, equivalent)``."""
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
@@ -264,97 +740,138 @@ def select(session: Path, sample: int, per_module: int, seed: int) -> tuple[int,
     annotations = {m: _annotation_spans(m) for m in CORE_MODULES}
     sites: dict[tuple[str, int, int, str], list[str]] = defaultdict(list)
     skip: list[str] = []
-    equivalent: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    variant: dict[str, tuple[str, int]] = {}
     with use_db(str(session), WorkDB.Mode.open) as db:
         for item in db.work_items:
             (m,) = item.mutations
             module = Path(m.module_path).as_posix()
             if module.startswith(str(ROOT)):
                 module = Path(module).relative_to(ROOT).as_posix()
-            line = _line(module, m.start_pos[0], lines)
-            reason = _equivalent_reason(module, m.operator_name, line)
             if _in_annotation(tuple(m.start_pos), annotations.get(module, [])):
-                reason = ANNOTATION_REASON
-            if reason is not None:
-                equivalent[item.job_id] = reason
+                skip.append(item.job_id)
                 continue
+            reason = _equivalent_reason(
+                module, m.operator_name, _line(module, m.start_pos[0], lines)
+            )
+            if reason is not None:
+                reasons[item.job_id] = reason
             key = (module, m.start_pos[0], m.start_pos[1], _operator_family(m.operator_name))
             sites[key].append(item.job_id)
-        ordered = sorted(sites)
+            variant[item.job_id] = (m.operator_name, m.occurrence)  # job ids are random
+        ordered = sorted(s for s in sites if not modules or s[0] in modules)
         if per_module:
             chosen: list[tuple[str, int, int, str]] = []
-            for module in CORE_MODULES:
+            for module in modules or CORE_MODULES:
                 mine = [s for s in ordered if s[0] == module]
                 chosen.extend(rng.sample(mine, min(per_module, len(mine))))
         else:
             chosen = rng.sample(ordered, min(sample, len(ordered)))
-        keep = {rng.choice(sorted(sites[s])) for s in chosen}
+        keep = {rng.choice(sorted(sites[s], key=variant.__getitem__)) for s in chosen}
         for jobs in sites.values():
             skip.extend(j for j in jobs if j not in keep)
         db.set_multiple_results(
             skip, WorkResult(output="not sampled", worker_outcome=WorkerOutcome.SKIPPED)
         )
-        for job_id, reason in equivalent.items():
+        equivalent = [j for j in keep if j in reasons]
+        for job_id in equivalent:
             db.set_result(
                 job_id,
-                WorkResult(output=f"EQUIVALENT: {reason}", worker_outcome=WorkerOutcome.SKIPPED),
+                WorkResult(
+                    output=f"EQUIVALENT: {reasons[job_id]}", worker_outcome=WorkerOutcome.SKIPPED
+                ),
             )
     return len(keep), len(equivalent)
 
 
+def _order(item: Any) -> tuple[str, int, int, str, int]:
+    (m,) = item.mutations
+    return (str(m.module_path), *m.start_pos, m.operator_name, m.occurrence)
+
+
+def _where(item: Any) -> tuple[str, str]:
+    (m,) = item.mutations
+    module = Path(m.module_path).as_posix()
+    if module.startswith(str(ROOT)):
+        module = Path(module).relative_to(ROOT).as_posix()
+    return module, f"line {m.start_pos[0]} {m.operator_name} #{m.occurrence} (job {item.job_id})"
+
+
 def report(session: Path) -> int:
-    """Print the per-module scores and every survivor; returns the number of survivors."""
+    """Print the per-module table, then every survivor, timeout and equivalent mutant of the
+    sample; returns the number of survivors."""
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    survivors: list[tuple[str, str, str]] = []
-    reasons: dict[str, int] = defaultdict(int)
+    survivors: list[tuple[str, str, str, str]] = []
+    timeouts: list[tuple[str, str, str]] = []
+    equivalents: list[tuple[str, str, str]] = []
+    seconds = 0.0
     with use_db(str(session), WorkDB.Mode.open) as db:
         for item, result in db.completed_work_items:
-            (m,) = item.mutations
-            module = Path(m.module_path).as_posix()
-            if module.startswith(str(ROOT)):
-                module = Path(module).relative_to(ROOT).as_posix()
+            module, where = _where(item)
             c = counts[module]
+            output = result.output or ""
             if result.worker_outcome == WorkerOutcome.SKIPPED:
-                if (result.output or "").startswith("EQUIVALENT"):
+                if output.startswith("EQUIVALENT"):
                     c["equivalent"] += 1
-                    reasons[(result.output or "")[len("EQUIVALENT: ") :]] += 1
+                    equivalents.append((module, where, output[len("EQUIVALENT: ") :]))
                 continue
+            if "[" in output and output.endswith(" s]"):
+                with contextlib.suppress(ValueError):
+                    seconds += float(output.rsplit(", ", 1)[1][:-3])
             if result.worker_outcome != WorkerOutcome.NORMAL:
                 c["error"] += 1
             elif result.test_outcome == TestOutcome.KILLED:
-                c["killed"] += 1
-                if result.output == "timeout":
+                if output.startswith("timeout"):
                     c["timeout"] += 1
+                    timeouts.append((module, where, result.diff or ""))
+                else:
+                    c["killed"] += 1
             elif result.test_outcome == TestOutcome.SURVIVED:
                 c["survived"] += 1
-                survivors.append(
-                    (module, f"{m.operator_name} line {m.start_pos[0]}", result.diff or "")
-                )
+                survivors.append((module, where, output.splitlines()[0], result.diff or ""))
             else:
-                c["incompetent"] += 1
+                c["error"] += 1
         pending = db.num_work_items - db.num_results
-    print(f"{'module':34} {'killed':>6} {'surv.':>6} {'t/o':>4} {'err':>4} {'score':>7}")
-    total_k = total_s = 0
+    head = (
+        f"{'module':34} {'killed':>6} {'t/o':>4} {'surv.':>5} {'equiv':>5} {'err':>4} {'score':>7}"
+    )
+    print(head)
+    tot: dict[str, int] = defaultdict(int)
     for module in CORE_MODULES:
         c = counts.get(module, {})
-        k, s = c.get("killed", 0), c.get("survived", 0)
-        total_k, total_s = total_k + k, total_s + s
-        score = f"{100 * k / (k + s):6.1f}%" if k + s else "     - "
-        print(
-            f"{module:34} {k:6} {s:6} {c.get('timeout', 0):4} "
-            f"{c.get('error', 0) + c.get('incompetent', 0):4} {score}"
-        )
-    overall = f"{100 * total_k / (total_k + total_s):6.1f}%" if total_k + total_s else "-"
-    print(f"{'overall':34} {total_k:6} {total_s:6} {'':4} {'':4} {overall}")
-    print(f"not yet run: {pending}; equivalent mutants skipped (all variants, not sampled):")
-    for reason, n in sorted(reasons.items()):
-        print(f"  {n:5}  {reason}")
-    for module, where, diff in survivors:
-        print(f"\nSURVIVED {module} {where}\n{diff}")
+        for k in ("killed", "timeout", "survived", "equivalent", "error"):
+            tot[k] += c.get(k, 0)
+        print(_row(module, c))
+    print(_row("overall", tot))
+    print("score = (killed + timeout) / (killed + timeout + survived); equivalents excluded")
+    run = sum(tot[k] for k in ("killed", "timeout", "survived", "error"))
+    if run:
+        print(f"mutants run: {run}, {seconds:.0f} s in all, {seconds / run:.1f} s each on average")
+    if pending:
+        print(f"not yet run: {pending}")
+    print(f"\nEQUIVALENT ({len(equivalents)}):")
+    for module, where, reason in equivalents:
+        print(f"  {module} {where}: {reason}")
+    print(f"\nTIMEOUT ({len(timeouts)}, counted as killed):")
+    for module, where, diff in timeouts:
+        print(f"  {module} {where}\n{_indent(diff)}")
+    print(f"\nSURVIVED ({len(survivors)}):")
+    for module, where, how, diff in survivors:
+        print(f"  {module} {where}: {how}\n{_indent(diff)}")
     return len(survivors)
+
+
+def _indent(diff: str) -> str:
+    return "\n".join("      " + line for line in diff.splitlines() if not line.startswith("@@"))
+
+
+def _row(name: str, c: Any) -> str:
+    k, t, s = c.get("killed", 0), c.get("timeout", 0), c.get("survived", 0)
+    score = f"{100 * (k + t) / (k + t + s):6.1f}%" if k + t + s else "     - "
+    return f"{name:34} {k:6} {t:4} {s:5} {c.get('equivalent', 0):5} {c.get('error', 0):4} {score}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -363,32 +880,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sample", type=int, default=20, help="mutants over all core modules")
     p.add_argument("--per-module", type=int, default=0, help="mutants per core module instead")
     p.add_argument("--seed", type=int, default=0, help="seed of the sample")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
+    p.add_argument(
+        "--module",
+        action="append",
+        default=[],
+        choices=CORE_MODULES,
+        help="draw from this core module only (repeatable)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds per mutant at most (see docs)"
+    )
     p.add_argument("--session", type=Path, help="session database (default: a temp file)")
     p.add_argument("--report", type=Path, metavar="SESSION", help="print a session and exit")
-    p.add_argument("--kill", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--resume", type=Path, metavar="SESSION", help="run a session's pending mutants")
+    p.add_argument(
+        "--confirm",
+        action="store_true",
+        help="run each survivor again in a fresh interpreter against every killer",
+    )
+    p.add_argument("--run-mutant", nargs=2, metavar=("MODULE", "SOURCE"), help=argparse.SUPPRESS)
+    p.add_argument("--killers", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.kill:
-        return kill()
+    if args.run_mutant:
+        return run_mutant(args.run_mutant[0], Path(args.run_mutant[1]), args.killers)
     if args.report:
         report(args.report)
         return 0
-    if _mutated_modules():
-        print("statecore/ has uncommitted changes: commit or stash them first", file=sys.stderr)
-        return 2
-    tmp = Path(tempfile.mkdtemp(prefix="statecore-mutate-"))
-    cfg = _config(tmp, args.timeout)
-    session = args.session or tmp / "session.sqlite"
-    cr = shutil.which("cosmic-ray", path=str(Path(sys.executable).parent)) or "cosmic-ray"
-    subprocess.run([cr, "init", str(cfg), str(session)], cwd=ROOT, check=True)
-    kept, eq = select(session, args.sample, args.per_module, args.seed)
-    print(f"seed {args.seed}: {kept} mutants sampled, {eq} equivalent skipped; session {session}")
-    sys.stdout.flush()
-    try:
-        subprocess.run([cr, "exec", str(cfg), str(session)], cwd=ROOT, check=True)
-    finally:
-        subprocess.run(["git", "checkout", "--", "statecore"], cwd=ROOT, check=False)
+    t0 = time.monotonic()
+    if args.resume:
+        session = args.resume
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="statecore-mutate-"))
+        cfg = _config(tmp, args.timeout)
+        session = args.session or tmp / "session.sqlite"
+        cr = shutil.which("cosmic-ray", path=str(Path(sys.executable).parent)) or "cosmic-ray"
+        subprocess.run([cr, "init", str(cfg), str(session)], cwd=ROOT, check=True)
+        kept, eq = select(session, args.sample, args.per_module, args.seed, args.module)
+        head = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        print(f"seed {args.seed} at {head}: {kept} mutants drawn ({eq} listed equivalent)")
+        print(f"session {session}", flush=True)
+    execute(session, args.timeout, args.confirm)
     report(session)
+    print(f"\nsession {session}; wall time {time.monotonic() - t0:.0f} s")
     return 0
 
 

@@ -34,7 +34,7 @@ def test_every_equivalent_mutant_names_a_line_that_exists() -> None:
 def test_core_modules_and_tests_exist_and_postpone_annotations() -> None:
     for module in mutate.CORE_MODULES:
         assert "from __future__ import annotations" in (ROOT / module).read_text()
-    for path in mutate.FAST_TESTS + tuple(p for ps in mutate.FIRST_TESTS.values() for p in ps):
+    for path in mutate.FAST_TESTS:
         assert (ROOT / path).exists(), path
 
 
@@ -53,3 +53,45 @@ def test_equivalent_reason_matches_module_operator_and_line() -> None:
     assert mutate._equivalent_reason(module, operator, "    " + text) == reason
     assert mutate._equivalent_reason(module, "core/AddNot", text) is None
     assert mutate._equivalent_reason("statecore/worker.py", operator, text) is None
+
+
+def _line_of(module: str, text: str) -> tuple[int, int]:
+    lines = (ROOT / module).read_text().splitlines()
+    n = next(i for i, line in enumerate(lines, 1) if line.strip() == text)
+    return n, len(lines[n - 1]) - len(lines[n - 1].lstrip())
+
+
+def test_a_mutant_in_a_method_body_is_applied_by_swapping_that_method_code() -> None:
+    import statecore.scheduler
+
+    module = "statecore/scheduler.py"
+    pos = _line_of(module, "self.counters.resets += 1")
+    qual = mutate._enclosing(module, pos, {})
+    assert qual == "OffloadingScheduler.reset_cache"
+    original = (ROOT / module).read_text()
+    mutated = original.replace("self.counters.resets += 1", "self.counters.resets += 0")
+    plan = mutate._patch_plan(module, qual, original, mutated)
+    assert plan is not None
+    live, code = plan
+    assert live is statecore.scheduler.OffloadingScheduler.reset_cache
+    assert code.co_qualname == qual and code.co_consts != live.__code__.co_consts
+    assert mutate._patch_plan(module, qual, original, original) is not None
+
+
+def test_a_mutant_outside_function_bodies_is_not_swapped() -> None:
+    module = "statecore/kernels.py"
+    assert mutate._enclosing(module, _line_of(module, "LIVE = 0"), {}) is None
+    assert mutate._live_function(module, "no_such_function") is None
+
+
+def test_tracer_names_core_functions_by_module_and_qualname() -> None:
+    tracer = mutate._Tracer()
+    from statecore import kernels
+
+    tracer.start()
+    try:
+        kernels.storable_chunks(0, 16, 4, 1, 4)
+    finally:
+        tracer.stop()
+    assert "statecore/kernels.py:storable_chunks" in tracer.hits
+    assert all(":" in hit and "<locals>" not in hit for hit in tracer.hits)
