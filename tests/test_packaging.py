@@ -459,7 +459,7 @@ def test_installed_wheel_checks_the_docs_it_is_pointed_at(wheel_venv: Path, tmp_
     assert (out / "request.dot").read_text() == (docs / "diagrams" / "request.dot").read_text()
 
 
-def test_wheel_metadata_declares_license_extras_and_urls(built_wheel: Path) -> None:
+def test_wheel_metadata_declares_license_and_extras_and_no_invented_url(built_wheel: Path) -> None:
     import zipfile
 
     with zipfile.ZipFile(built_wheel) as zf:
@@ -475,4 +475,5 @@ def test_wheel_metadata_declares_license_extras_and_urls(built_wheel: Path) -> N
         assert f"Provides-Extra: {extra}" in metadata
     assert "vllm<0.34,>=0.33" in metadata or "vllm>=0.33,<0.34" in metadata
     assert "Classifier: License" not in metadata or "Apache" in metadata
-    assert "Project-URL: " in metadata and "Classifier: Typing :: Typed" in metadata
+    assert "Classifier: Typing :: Typed" in metadata
+    assert "Project-URL: " not in metadata  # there is no public repository to point at
