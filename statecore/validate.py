@@ -79,6 +79,7 @@ MISSING: Any = object()
 
 _SEQ = (list, tuple)
 _SETS = (set, frozenset)
+_BYTES = {bytes}
 
 
 def is_int(value: object) -> bool:
@@ -524,6 +525,8 @@ def offload_keys(keys: Any, call: str, argument: str = "keys") -> None:
     """
     if type(keys) not in _SEQ and not _is_seq(keys):
         raise InvalidKeyError(call, argument, keys, "a sequence of offload keys (bytes)")
+    if not keys or (set(map(type, keys)) == _BYTES and min(map(len, keys)) >= 4):
+        return  # C speed: no call per key
     for k in keys:
         if type(k) is not bytes or len(k) < 4:
             for i, key in enumerate(keys):

@@ -137,10 +137,21 @@ class ScheduledRequest:
                 except TypeError:
                     pass
             if type(ids) in _SEQ:  # lists (vLLM's form): check, then store as tuples
-                groups = tuple(g if type(g) is tuple else tuple(g) for g in ids if _ids_ok(g))
-                if len(groups) == len(ids):
-                    object.__setattr__(self, "new_block_ids", groups)
-                    return
+                if len(ids) == 1:  # one group: no per-group call
+                    g = ids[0]
+                    if type(g) is list:
+                        g = tuple(g)
+                    try:
+                        if type(g) is tuple and (not g or (type(sum(g)) is int and min(g) >= 0)):
+                            object.__setattr__(self, "new_block_ids", (g,))
+                            return
+                    except TypeError:
+                        pass
+                else:
+                    groups = tuple(g if type(g) is tuple else tuple(g) for g in ids if _ids_ok(g))
+                    if len(groups) == len(ids):
+                        object.__setattr__(self, "new_block_ids", groups)
+                        return
         from statecore.validate import scheduled_request
 
         scheduled_request(self, "ScheduledRequest")
