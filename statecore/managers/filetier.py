@@ -45,7 +45,6 @@ import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -62,7 +61,7 @@ from statecore.manager import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
-from statecore.managers.tiers import JobResult
+from statecore.managers.tiers import ExecutorTier, JobResult
 from statecore.pool import CPUPool
 
 _fcntl: Any
@@ -143,7 +142,7 @@ def _nothing() -> None:
     return None
 
 
-class FileTier:
+class FileTier(ExecutorTier):
     """A secondary tier keeping chunks as files under ``directory`` (module docstring).
 
     Args:
@@ -489,10 +488,7 @@ class FileTier:
                 elif status == _MISSING:
                     self._stats["missing_reads"] += 1
                     self._drop(key, unlink=False)
-        if all(k in ok for k in job.keys):
-            return JobResult(job_id, True)
-        self._stats["failed_jobs"] += 1
-        return JobResult(job_id, False, tuple(k for k in job.keys if k in ok) or None)
+        return self._job_result(job_id, job.keys, ok)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """Nothing is kept per request."""
@@ -504,27 +500,10 @@ class FileTier:
         """Whether jobs are running or their results are not collected yet."""
         return bool(self._jobs)
 
-    def drain(self) -> None:
-        """Wait for every submitted job (results stay collectable by :meth:`get_finished`)."""
-        if self._jobs:
-            wait_futures([job.future for job in self._jobs.values()])
+    def _gauges(self) -> dict[str, int]:
+        """``files`` and ``bytes_used``, reported by :meth:`get_stats` beside the counters."""
+        return {"files": len(self._index), "bytes_used": self._bytes}
 
-    def take_events(self) -> list[OffloadingEvent]:
-        """Stored and removed events (medium STORAGE)."""
-        events, self._events = self._events, []
-        return events
-
-    def get_stats(self) -> dict[str, float | int | list[float]]:
-        """Counters since the last call plus gauges ``files`` and ``bytes_used``."""
-        stats: dict[str, Any] = dict(self._stats)
-        self._stats = dict.fromkeys(self._stats, 0)
-        stats["files"] = len(self._index)
-        stats["bytes_used"] = self._bytes
-        return stats
-
-    def shutdown(self) -> None:
-        """Wait for running jobs; stop the default executor; release the directory."""
-        self.drain()
-        if self._own_executor:
-            self._executor.shutdown(wait=True)
+    def _release(self) -> None:
+        """Release the directory lock (at :meth:`shutdown`)."""
         self._unlock()

@@ -66,7 +66,6 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +80,7 @@ from statecore.manager import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
-from statecore.managers.tiers import JobResult
+from statecore.managers.tiers import ExecutorTier, JobResult
 from statecore.pool import CPUPool
 
 _xxhash: Any
@@ -311,7 +310,7 @@ class _RedisJob:
     future: Future[list[str]]
 
 
-class RedisTier:
+class RedisTier(ExecutorTier):
     """A secondary tier on a Redis/Valkey server or cluster (module docstring).
 
     Args:
@@ -697,10 +696,7 @@ class RedisTier:
                 removed.append(key)
             if removed:
                 self._events.append(OffloadingEvent(tuple(removed), self.medium, removed=True))
-        if all(k in ok for k in job.keys):
-            return JobResult(job_id, True)
-        stats["failed_jobs"] += 1
-        return JobResult(job_id, False, tuple(k for k in job.keys if k in ok) or None)
+        return self._job_result(job_id, job.keys, ok)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """Nothing is kept per request."""
@@ -728,30 +724,18 @@ class RedisTier:
         """Whether jobs or lookup batches are running or not collected yet."""
         return bool(self._jobs or self._queries)
 
-    def drain(self) -> None:
-        """Wait for every submitted job and lookup batch (results stay collectable)."""
-        futures: list[Future[Any]] = [job.future for job in self._jobs.values()]
+    def _pending_futures(self) -> list[Future[Any]]:
+        """Every job and lookup batch not collected yet (what :meth:`drain` waits for)."""
+        futures = super()._pending_futures()
         futures.extend(fut for _, fut in self._queries)
-        if futures:
-            wait_futures(futures)
+        return futures
 
-    def take_events(self) -> list[OffloadingEvent]:
-        """Stored events of this instance's stores, removed events of bad or missing values."""
-        events, self._events = self._events, []
-        return events
+    def _gauges(self) -> dict[str, int]:
+        """``known_keys``, reported by :meth:`get_stats` beside the counters."""
+        return {"known_keys": len(self._known)}
 
-    def get_stats(self) -> dict[str, float | int | list[float]]:
-        """Counters since the last call plus the gauge ``known_keys``."""
-        stats: dict[str, Any] = dict(self._stats)
-        self._stats = dict.fromkeys(self._stats, 0)
-        stats["known_keys"] = len(self._known)
-        return stats
-
-    def shutdown(self) -> None:
-        """Wait for running jobs; stop the default executor; close the default client."""
-        self.drain()
-        if self._own_executor:
-            self._executor.shutdown(wait=True)
+    def _release(self) -> None:
+        """Close the default client (at :meth:`shutdown`)."""
         if self._own_client:
             close: Callable[[], object] | None = getattr(self.client, "close", None)
             if close is not None:

@@ -10,8 +10,10 @@ I/O failures are results (``success=False``), never exceptions.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from statecore import validate
 from statecore.keys import OffloadKey
@@ -26,7 +28,7 @@ from statecore.manager import (
 )
 from statecore.pool import CPUPool
 
-__all__ = ["JobResult", "MemoryTier", "SecondaryTier"]
+__all__ = ["ExecutorTier", "JobResult", "MemoryTier", "SecondaryTier"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,69 @@ class _MemJob:
     is_store: bool
     keys: tuple[OffloadKey, ...]
     slots: tuple[int, ...]
+
+
+class ExecutorTier:
+    """What the tiers that run their jobs on an executor share (:class:`FileTier
+    <statecore.managers.filetier.FileTier>`, :class:`RedisTier
+    <statecore.managers.redistier.RedisTier>`): the counters handed out by
+    :meth:`get_stats`, the event queue, a job's result, draining and shutting down.
+
+    A subclass sets ``_stats`` (counter name -> int, ``failed_jobs`` among them), ``_events``,
+    ``_jobs`` (job id -> a record with a ``future``), ``_executor`` and ``_own_executor``, and
+    overrides :meth:`_gauges`, :meth:`_pending_futures` and :meth:`_release` where it has more.
+    """
+
+    _stats: dict[str, int]
+    _events: list[OffloadingEvent]
+    _jobs: dict[int, Any]
+    _executor: Executor
+    _own_executor: bool
+
+    def _job_result(
+        self, job_id: int, keys: Sequence[OffloadKey], ok: set[OffloadKey]
+    ) -> JobResult:
+        """The result of a job whose keys in ``ok`` were copied (counts a failed job)."""
+        if all(k in ok for k in keys):
+            return JobResult(job_id, True)
+        self._stats["failed_jobs"] += 1
+        return JobResult(job_id, False, tuple(k for k in keys if k in ok) or None)
+
+    def _pending_futures(self) -> list[Future[Any]]:
+        """What :meth:`drain` waits for: every job not collected yet."""
+        return [job.future for job in self._jobs.values()]
+
+    def drain(self) -> None:
+        """Wait for everything submitted (results stay collectable by ``get_finished``)."""
+        futures = self._pending_futures()
+        if futures:
+            wait_futures(futures)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """The stored and removed events since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    def _gauges(self) -> dict[str, int]:
+        """Values reported as they are now by :meth:`get_stats` (not reset)."""
+        return {}
+
+    def get_stats(self) -> dict[str, float | int | list[float]]:
+        """Counters since the last call, plus the tier's gauges."""
+        stats: dict[str, Any] = dict(self._stats)
+        self._stats = dict.fromkeys(self._stats, 0)
+        stats.update(self._gauges())
+        return stats
+
+    def _release(self) -> None:
+        """Release what the tier holds besides its executor (at :meth:`shutdown`)."""
+
+    def shutdown(self) -> None:
+        """Wait for running jobs; stop the default executor; release the tier's resources."""
+        self.drain()
+        if self._own_executor:
+            self._executor.shutdown(wait=True)
+        self._release()
 
 
 class MemoryTier:
