@@ -108,9 +108,9 @@ class _MemJob:
 
 
 class ExecutorTier:
-    """What the tiers that run their jobs on an executor share (:class:`FileTier
-    <statecore.managers.filetier.FileTier>`, :class:`RedisTier
-    <statecore.managers.redistier.RedisTier>`): the counters handed out by
+    """What the tiers that run their jobs on an executor share
+    (:class:`~statecore.managers.filetier.FileTier`,
+    :class:`~statecore.managers.redistier.RedisTier`): the counters handed out by
     :meth:`get_stats`, the event queue, a job's result, draining and shutting down.
 
     A subclass sets ``_stats`` (counter name -> int, ``failed_jobs`` among them), ``_events``,
