@@ -31,14 +31,14 @@ def _patched_names() -> list[object]:
     ]
 
 
-def test_validation_share_prints_both_tables_with_identical_decisions(
+def test_validation_share_pools_two_pairs_in_both_tables_with_identical_decisions(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     before = _patched_names()
-    argv = ["bench", "scheduler", "--validation-share", "--engine", "standalone"]
+    argv = ["bench", "scheduler", "--validation-share", "2", "--engine", "standalone"]
     assert main([*argv, "--clock", "thread", "--concurrency", "8", "--steps", "40"]) == 0
     out = capsys.readouterr().out
-    row = r"^N=8\s+(\d+)(?:\s+-?[\d.]+%?){8}\s+(yes|NO)$"
+    row = r"^N=8\s+(\d+)(?:\s+-?[\d.]+%?){8}\s+(yes|NO)(?:\s+-?[\d.]+){2}$"  # 2 pairs
     rows = re.findall(row, out, re.M)
     assert len(rows) == 2, out  # hooks only, hooks + views
     assert all(int(steps) > 0 and same == "yes" for steps, same in rows)

@@ -1207,10 +1207,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--validation-share",
-        action="store_true",
+        type=int_range(1),
+        nargs="?",
+        const=1,
+        metavar="R",
         help="the validation layer's share of the per-step cost, measured in one process "
-        "(statecore.bench.validation_share: lockstep A/B, checks stubbed in B); standalone "
-        "engine, or vLLM's with --engine vllm",
+        "(statecore.bench.validation_share: lockstep A/B, checks stubbed in B; R pairs per N, "
+        "steps pooled); standalone engine, or vLLM's with --engine vllm",
     )
     p.add_argument(
         "--json", metavar="FILE", type=output_file, help="write every run's summary here"

@@ -45,7 +45,7 @@ import statecore.scheduler as sched_mod
 import statecore.validate as validate
 from statecore.views import ScheduledRequest, SchedulerOutput
 
-__all__ = ["ShareResult", "main_share", "run_share", "stubbed_validation"]
+__all__ = ["ShareResult", "format_share", "main_share", "merge", "run_share", "stubbed_validation"]
 
 
 def _request_id(request: Any, call: str) -> str:
@@ -280,12 +280,29 @@ def _figures(r: ShareResult, with_views: bool) -> dict[str, float]:
     }
 
 
-def format_share(results: Sequence[ShareResult], engine: str = "standalone") -> str:
-    """The table the command prints."""
+def merge(pairs: Sequence[ShareResult]) -> ShareResult:
+    """Repeated lockstep pairs of one N as one sample (their steps pooled)."""
+    first = pairs[0]
+    return ShareResult(
+        first.concurrency,
+        sum(p.steps for p in pairs),
+        [x for p in pairs for x in p.hooks_a],
+        [x for p in pairs for x in p.hooks_b],
+        [x for p in pairs for x in p.views_a],
+        [x for p in pairs for x in p.views_b],
+        all(p.same_counters for p in pairs),
+    )
+
+
+def format_share(groups: Sequence[Sequence[ShareResult]], engine: str = "standalone") -> str:
+    """The table the command prints: one row per N, its repeated pairs pooled (the range of
+    the pairs' own val. % follows when there are several)."""
     head = (
         f"{'':<7}{'steps':>6} {'A median':>9} {'B median':>9} {'val. µs':>8} {'val. %':>7}"
         f" {'A p99':>9} {'B p99':>9} {'p99 %':>6} {'val. p99':>9}  same"
     )
+    if any(len(g) > 1 for g in groups):
+        head += "  val. % of each pair"
     if engine == "vllm":
         tables = [(False, "vLLM's engine scheduler: the four hooks (they build the views)")]
     else:
@@ -296,31 +313,38 @@ def format_share(results: Sequence[ShareResult], engine: str = "standalone") -> 
     lines = []
     for with_views, title in tables:
         lines += [f"\n{title}:", head]
-        for r in results:
+        for pairs in groups:
+            r = merge(pairs)
             f = _figures(r, with_views)
-            lines.append(
+            line = (
                 f"N={r.concurrency:<5}{r.steps:>6} {f['a_median']:>9.1f} {f['b_median']:>9.1f}"
                 f" {f['val_median']:>8.1f} {f['val_median_pct']:>6.1f}%"
                 f" {f['a_p99']:>9.1f} {f['b_p99']:>9.1f} {f['p99_pct']:>5.1f}%"
                 f" {f['val_p99']:>9.1f}  {'yes' if r.same_counters else 'NO'}"
             )
+            if len(pairs) > 1:
+                each = [_figures(p, with_views)["val_median_pct"] for p in pairs]
+                line += "   " + " ".join(f"{x:.1f}" for x in each)
+            lines.append(line)
     return "\n".join(lines)
 
 
 def main_share(a: Any, shape: dict[str, Any], ns: list[int], engine: str) -> int:
-    """``statecore bench scheduler --validation-share``: one lockstep pair per N."""
+    """``statecore bench scheduler --validation-share [R]``: R lockstep pairs per N."""
+    repeat = a.validation_share
     print(
         f"validation share ({engine} engine): copies A (as shipped) and B (validation checks "
         "stubbed) of the same\nseeded run in lockstep, one process, turns alternating every "
-        f"step; µs per step, {shape['clock']} clock.\nval. µs / val. %: median over steps of "
-        "A_i - B_i and of (A_i - B_i) / A_i; p99 %: (p99 A - p99 B) / p99 A;\nval. p99: p99 "
-        "over steps of A_i - B_i; same: both copies ended with the same counters and outputs."
+        f"step; µs per step, {shape['clock']} clock; {repeat} pair(s) per N, steps pooled."
+        "\nval. µs / val. %: median over steps of A_i - B_i and of (A_i - B_i) / A_i; p99 %: "
+        "(p99 A - p99 B) / p99 A;\nval. p99: p99 over steps of A_i - B_i; same: both copies "
+        "ended with the same counters and outputs."
     )
-    results = []
+    groups = []
     for n in ns:
         sc = bench.Scenario(
             concurrency=n, steps=a.steps, num_workers=a.workers, seed=a.seed, **shape
         )
-        results.append(run_share(sc, engine))
-    print(format_share(results, engine))
-    return 0 if all(r.same_counters for r in results) else 1
+        groups.append([run_share(sc, engine) for _ in range(repeat)])
+    print(format_share(groups, engine))
+    return 0 if all(merge(g).same_counters for g in groups) else 1
