@@ -13,7 +13,7 @@ import statecore.validate as validate
 from statecore.bench.validation_share import stubbed_validation
 from statecore.cli import main
 from statecore.errors import InvalidMetadataError
-from statecore.views import ScheduledRequest, SchedulerOutput
+from statecore.views import ScheduledColumns, ScheduledRequest, SchedulerOutput
 
 
 def _patched_names() -> list[object]:
@@ -25,6 +25,7 @@ def _patched_names() -> list[object]:
         validate.offload_keys,
         sched_mod._admitted_lists,
         ScheduledRequest.__post_init__,
+        ScheduledColumns.__post_init__,
         SchedulerOutput.__post_init__,
         vars(bench)["SchedulerOutput"],
         bench.HookTimer.end_step,

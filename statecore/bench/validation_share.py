@@ -25,9 +25,11 @@ What B replaces: the :mod:`statecore.validate` functions the hooks and the manag
 (``request_id``, ``request_view``, ``scheduler_output``, ``worker_metadata``, the key, slot,
 context and flag checks), the scheduler's argument check of ``update_state_after_alloc``
 (``_admitted_lists``, reduced to its tuple conversion) and the views' ``__post_init__``
-checks. What stays in both copies (so it is not counted): a handful of inline
-``type(x) is int`` tests in the hooks and the CPU manager's C-speed key checks
-(``set(map(type, keys))``) on stores.
+checks (:class:`~statecore.views.ScheduledRequest`, the columnar
+:class:`~statecore.views.ScheduledColumns` the vLLM adapter builds for running requests,
+:class:`~statecore.views.SchedulerOutput`). What stays in both copies (so it is not
+counted): a handful of inline ``type(x) is int`` tests in the hooks and the CPU manager's
+C-speed key checks (``set(map(type, keys))``) on stores.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Any
 import statecore.bench.scheduler as bench
 import statecore.scheduler as sched_mod
 import statecore.validate as validate
-from statecore.views import ScheduledRequest, SchedulerOutput
+from statecore.views import ScheduledColumns, ScheduledRequest, SchedulerOutput
 
 __all__ = ["ShareResult", "format_share", "main_share", "merge", "run_share", "stubbed_validation"]
 
@@ -78,6 +80,7 @@ _STUBS: tuple[tuple[Any, str, Any], ...] = (
     (validate, "id_collection", _nothing),
     (sched_mod, "_admitted_lists", _admitted_lists),
     (ScheduledRequest, "__post_init__", _nothing),
+    (ScheduledColumns, "__post_init__", _nothing),
     (SchedulerOutput, "__post_init__", _nothing),
 )
 
