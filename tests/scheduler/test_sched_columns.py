@@ -22,6 +22,7 @@ def _columnar(**kw: Any) -> SchedulerOutput:
     """A SchedulerOutput with every entry not in ``new_req_ids`` moved into ``columns``
     (no new blocks as None, as vLLM sends them)."""
     entries = tuple(kw.pop("scheduled", ()))
+    assert kw.pop("columns", None) is None  # the engine built a per-entry output
     new = kw.get("new_req_ids", frozenset())
     first = [s for s in entries if s.req_id in new]
     rest = [s for s in entries if s.req_id not in new]
