@@ -6,7 +6,9 @@ split into jobs of about ``--job-mib`` MiB, and copied by :class:`TorchTransferB
 stores (GPU -> CPU), loads (CPU -> GPU) and, on CUDA, both at once (stores and loads on
 disjoint halves). The baseline is one contiguous copy of the same bytes (on CUDA: between the
 GPU tensor and the pinned pool). Each figure is the median of ``--repeat`` runs after a
-warm-up; one block per job is checked byte for byte after the stores.
+warm-up; one block per job is checked byte for byte after the stores. Stores and loads are
+timed in interleaved pairs with their contiguous copy, and the ratio printed is the median
+of the pairs' ratios (a shared machine's load shifts between separate medians).
 
 Last, the host-side planning cost per job for a layer-per-tensor layout (what the CPU does
 while the copies of earlier jobs run): the CPU path's segments, and the Triton path's address
@@ -41,7 +43,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         help="MiB per direction and block size (default: 1024 on CUDA, 128 on CPU)",
     )
     p.add_argument(
-        "--repeat", metavar="N", type=int_range(1), default=3, help="runs per figure (median)"
+        "--repeat",
+        metavar="N",
+        type=int_range(1),
+        default=None,
+        help="runs per figure (median; default 3 on CUDA, 9 on CPU)",
     )
     p.add_argument(
         "--block-kib", metavar="KIB,...", type=str, default="4,16,64,256", help="block sizes in KiB"
@@ -71,6 +77,32 @@ def _median_seconds(fn: Callable[[], None], sync: Callable[[], None], repeat: in
     return statistics.median(times)
 
 
+def _paired_seconds(
+    fn: Callable[[], None], ref: Callable[[], None], sync: Callable[[], None], repeat: int
+) -> tuple[float, float, float]:
+    """``fn`` and ``ref`` timed in ``repeat`` back-to-back pairs (order alternating), after a
+    warm-up of each: (median of ``fn``, median of ``ref``, median of the pairs' ``ref / fn``).
+    On a shared machine the load moves between figures taken one after the other; within a
+    pair it mostly does not, so the median pair ratio is the figure to read."""
+    for f in (fn, ref):
+        f()
+        sync()
+    ts: list[float] = []
+    tr: list[float] = []
+    for i in range(repeat):
+        pair = [0.0, 0.0]
+        for which in (0, 1) if i % 2 == 0 else (1, 0):
+            sync()
+            t0 = time.perf_counter()
+            (fn, ref)[which]()
+            sync()
+            pair[which] = time.perf_counter() - t0
+        ts.append(pair[0])
+        tr.append(pair[1])
+    ratios = [r / t for t, r in zip(ts, tr, strict=True)]
+    return statistics.median(ts), statistics.median(tr), statistics.median(ratios)
+
+
 def main(argv: Sequence[str]) -> int:
     """Run the benchmark and print one line per block size, direction and implementation."""
     args = _parse(argv)
@@ -89,6 +121,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     dev = torch.device("cuda" if cuda else "cpu")
     total = (args.total_mib or (1024 if cuda else 128)) << 20
+    args.repeat = args.repeat or (3 if cuda else 9)
     sizes = [int(x) << 10 for x in args.block_kib.split(",") if x]
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     name = torch.cuda.get_device_name(dev) if cuda else "cpu"
@@ -173,23 +206,28 @@ def main(argv: Sequence[str]) -> int:
             if cuda:
                 cases.append(("both", both, both_store))
             for direction, js, flags in cases:
-                t = _median_seconds(functools.partial(run, js, flags), sync, args.repeat)
+                copy = functools.partial(run, js, flags)
+                if direction in contig:  # interleaved pairs: the ratio survives a load shift
+                    t, tc, ratio = _paired_seconds(copy, contig[direction], sync, args.repeat)
+                else:
+                    t = _median_seconds(copy, sync, args.repeat)
                 gbs = n * page / t / 1e9
                 if direction == "store":  # check one page per job
+                    copy()  # (again: the contiguous copy of the pairs wrote the pool's rows)
+                    sync()
                     for a in range(0, n, per_job):
                         want = gpu[blocks[a]].cpu()
                         got = torch.frombuffer(pool.row(0, slots[a]), dtype=torch.uint8)
                         if not torch.equal(want, got):
                             failures += 1
                             print(f"MISMATCH block {blocks[a]} slot {slots[a]} ({label})")
-                if direction in contig:
-                    tc = _median_seconds(contig[direction], sync, args.repeat)
-                else:
+                if direction not in contig:
                     tc = _both_contig(torch, sub_gpu, sub_host, gpu[n:], host[n:], args.repeat)
+                    ratio = tc / t
                 cgbs = n * page / tc / 1e9
                 print(
                     f"{page >> 10:>6}K {label:>8} {direction:>10} {gbs:8.1f} {cgbs:12.1f} "
-                    f"{gbs / cgbs:6.2f}"
+                    f"{ratio:6.2f}"
                 )
             be.shutdown()
     _planning(torch, backend_cls)
