@@ -675,7 +675,7 @@ class OffloadingScheduler:
                 cap = min(max_hit, len(keys) * tpc)
                 start = num_computed // tpc
                 end = cap // tpc
-                if end <= start or end * tpc <= num_computed:
+                if end <= start:  # (start + 1) * tpc > num_computed: nothing loadable
                     return 0
                 results: list[int] = []
                 window = self._window[g]
@@ -694,9 +694,7 @@ class OffloadingScheduler:
                     continue
                 if hits == 0:
                     return 0
-                new_max = tpc * (start + hits)
-                if new_max <= num_computed:
-                    return 0
+                new_max = tpc * (start + hits)  # > num_computed: hits >= 1
                 if new_max < max_hit:
                     max_hit = new_max
                     changed = True

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from sched_harness import Harness, config, make_manager, offloaded, prefill
 
+from statecore.managers import CPUOffloadingManager, MemoryTier, TieringOffloadingManager
+
 
 def test_job_stalls_exactly_at_the_timeout_when_the_check_runs_exactly_at_the_interval(
     kind: str,
@@ -87,3 +89,22 @@ def test_lookup_stops_waiting_for_other_loaders_exactly_at_the_stall_timeout(kin
     cnt = h.sched.counters
     assert (cnt.loader_waits_expired, cnt.lookups_deferred, cnt.lookups) == (1, 2, 5)
     assert h.sched.requests["c"].deferred_since is None  # a hit ends the deferral
+
+
+def test_lookup_asks_nothing_beyond_the_first_miss() -> None:
+    """Chunks after the first miss are never looked up: with a tiering manager a lookup of a
+    key found in a secondary tier starts its promotion, which must not happen for chunks
+    the request cannot load anyway."""
+    tier = MemoryTier()
+    manager = TieringOffloadingManager(CPUOffloadingManager(16), [tier])
+    h = Harness(manager, config())
+    b = h.add("b", list(range(16)))
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (0, False)  # computes b's keys
+    keys = h.sched.request_keys("b")[0]
+    tier.put(keys[2])
+    tier.put(keys[3])
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (0, False)  # chunk 0 misses
+    assert not manager.has_pending_work()  # no promotion queued for chunks 2 and 3
+    tier.put(keys[0])
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (None, False)  # chunk 0 is promoted
+    assert manager.has_pending_work()
