@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from sched_harness import Harness, chain_hashes, config, make_manager, prefill
 
-from statecore import MetadataError, Request, ScheduledRequest
+from statecore import InvalidMetadataError, MetadataError, Request, ScheduledRequest
 from statecore.manager import LookupResult, ReqContext
 from statecore.managers import CPUOffloadingManager, MemoryTier, TieringOffloadingManager
 
@@ -258,3 +258,17 @@ def test_decode_step_that_completes_a_chunk_stores_it_at_once(kind: str, prompt_
         stored.extend(step for _ in meta.store_jobs)
         h.report(list(meta.store_jobs))
     assert stored == ([] if prompt_only else [3])
+
+
+@pytest.mark.parametrize("bad", [[1, -1], [-2], [1, 2.5], [2.0]])
+def test_allocation_with_a_negative_or_float_block_id_is_refused(
+    kind: str, bad: list[object]
+) -> None:
+    h = Harness(make_manager(kind), config())
+    a = h.add("a", list(range(16)))
+    assert h.sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    with pytest.raises(InvalidMetadataError, match="block_ids"):
+        h.sched.update_state_after_alloc(a, [bad], 0)
+    assert h.sched.requests["a"].admitted is None  # nothing recorded
+    h.sched.update_state_after_alloc(a, [[1, True]], 0)  # a bool is the int it equals
+    assert h.sched.requests["a"].admitted == [(1, True)]
