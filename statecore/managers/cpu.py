@@ -99,12 +99,13 @@ class CPUManagerCounters:
 _BYTES_ONLY = {bytes}
 
 
-class _Entry:
-    __slots__ = ("ref", "slot")
+_Entry = tuple[int, int]
+"""A present key's (reference count, slot): -1 write-pending, 0 idle, n pinned n times.
 
-    def __init__(self, ref: int, slot: int) -> None:
-        self.ref = ref
-        self.slot = slot
+A tuple of two ints, replaced (not mutated) when the count changes: the cyclic garbage
+collector untracks such tuples, so a tier of a million keys adds nothing to a full
+collection's traversal (an object per key did, and those pauses were the tail of the
+connector's per-step cost)."""
 
 
 def _resolve_policy(policy: str | CachePolicy, capacity: int) -> CachePolicy:
@@ -168,7 +169,7 @@ class CPUOffloadingManager(OffloadingManager):
         self.enable_events = enable_events
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
-        self._entries: dict[OffloadKey, _Entry] = {}
+        self._entries: dict[OffloadKey, _Entry] = {}  # key -> (ref, slot)
         self._high_water = 0
         self._free: list[int] = []
         self._evictable = 0
@@ -199,22 +200,22 @@ class CPUOffloadingManager(OffloadingManager):
         entry = self._entries.get(key)
         if entry is None:
             return LookupResult.MISS
-        return LookupResult.HIT if entry.ref >= 0 else LookupResult.HIT_PENDING
+        return LookupResult.HIT if entry[0] >= 0 else LookupResult.HIT_PENDING
 
     def slot_of(self, key: OffloadKey) -> int | None:
         """The slot holding ``key``, or ``None`` when absent."""
         entry = self._entries.get(key)
-        return None if entry is None else entry.slot
+        return None if entry is None else entry[1]
 
     def ref_count(self, key: OffloadKey) -> int | None:
         """``key``'s reference count (-1 write-pending, 0 idle, n pinned), ``None`` if absent."""
         entry = self._entries.get(key)
-        return None if entry is None else entry.ref
+        return None if entry is None else entry[0]
 
     def is_ready(self, key: OffloadKey) -> bool:
         """Whether ``key`` is present and readable."""
         entry = self._entries.get(key)
-        return entry is not None and entry.ref >= 0
+        return entry is not None and entry[0] >= 0
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -260,7 +261,7 @@ class CPUOffloadingManager(OffloadingManager):
 
         O(capacity): for tests and checked mode, not for the hot path.
         """
-        refs = [e.ref for e in self._entries.values()]
+        refs = [e[0] for e in self._entries.values()]
         if any(r < -1 for r in refs):
             raise InvariantViolation("INV-PIN", "a reference count is below -1")
         idle = sum(1 for r in refs if r == 0)
@@ -273,7 +274,7 @@ class CPUOffloadingManager(OffloadingManager):
             raise InvariantViolation(
                 "INV-PIN", f"write-pending counter {self._write_pending} but {pending} keys"
             )
-        used = [e.slot for e in self._entries.values()]
+        used = [e[1] for e in self._entries.values()]
         everything = used + self._free
         if len(set(everything)) != len(everything):
             raise InvariantViolation("INV-EVICT", "a slot is both used and free, or used twice")
@@ -296,7 +297,7 @@ class CPUOffloadingManager(OffloadingManager):
         evictable_keys = getattr(self.policy, "evictable_keys", None)
         if callable(evictable_keys):
             listed = set(evictable_keys())
-            want = {k for k, e in self._entries.items() if e.ref == 0}
+            want = {k for k, e in self._entries.items() if e[0] == 0}
             if listed != want:
                 raise InvariantViolation(
                     "INV-EVICT", "the policy's evictable keys differ from the idle keys"
@@ -304,14 +305,14 @@ class CPUOffloadingManager(OffloadingManager):
 
     # -- loads ----------------------------------------------------------------------------------
 
-    def _validate_pinnable(self, keys: Sequence[OffloadKey], call: str) -> list[_Entry]:
-        """The entries of ``keys``, all present and ready; raises (nothing changed) else.
+    def _validate_pinnable(self, keys: Sequence[OffloadKey], call: str) -> list[int]:
+        """The slots of ``keys``, all present and ready; raises (nothing changed) else.
 
         Validation by lookup: a present key is a valid key (only validated keys are ever
         stored), so the argument checks of :mod:`statecore.validate` run on the error path
         only (a missing key, an unhashable one, ``keys`` not iterable).
         """
-        entries: list[_Entry] = []
+        slots: list[int] = []
         get = self._entries.get
         try:
             for key in keys:
@@ -319,15 +320,15 @@ class CPUOffloadingManager(OffloadingManager):
                 if entry is None:
                     validate.offload_keys(keys, call)
                     raise UnknownKeyError(key, call)
-                if entry.ref < 0:
+                if entry[0] < 0:
                     raise KeyNotReadyError(key, call)
-                entries.append(entry)
+                slots.append(entry[1])
         except TypeError as exc:
             if isinstance(exc, StatecoreError):
                 raise
             validate.offload_keys(keys, call)
             raise
-        return entries
+        return slots
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
         """Pin ``keys``; their slot ids, co-indexed with ``keys``. Nothing pinned on error."""
@@ -335,15 +336,18 @@ class CPUOffloadingManager(OffloadingManager):
 
     def prepare_read(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
         """Pin ``keys`` for any reader (GPU load or cascade to a secondary tier)."""
-        entries = self._validate_pinnable(keys, "prepare_load")
+        slots = self._validate_pinnable(keys, "prepare_load")
+        entries = self._entries
         policy = self.policy
         evictable = self._evictable
-        for key, entry in zip(keys, entries, strict=True):
-            if entry.ref == 0:
+        for key, slot in zip(keys, slots, strict=True):
+            ref = entries[key][0]  # (read again: a key listed twice is pinned twice)
+            if ref == 0:
                 policy.mark_non_evictable(key)
-            entry.ref, evictable = pin_counts(entry.ref, evictable)
+            ref, evictable = pin_counts(ref, evictable)
+            entries[key] = (ref, slot)
         self._evictable = evictable
-        return CPULoadStoreSpec(tuple(e.slot for e in entries))
+        return CPULoadStoreSpec(tuple(slots))
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Release one pin of each key. Nothing released on error."""
@@ -352,19 +356,18 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_read(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Release the pins of one :meth:`prepare_read`."""
         call = "complete_load"
-        get = self._entries.get
-        entries: list[_Entry] = []
+        entries = self._entries
+        get = entries.get
         try:  # validation by lookup, as in _validate_pinnable
             for key in keys:
                 entry = get(key)
                 if entry is None:
                     validate.offload_keys(keys, call)
                     raise UnknownKeyError(key, call)
-                if entry.ref == -1:
+                if entry[0] == -1:
                     raise WritePendingPinError(key, call)
-                if entry.ref == 0:
+                if entry[0] == 0:
                     raise PinUnderflowError(key, call)
-                entries.append(entry)
         except TypeError as exc:
             if isinstance(exc, StatecoreError):
                 raise
@@ -372,13 +375,15 @@ class CPUOffloadingManager(OffloadingManager):
             raise
         if len(set(keys)) != len(keys):
             for key, n in Counter(keys).items():
-                if self._entries[key].ref < n:
+                if entries[key][0] < n:
                     raise PinUnderflowError(key, call)
         policy = self.policy
         evictable = self._evictable
-        for key, entry in zip(keys, entries, strict=True):
-            entry.ref, evictable = unpin_counts(entry.ref, evictable)
-            if entry.ref == 0:
+        for key in keys:
+            ref, slot = entries[key]  # (read again: a key listed twice is unpinned twice)
+            ref, evictable = unpin_counts(ref, evictable)
+            entries[key] = (ref, slot)
+            if ref == 0:
                 policy.mark_evictable(key)
         self._evictable = evictable
 
@@ -452,7 +457,7 @@ class CPUOffloadingManager(OffloadingManager):
             victims = chosen
             free = self._free
             for key in victims:
-                free.append(entries.pop(key).slot)
+                free.append(entries.pop(key)[1])
             self._evictable -= len(victims)
             if self.enable_events:
                 self._events.append(OffloadingEvent(tuple(victims), Medium.CPU, removed=True))
@@ -471,7 +476,7 @@ class CPUOffloadingManager(OffloadingManager):
                     quarantine.pop(slot, None)
         policy = self.policy
         for key, slot in zip(to_store, slots, strict=True):
-            entries[key] = _Entry(-1, slot)
+            entries[key] = (-1, slot)
             policy.insert(key)
         self._write_pending += n
         self._alloc_sizes.append(float(n))
@@ -544,18 +549,19 @@ class CPUOffloadingManager(OffloadingManager):
         changed: list[OffloadKey] = []
         for key in keys:
             entry = get(key)
-            if entry is None or entry.ref != -1:
+            if entry is None or entry[0] != -1:
                 continue
             changed.append(key)
+            slot = entry[1]
             if success:
-                entry.ref = 0
+                entries[key] = (0, slot)
                 policy.mark_evictable(key)
             else:
                 del entries[key]
                 policy.remove(key)
-                self._free.append(entry.slot)
+                self._free.append(slot)
                 if quarantine:
-                    self._quarantine_slot(entry.slot)
+                    self._quarantine_slot(slot)
         self._write_pending -= len(changed)
         if success:
             self._evictable += len(changed)
@@ -578,13 +584,13 @@ class CPUOffloadingManager(OffloadingManager):
         describe traffic, not cache content).
         """
         if self.enable_events:
-            ready = tuple(k for k, e in self._entries.items() if e.ref >= 0)
+            ready = tuple(k for k, e in self._entries.items() if e[0] >= 0)
             if ready:
                 self._events.append(OffloadingEvent(ready, Medium.CPU, removed=True))
         if self._evictable != len(self._entries):
-            for entry in self._entries.values():
-                if entry.ref != 0:  # write-pending or pinned: a transfer may be in flight
-                    self._quarantine_slot(entry.slot)
+            for ref, slot in self._entries.values():
+                if ref != 0:  # write-pending or pinned: a transfer may be in flight
+                    self._quarantine_slot(slot)
         self._entries.clear()
         self.policy.clear()
         self._free.clear()
