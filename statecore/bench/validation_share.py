@@ -138,6 +138,11 @@ class _Copy:
                 new_req_ids=out.new_req_ids,
                 finished_req_ids=out.finished_req_ids,
                 preempted_req_ids=out.preempted_req_ids,
+                columns=None
+                if (c := out.columns) is None
+                else ScheduledColumns(
+                    c.req_ids, c.new_block_ids, c.num_scheduled_tokens, c.resumed_req_ids
+                ),
             )
             ns = pc() - t0
         self.views_ns.append(ns)
