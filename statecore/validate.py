@@ -39,10 +39,13 @@ from statecore.errors import (
     InvalidMetadataError,
     describe,
 )
+from statecore.manager import ReqContext as _ReqContext
 from statecore.views import ScheduledColumns as _ScheduledColumns
 from statecore.views import ScheduledRequest as _ScheduledRequest
 from statecore.views import SchedulerOutput as _SchedulerOutput
+from statecore.wire import ConnectorMetadata as _ConnectorMetadata
 from statecore.wire import DirectionStats as _DirectionStats
+from statecore.wire import TransferJob as _TransferJob
 from statecore.wire import TransferStats as _TransferStats
 from statecore.wire import WorkerMetadata as _WorkerMetadata
 
@@ -418,8 +421,6 @@ def worker_metadata(
     an int >= 0. With ``entries`` (for :meth:`~statecore.wire.WorkerMetadata.aggregate`,
     which does arithmetic on them) every job id and count must be an int too.
     """
-    from statecore.wire import DirectionStats, TransferStats, WorkerMetadata
-
     if meta is None:
         return
     if type(meta) is _WorkerMetadata and not entries:  # the common case, in one expression
@@ -435,7 +436,7 @@ def worker_metadata(
             and _direction_ok(stats.store)
         ):
             return
-    if type(meta) is not WorkerMetadata and not isinstance(meta, WorkerMetadata):
+    if type(meta) is not _WorkerMetadata and not isinstance(meta, _WorkerMetadata):
         _fail(call, "meta", meta, "a WorkerMetadata or None")
     for name in ("completed", "failed", "completed_ranks", "failed_ranks"):
         d = getattr(meta, name)
@@ -451,11 +452,11 @@ def worker_metadata(
     if rank is not None and (type(rank) is not int or rank < 0):
         _fail(call, "meta.rank", rank, "None or an int >= 0")
     stats = meta.stats
-    if type(stats) is not TransferStats:
+    if type(stats) is not _TransferStats:
         _fail(call, "meta.stats", stats, "a TransferStats")
     for direction in ("load", "store"):
         ds = getattr(stats, direction)
-        if type(ds) is not DirectionStats:
+        if type(ds) is not _DirectionStats:
             _fail(call, f"meta.stats.{direction}", ds, "a DirectionStats")
         if type(ds.bytes) is not int or ds.bytes < 0:
             _fail(call, f"meta.stats.{direction}.bytes", ds.bytes, "an int >= 0")
@@ -492,9 +493,7 @@ def connector_metadata(meta: object, call: str) -> None:
     flush set must hold int job ids. The specs inside a job are checked by the backend at
     submission (a bad spec fails that job, reported as failed).
     """
-    from statecore.wire import ConnectorMetadata, TransferJob
-
-    if type(meta) is not ConnectorMetadata:
+    if type(meta) is not _ConnectorMetadata:
         _fail(call, "meta", meta, "a ConnectorMetadata")
     for name in ("load_jobs", "store_jobs"):
         jobs = getattr(meta, name)
@@ -503,7 +502,7 @@ def connector_metadata(meta: object, call: str) -> None:
         for job_id, job in jobs.items():
             if type(job_id) is not int:
                 _fail(call, f"meta.{name} key", job_id, "a job id (int)")
-            if type(job) is not TransferJob:
+            if type(job) is not _TransferJob:
                 _fail(call, f"meta.{name}[{job_id}]", job, "a TransferJob")
     flush = meta.jobs_to_flush
     if type(flush) not in _SETS and not isinstance(flush, AbstractSet):
@@ -554,9 +553,7 @@ def slot_list(slots: Any, n: int, call: str, capacity: int | None = None) -> Non
 
 def req_context(ctx: object, call: str) -> None:
     """A :class:`~statecore.manager.ReqContext` with a str ``req_id``."""
-    from statecore.manager import ReqContext
-
-    if type(ctx) is not ReqContext and not isinstance(ctx, ReqContext):
+    if type(ctx) is not _ReqContext and not isinstance(ctx, _ReqContext):
         raise InvalidArgumentError(call, "ctx", ctx, "a ReqContext")
     if not isinstance(ctx.req_id, str):
         raise InvalidArgumentError(call, "ctx.req_id", ctx.req_id, "a str")
