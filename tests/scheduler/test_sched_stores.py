@@ -272,3 +272,16 @@ def test_allocation_with_a_negative_or_float_block_id_is_refused(
     assert h.sched.requests["a"].admitted is None  # nothing recorded
     h.sched.update_state_after_alloc(a, [[1, True]], 0)  # a bool is the int it equals
     assert h.sched.requests["a"].admitted == [(1, True)]
+
+
+def test_allocation_before_any_lookup_assumes_nothing_computed(kind: str) -> None:
+    """A tracked request that was never looked up has no locally computed tokens: an
+    allocation of no blocks is accepted, and its first scheduling stores from chunk 0."""
+    h = Harness(make_manager(kind), config())
+    a = h.add("a", list(range(8)))
+    h.sched.update_state_after_alloc(a, [[]], 0)
+    assert h.sched.requests["a"].num_local_computed == 0
+    h.sched.get_num_new_matched_tokens(a, 0)  # the keys
+    meta = h.step([h.schedule("a", 8)], new=["a"])
+    ((job, _),) = meta.store_jobs.items()
+    assert h.sched.jobs[job].keys == h.sched.request_keys("a")[0]
