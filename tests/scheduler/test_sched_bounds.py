@@ -11,7 +11,9 @@ strict and non-strict is seen.
 from __future__ import annotations
 
 from sched_harness import Harness, config, make_manager, offloaded, prefill
+from statecore.specs.fakes import RecordingManager
 
+from statecore import GroupConfig, LookupResult, SchedulerConfig
 from statecore.managers import CPUOffloadingManager, MemoryTier, TieringOffloadingManager
 
 
@@ -108,3 +110,23 @@ def test_lookup_asks_nothing_beyond_the_first_miss() -> None:
     tier.put(keys[0])
     assert h.sched.get_num_new_matched_tokens(b, 0) == (None, False)  # chunk 0 is promoted
     assert manager.has_pending_work()
+
+
+def test_lookup_asks_the_wider_sliding_window_first() -> None:
+    """Two sliding-window groups (windows of 2 and 4 chunks, the narrow one configured
+    first). The wide one is asked first: its window ends at chunk 6, which caps the narrow
+    one's scan below its two chunks still being written, so the lookup answers 24 tokens.
+    Asking the narrow one first would see the pending chunks and defer."""
+    cfg = SchedulerConfig(
+        groups=(GroupConfig(4, sliding_window=8), GroupConfig(4, sliding_window=16))
+    )
+    fake = RecordingManager()
+    h = Harness(fake, cfg)
+    b = h.add("b", list(range(33)))
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (0, False)  # computes b's keys
+    narrow, wide = h.sched.request_keys("b")
+    for i in range(8):
+        fake.lookup_override[narrow[i]] = LookupResult.HIT if i < 6 else LookupResult.HIT_PENDING
+    for i in range(6):
+        fake.lookup_override[wide[i]] = LookupResult.HIT  # chunks 6 and 7: miss
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (24, True)

@@ -19,6 +19,7 @@ from statecore.specs.fakes import RecordingManager
 
 from statecore import (
     ConnectorOutputResult,
+    InvalidMetadataError,
     InvariantViolation,
     OffloadingScheduler,
     SchedulerCounters,
@@ -93,3 +94,13 @@ def test_connector_output_result_is_immutable_and_hashable(kind: str) -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.finished_loads = frozenset({"x"})  # type: ignore[misc]
     assert hash(result) == hash(ConnectorOutputResult())
+
+
+@pytest.mark.parametrize("computed", [-1, 17])
+def test_lookup_with_computed_tokens_out_of_range_is_refused(kind: str, computed: int) -> None:
+    h = Harness(make_manager(kind), config())
+    a = h.add("a", list(range(16)))
+    with pytest.raises(InvalidMetadataError, match="num_computed_tokens"):
+        h.sched.get_num_new_matched_tokens(a, computed)
+    assert h.sched.counters.lookups == 0  # nothing changed
+    assert h.sched.get_num_new_matched_tokens(a, 16) == (0, False)  # the bound itself is valid
