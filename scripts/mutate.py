@@ -101,8 +101,9 @@ FAST_TESTS: tuple[str, ...] = (
 )
 """The fast test subset the killers run (each mutant's own folder first)."""
 
-EQUIVALENT: dict[tuple[str, str, str], str] = {
-    # (module, operator name prefix, stripped text of the original line): reason
+EQUIVALENT: dict[tuple[str, ...], str] = {
+    # (module, operator name prefix, stripped original line[, stripped mutated line]): reason
+    # (without the mutated line, every variant of that operator on that line is equivalent)
     (
         "statecore/kernels.py",
         "core/ReplaceComparisonOperator_Gt_GtE",
@@ -152,11 +153,23 @@ def _operator_family(name: str) -> str:
     return name.split("_", 1)[0]
 
 
-def _equivalent_reason(module: str, operator: str, line: str) -> str | None:
-    for (mod, op, text), reason in EQUIVALENT.items():
-        if mod == module and operator.startswith(op) and line.strip() == text:
+def _equivalent_reason(
+    module: str, operator: str, line: str, mutated_line: Callable[[], str] | None = None
+) -> str | None:
+    """The reason a mutant is listed equivalent, or None. An entry of four strings matches only
+    the variant whose mutated line reads as its fourth (``mutated_line`` makes it, lazily)."""
+    for key, reason in EQUIVALENT.items():
+        mod, op, text, *after = key
+        if mod != module or not operator.startswith(op) or line.strip() != text:
+            continue
+        if not after or (mutated_line is not None and mutated_line() == after[0]):
             return reason
     return None
+
+
+def _mutated_line(module: str, operator: str, occurrence: int, lineno: int) -> str:
+    mutated = _mutant_source(module, operator, occurrence)
+    return "" if mutated is None else mutated.splitlines()[lineno - 1].strip()
 
 
 # -- the runner: one pytest session, one forked child per mutant --------------------------------
@@ -670,6 +683,10 @@ def execute(session: Path, cap: float, confirm: bool = False) -> None:
     each mutant runs in a child forked from it (see the module docstring)."""
     import pytest
 
+    spec = importlib.util.find_spec("statecore")
+    origin = Path(spec.origin if spec and spec.origin else "").resolve()
+    if not origin.is_relative_to(ROOT):
+        sys.exit(f"statecore is imported from {origin}, not from {ROOT}: run this tree's .venv")
     _prepare_environment()
     sys.path.insert(0, str(ROOT))  # as ``python -m pytest`` would: the tests import ``tests.``
     prefork = _Tracer()
@@ -752,7 +769,12 @@ def select(
                 skip.append(item.job_id)
                 continue
             reason = _equivalent_reason(
-                module, m.operator_name, _line(module, m.start_pos[0], lines)
+                module,
+                m.operator_name,
+                _line(module, m.start_pos[0], lines),
+                lambda m=m, module=module: _mutated_line(
+                    module, m.operator_name, m.occurrence, m.start_pos[0]
+                ),
             )
             if reason is not None:
                 reasons[item.job_id] = reason

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -24,7 +26,7 @@ mutate = _load()
 
 
 def test_every_equivalent_mutant_names_a_line_that_exists() -> None:
-    for module, operator, text in mutate.EQUIVALENT:
+    for module, operator, text, *_ in mutate.EQUIVALENT:
         assert module in mutate.CORE_MODULES
         assert operator.startswith("core/")
         lines = [line.strip() for line in (ROOT / module).read_text().splitlines()]
@@ -53,6 +55,17 @@ def test_equivalent_reason_matches_module_operator_and_line() -> None:
     assert mutate._equivalent_reason(module, operator, "    " + text) == reason
     assert mutate._equivalent_reason(module, "core/AddNot", text) is None
     assert mutate._equivalent_reason("statecore/worker.py", operator, text) is None
+
+
+def test_an_entry_with_a_mutated_line_matches_only_that_variant(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    key = ("statecore/worker.py", "core/NumberReplacer", "x = 0", "x = -1")
+    monkeypatch.setattr(mutate, "EQUIVALENT", {key: "why"})
+    op, line = "core/NumberReplacer", "    x = 0"
+    assert mutate._equivalent_reason("statecore/worker.py", op, line, lambda: "x = -1") == "why"
+    assert mutate._equivalent_reason("statecore/worker.py", op, line, lambda: "x = 1") is None
+    assert mutate._equivalent_reason("statecore/worker.py", op, line) is None
 
 
 def _line_of(module: str, text: str) -> tuple[int, int]:
