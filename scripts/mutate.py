@@ -144,6 +144,205 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "core/NumberReplacer",
         "DUPLICATE = 4",
     ): "ReportKind members are compared by identity only; no code reads their numbers",
+    # issue 18, found by exhaustive site runs over scheduler, kernels and policies
+    (
+        "statecore/kernels.py",
+        "core/ReplaceComparisonOperator_Eq_LtE",
+        "if r == MISS:",
+    ): "MISS is 0, the least lookup result (pre: 0 <= r): r <= MISS exactly when r == MISS",
+    (
+        "statecore/kernels.py",
+        "core/ReplaceComparisonOperator_Eq_Is",
+        "if r == MISS:",
+    ): (
+        "r comes from int() of a LookupResult: a small int, cached by CPython, so `is` agrees with "
+        "`==`"
+    ),
+    (
+        "statecore/kernels.py",
+        "core/ReplaceComparisonOperator_Eq_Is",
+        "if r == RETRY:",
+    ): (
+        "r comes from int() of a LookupResult: a small int, cached by CPython, so `is` agrees with "
+        "`==`"
+    ),
+    (
+        "statecore/kernels.py",
+        "core/ReplaceComparisonOperator_Eq_Is",
+        "elif r == HIT_PENDING and first_pending is None:",
+    ): (
+        "r comes from int() of a LookupResult: a small int, cached by CPython, so `is` agrees with "
+        "`==`"
+    ),
+    (
+        "statecore/kernels.py",
+        "core/ReplaceComparisonOperator_Eq_Is",
+        "blocked = blocked or r == HIT_PENDING",
+    ): (
+        "r comes from int() of a LookupResult: a small int, cached by CPython, so `is` agrees with "
+        "`==`"
+    ),
+    (
+        "statecore/kernels.py",
+        "core/ReplaceBinaryOperator_BitOr_BitXor",
+        "return live | stalled, next_job_id",
+    ): "live and stalled job ids are disjoint (a stalled job has left the live map): | and ^ agree",
+    (
+        "statecore/managers/policies.py",
+        "core/ReplaceComparisonOperator_Eq_LtE",
+        "return ref + 1, evictable - 1 if ref == 0 else evictable",
+    ): "pre: ref >= 0, so ref <= 0 exactly when ref == 0",
+    (
+        "statecore/managers/policies.py",
+        "core/ReplaceComparisonOperator_Eq_LtE",
+        "return ref - 1, evictable + 1 if ref == 1 else evictable",
+    ): "pre: ref >= 1, so ref <= 1 exactly when ref == 1",
+    (
+        "statecore/managers/policies.py",
+        "core/ReplaceComparisonOperator_Eq_LtE",
+        "if src == 1:",
+    ): "a victim's list is 1 or 2: src <= 1 exactly when src == 1",
+    (
+        "statecore/managers/policies.py",
+        "core/ReplaceComparisonOperator_Eq_Is",
+        "if src == 1:",
+    ): "src is the literal 1 or 2 (small ints, cached by CPython): `is` agrees with `==`",
+    (
+        "statecore/managers/policies.py",
+        "core/ReplaceComparisonOperator_Eq_GtE",
+        "if len(out) == n:",
+    ): "out grows by one from below n (n >= 1 here): it first reaches n exactly",
+    (
+        "statecore/managers/policies.py",
+        "core/NumberReplacer",
+        "return usage, write, max(usage - write, 0.0)",
+        "return usage, write, max(usage - write, -1.0)",
+    ): "write_pending <= busy (pre), so usage - write >= 0 and the floor never applies",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "self.num_scheduled = 0",
+    ): "set by every scheduling before the store path reads it; finished requests never read it",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "self.n_hashes = 0  # block hashes already turned into keys",
+        "self.n_hashes = -1  # block hashes already turned into keys",
+    ): (
+        "-1 only skips the 'no new hashes' shortcut once, for a request without hashes (no keys "
+        "either way)"
+    ),
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "self.num_local_computed = 0",
+        "self.num_local_computed = -1",
+    ): (
+        "-1 and 0 both pass the block-count check of an allocation before any lookup"
+        " (ceil(-1 / tpb) == 0); a lookup sets it"
+    ),
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "self.store_floor = 0",
+        "self.store_floor = -1",
+    ): "the store floor is a lower bound that only enables the decode shortcut; -1 behaves as 0",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "rec.store_floor = 0",
+        "rec.store_floor = -1",
+    ): "the store floor is a lower bound that only enables the decode shortcut; -1 behaves as 0",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "req.store_floor = 0",
+        "req.store_floor = -1",
+    ): "the store floor is a lower bound that only enables the decode shortcut; -1 behaves as 0",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "((max(gs.cursor, gs.skip) if chunk_level else gs.cursor) + 1) * self._tpc[g]",
+        "((max(gs.cursor, gs.skip) if chunk_level else gs.cursor) + 0) * self._tpc[g]",
+    ): "a lower store floor only runs the store path on more steps, which then finds nothing new",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "self.store_cap = 1 << 62",
+        "self.store_cap = 1 << 63",
+    ): "any cap above every possible token count",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "self.store_cap = 1 << 62",
+        "self.store_cap = 2 << 62",
+    ): "any cap above every possible token count",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "self.hashes_ok = 0  # block hashes already validated (a prefix of the view's list)",
+    ): "its only constructor call (_track) overwrites it with len(block_hashes) at once",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "self.stalled_at = 0.0",
+    ): "stall_job writes it before the ledger (its only reader) holds the job",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceTrueWithFalse",
+        "@dataclass(frozen=True, slots=True)",
+        "@dataclass(frozen=True, slots=False)",
+    ): "frozen already refuses every attribute assignment; slots only save memory",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceComparisonOperator_Eq_LtE",
+        "elif job.pending == 0:",
+    ): "pending never goes below 0 (apply_report's post-condition)",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceAndWithOr",
+        "if fence and batch.allocated:",
+    ): "with either side empty, the intersection loop below finds nothing",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceComparisonOperator_LtE",
+        "if len(batch.allocated) <= len(fence)",
+    ): "only picks which side of the intersection is iterated; both give the same blocks",
+    (
+        "statecore/scheduler.py",
+        "core/",
+        "accepted = None if len(kept) == len(offer) and list(kept) == offer else set(kept)",
+    ): (
+        "a shortcut: kept is an order-preserving subset of the offer, so the set path gives the"
+        " same keys in the same order, and no single change makes the None path run when"
+        " kept != offer"
+    ),
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceUnaryOperator_Delete_Not",
+        "if not self._sliding[g]:",
+    ): (
+        "full-attention blocks are never in the window index; a released request's sliding entries "
+        "left there only zero positions of its own dropped lists"
+    ),
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceComparisonOperator_LtE_Lt",
+        "if end <= start:  # (start + 1) * tpc > num_computed: nothing loadable",
+    ): "an early out: with end == start the lookup range is empty and an empty scan answers 0 too",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceComparisonOperator_LtE_Eq",
+        "if end <= start:  # (start + 1) * tpc > num_computed: nothing loadable",
+    ): "an early out: with end < start the lookup range is empty and an empty scan answers 0 too",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceComparisonOperator_LtE_Is",
+        "if end <= start:  # (start + 1) * tpc > num_computed: nothing loadable",
+    ): (
+        "an early out: whenever `is` differs from `<=` the lookup range is empty and an empty scan "
+        "answers 0 too"
+    ),
 }
 """Mutants judged equivalent, with a one-line reason each (skipped and reported apart)."""
 
