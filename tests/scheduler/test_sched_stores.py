@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 from sched_harness import Harness, chain_hashes, config, make_manager, prefill
+from statecore.specs.fakes import RecordingManager
 
 from statecore import InvalidMetadataError, MetadataError, Request, ScheduledRequest
-from statecore.manager import LookupResult, ReqContext
+from statecore.manager import LookupResult, OffloadPolicy, ReqContext
 from statecore.managers import CPUOffloadingManager, MemoryTier, TieringOffloadingManager
 
 
@@ -285,3 +286,16 @@ def test_allocation_before_any_lookup_assumes_nothing_computed(kind: str) -> Non
     meta = h.step([h.schedule("a", 8)], new=["a"])
     ((job, _),) = meta.store_jobs.items()
     assert h.sched.jobs[job].keys == h.sched.request_keys("a")[0]
+
+
+def test_request_level_store_without_an_allocation_starts_at_chunk_0() -> None:
+    """A request scheduled without an allocation hook (its lists come with the scheduling)
+    offers its chunks from chunk 0, in order, each once (request-level policy: nothing is
+    skipped)."""
+    fake = RecordingManager(policy=OffloadPolicy.REQUEST_LEVEL)
+    h = Harness(fake, config())
+    a = h.add("a", list(range(16)))
+    h.sched.get_num_new_matched_tokens(a, 0)
+    h.step([ScheduledRequest("a", (tuple(h.alloc(2)),), 8)], new=["a"])
+    keys = h.sched.request_keys("a")[0]
+    assert [c.keys for c in fake.methods("prepare_store")] == [tuple(keys[:2])]
