@@ -146,6 +146,16 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ): "ReportKind members are compared by identity only; no code reads their numbers",
     # issue 18, found by exhaustive site runs over scheduler, kernels and policies
     (
+        "statecore/scheduler.py",
+        "core/ReplaceTrueWithFalse",
+        "for gs, adm, ids in zip(rec.groups, admitted, new_ids, strict=True):",
+    ): "one allocated list and one scheduled list per group, both validated to the group count",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceTrueWithFalse",
+        "for gs, n in zip(rec.groups, storable, strict=True):",
+    ): "storable holds one count per group, built by the loop over the same groups",
+    (
         "statecore/kernels.py",
         "core/ReplaceComparisonOperator_Eq_LtE",
         "if r == MISS:",
