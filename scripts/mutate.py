@@ -354,6 +354,22 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "an early out: whenever `is` differs from `<=` the lookup range is empty and an empty scan "
         "answers 0 too"
     ),
+    (
+        "statecore/managers/cpu.py",
+        "core/ReplaceTrueWithFalse",
+        "for key, slot in zip(to_store, slots, strict=True):",
+    ): "slots always holds len(to_store) ids: both allocation paths return exactly n",
+    (
+        "statecore/managers/cpu.py",
+        "core/ReplaceComparisonOperator_NotEq_IsNot",
+        "if self._evictable != len(self._entries):",
+    ): "equal counts mean every entry has ref 0: the loop it lets run quarantines nothing",
+    (
+        "statecore/lifecycle/table.py",
+        "core/ReplaceComparisonOperator_Eq_Lt",
+        "if len(guards) == 1 and guards[0][1]:",
+    ): "guards is non-empty here: `<= 1` is `== 1`, `< 1` only skips the one-guard shortcut "
+    "(the wrapper returns the same truth, and callers test truth only)",
 }
 """Mutants judged equivalent, with a one-line reason each (skipped and reported apart)."""
 

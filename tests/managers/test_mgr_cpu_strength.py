@@ -1,0 +1,64 @@
+"""CPU manager behaviour that mutation testing found unasserted (docs/mutation.md): the input
+check of ``complete_store``, its walk over every key, and the reuse tracker's default bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from statecore.errors import InvalidKeyError
+from statecore.keys import OffloadKey, make_offload_key
+from statecore.manager import LookupResult, Medium, OffloadingEvent, ReqContext
+from statecore.managers import CPUOffloadingManager
+
+CTX = ReqContext("r")
+
+
+def k(i: int) -> OffloadKey:
+    return make_offload_key(i.to_bytes(8, "big"), 0)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["abcd"], [k(1), "wxyz"], [b"abc"], None, 7],
+    ids=["str-key", "str-after-a-good-key", "short-bytes", "none", "int"],
+)
+def test_complete_store_refuses_what_is_not_a_sequence_of_offload_keys(bad: object) -> None:
+    m = CPUOffloadingManager(2)
+    assert m.prepare_store([k(1)], CTX) is not None
+    with pytest.raises(InvalidKeyError) as err:
+        m.complete_store(bad, CTX)  # type: ignore[arg-type]
+    assert err.value.call == "complete_store"
+    assert m.counters().write_pending == 1 and m.lookup(k(1), CTX) is LookupResult.HIT_PENDING
+
+
+@pytest.mark.parametrize("success", [True, False])
+def test_complete_store_reaches_pending_keys_after_absent_and_ready_ones(success: bool) -> None:
+    m = CPUOffloadingManager(4)
+    first = m.prepare_store([k(1)], CTX)
+    assert first is not None
+    m.complete_store([k(1)], CTX)
+    assert m.prepare_store([k(2), k(3)], CTX) is not None
+    m.take_events()
+    m.complete_store([k(9), k(1), k(2), k(3)], CTX, success=success)
+    expected = LookupResult.HIT if success else LookupResult.MISS
+    assert [m.lookup(k(i), CTX) for i in (2, 3)] == [expected, expected]
+    assert m.counters().write_pending == 0
+    assert m.counters().evictable == (3 if success else 1)
+    if success:
+        assert m.take_events() == [OffloadingEvent((k(2), k(3)), Medium.CPU, removed=False)]
+    m.check_invariants()
+
+
+def test_cpu_manager_reuse_tracker_default_is_upstreams() -> None:
+    # upstream's CPU manager bounds its reuse tracker at 64 000 keys unless configured
+    assert CPUOffloadingManager(4, store_threshold=2).max_tracker_size == 64_000
+
+
+def test_prepare_load_refuses_a_one_shot_iterator_and_pins_nothing() -> None:
+    # keys must be a sequence: a generator is consumed by the check and would pin nothing
+    m = CPUOffloadingManager(2)
+    m.prepare_store([k(1)], CTX)
+    m.complete_store([k(1)], CTX)
+    with pytest.raises(ValueError):
+        m.prepare_load(iter([k(1)]), CTX)  # type: ignore[arg-type]
+    assert m.ref_count(k(1)) == 0 and m.counters().evictable == 1
