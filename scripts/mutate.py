@@ -370,6 +370,22 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "if len(guards) == 1 and guards[0][1]:",
     ): "guards is non-empty here: `<= 1` is `== 1`, `< 1` only skips the one-guard shortcut "
     "(the wrapper returns the same truth, and callers test truth only)",
+    (
+        "statecore/managers/tiering.py",
+        "core/NumberReplacer",
+        "self._next_job_id = 0",
+    ): "tier job ids are opaque tokens a tier echoes back: only their uniqueness matters",
+    (
+        "statecore/managers/tiering.py",
+        "core/NumberReplacer",
+        "self._next_job_id += 1",
+        "self._next_job_id += 2",
+    ): "tier job ids are opaque tokens a tier echoes back: stepping by 2 keeps them unique",
+    (
+        "statecore/managers/tiering.py",
+        "core/ReplaceComparisonOperator_Gt_NotEq",
+        "or self._num_pending_promotions > 0",
+    ): "the pending-promotion count only grows by one or is reset to 0: never negative",
 }
 """Mutants judged equivalent, with a one-line reason each (skipped and reported apart)."""
 
