@@ -422,10 +422,10 @@ for the coverage run), no example database (a mutant's failing example must not 
 against the next one), the ``dev`` profile's example count."""
 
 CLI_KILLERS: tuple[tuple[str, ...], ...] = (
-    ("check", "--scope", "one", "--time-limit", "8", "--no-liveness"),
-    ("fuzz", "--seconds", "3", "--seed", "1"),
-    ("fuzz", "--seconds", "3", "--seed", "1", "--manager", "tiering"),
-    ("fuzz", "--seconds", "3", "--seed", "1", "--manager", "arc"),
+    ("check", "--scope", "one", "--time-limit", "5", "--no-liveness"),
+    ("fuzz", "--seconds", "2", "--seed", "1"),
+    ("fuzz", "--seconds", "2", "--seed", "1", "--manager", "tiering"),
+    ("fuzz", "--seconds", "2", "--seed", "1", "--manager", "arc"),
 )
 """The ``statecore`` commands run after the tests, as pseudo-tests named ``statecore ...``."""
 
