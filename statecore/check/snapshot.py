@@ -14,7 +14,9 @@ from __future__ import annotations
 import copyreg
 import enum
 import io
+import operator
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 from statecore.check.model import Scope
@@ -71,14 +73,29 @@ def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
 _SLOTS: dict[type, tuple[str, ...]] = {}
 
 
+# one C-level getter per class: every slot's value as a tuple
+_GETTERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+
+
 def _reduce_slotted(obj: Any) -> tuple[Any, ...]:
     cls = type(obj)
-    return (_rebuild, (cls, tuple(getattr(obj, n, _UNSET) for n in _SLOTS[cls])))
+    try:
+        values = _GETTERS[cls](obj)
+    except AttributeError:  # a slot left unset
+        values = tuple(getattr(obj, n, _UNSET) for n in _SLOTS[cls])
+    return (_rebuild, (cls, values))
 
 
 def _reduce_by_constructor(obj: Any) -> tuple[Any, ...]:
     cls = type(obj)
-    return (cls, tuple(getattr(obj, n) for n in _SLOTS[cls]))
+    return (cls, _GETTERS[cls](obj))
+
+
+def _getter(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
+    get = operator.attrgetter(*names)
+    if len(names) == 1:
+        return lambda obj: (get(obj),)
+    return get
 
 
 def _empty_report(rank: int | None) -> WorkerMetadata:
@@ -115,6 +132,7 @@ for _cls in _SHARED_TYPES:
     _TABLE[_cls] = _reduce_shared
 for _cls in _SLOTTED_TYPES + _CONSTRUCTED_TYPES:
     _SLOTS[_cls] = tuple(n for c in _cls.__mro__ for n in c.__dict__.get("__slots__", ()))
+    _GETTERS[_cls] = _getter(_SLOTS[_cls])
     _TABLE[_cls] = _reduce_slotted if _cls in _SLOTTED_TYPES else _reduce_by_constructor
 _TABLE[WorkerMetadata] = _reduce_report
 
