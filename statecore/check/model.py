@@ -474,10 +474,15 @@ class World:
 
     def over_report(self, job_id: int) -> None:
         """A count-only report (no rank: a merged report, a legacy worker) claims one more
-        completion of a live job than it still waits for (a duplicate merged in)."""
-        self.faults += 1
+        completion of a live job than it still waits for (a duplicate merged in). It spends a
+        fault only when the scheduler applied it."""
         job = self.sched.jobs[job_id]
+        pending, failed = job.pending, job.failed
         self.feed(WorkerMetadata(completed={job_id: job.pending + 1}))
+        if self.sched.jobs.get(job_id) is not job or (job.pending, job.failed) != (pending, failed):
+            self.faults += 1  # the report counted: a fault of this trace
+        # else it was rejected whole and changed nothing (but counters): spending the fault
+        # budget on it would only make a twin of the state it came from
 
     def jump(self) -> None:
         """The clock passes the stall timeout; the stall check runs."""
