@@ -371,6 +371,11 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ): "guards is non-empty here: `<= 1` is `== 1`, `< 1` only skips the one-guard shortcut "
     "(the wrapper returns the same truth, and callers test truth only)",
     (
+        "statecore/worker.py",
+        "core/ReplaceTrueWithFalse",
+        "len(c) // (p * blocks_per_chunk) for c, p in zip(self.cpu, page_bytes, strict=True)",
+    ): "the constructor refuses len(cpu) != len(page_bytes) a few lines above",
+    (
         "statecore/managers/tiering.py",
         "core/NumberReplacer",
         "self._next_job_id = 0",

@@ -1,12 +1,25 @@
-"""Worker behaviour a sampled mutation run found unasserted (issue 18): the range check of a
-transfer's ids names exactly the offending ids, so a report points at the bad entries."""
+"""Worker behaviour sampled mutation runs found unasserted (issue 18): the range check of a
+transfer's ids names exactly the offending ids, and the step protocol's edges (flushes, jobs
+submitted twice, shutdown with jobs still running, what the memory backend reports)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import pytest
+from worker_harness import simple_mapping
 
 from statecore.errors import SpecError
-from statecore.worker import validate_ids
+from statecore.manager import CPULoadStoreSpec
+from statecore.pool import CPUPool
+from statecore.wire import ConnectorMetadata, TransferJob
+from statecore.worker import (
+    MemoryBackend,
+    OffloadingWorker,
+    TransferResult,
+    job_specs,
+    validate_ids,
+)
 
 
 @pytest.mark.parametrize(
@@ -29,3 +42,81 @@ def test_validate_ids_names_exactly_the_bad_ids(
 def test_validate_ids_accepts_the_edges() -> None:
     validate_ids([0, 8], [0, 3], 9, 4)
     validate_ids([], [], 0, 0)
+
+
+# -- the step protocol's edges (seed 1801 survivors) ---------------------------------------------
+
+PAGE = 64
+
+
+def _backend(auto: bool = True, cls: type[MemoryBackend] = MemoryBackend) -> MemoryBackend:
+    pool = CPUPool(8, [PAGE, 2 * PAGE])
+    return cls(
+        [PAGE, 2 * PAGE],
+        16,
+        [pool.region(0), pool.region(1)],
+        1,
+        group_tensors=[[0], [1]],
+        auto_progress=auto,
+    )
+
+
+def _meta(
+    loads: dict[int, TransferJob] | None = None,
+    stores: dict[int, TransferJob] | None = None,
+    flush: frozenset[int] = frozenset(),
+) -> ConnectorMetadata:
+    return ConnectorMetadata(dict(loads or {}), dict(stores or {}), flush)
+
+
+def test_a_job_with_a_wrong_side_names_its_direction() -> None:
+    job = TransferJob("r", CPULoadStoreSpec((1,)), CPULoadStoreSpec((1,)))
+    with pytest.raises(SpecError, match=r"^store of request 'r': GPU side is CPULoadStoreSpec"):
+        job_specs(job, True)
+    with pytest.raises(SpecError, match=r"^load of request 'r': GPU side is CPULoadStoreSpec"):
+        job_specs(job, False)
+
+
+def test_end_step_queues_the_stores_after_one_a_flush_pulled_forward() -> None:
+    w = OffloadingWorker(_backend(auto=False))
+    first = simple_mapping([1], [1], 2).store()
+    second = simple_mapping([2], [2], 2).store()
+    m = _meta(stores={4: first, 5: second}, flush=frozenset({4}))
+    w.start_step(m)  # job 4 is pulled forward by the flush
+    w.end_step(m)
+    assert w.deferred == (5,)
+
+
+def test_a_job_submitted_twice_is_counted_and_runs_once() -> None:
+    be = _backend(auto=False)
+    w = OffloadingWorker(be)
+    load = simple_mapping([1], [1], 2).load()
+    w.start_step(_meta(loads={1: load}))
+    w.start_step(_meta(loads={1: load}))
+    assert w.ignored_results == 1 and w.in_flight == {1}
+    be.progress()
+    assert w.build_worker_metadata().completed == {1: 1}
+
+
+class _StuckBackend(MemoryBackend):
+    """A backend whose ``wait`` returns with the jobs still running."""
+
+    def wait(self, job_ids: Collection[int]) -> None:
+        return None
+
+
+def test_shutdown_fails_the_jobs_the_backend_could_not_finish() -> None:
+    w = OffloadingWorker(_backend(auto=False, cls=_StuckBackend))
+    w.start_step(_meta(loads={1: simple_mapping([1], [1], 2).load()}))
+    w.shutdown()
+    rep = w.build_worker_metadata()
+    assert rep.failed == {1: 1} and rep.completed == {}
+    assert w.in_flight == frozenset()
+
+
+def test_memory_backend_reports_bytes_moved_and_no_transfer_time() -> None:
+    # in-memory copies are not timed: a made-up duration would fake a throughput figure
+    be = _backend(auto=False)
+    be.submit(3, simple_mapping([5], [2], 2).load(), False)
+    be.progress()
+    assert be.poll() == [TransferResult(3, True, PAGE, 0.0, False)]
