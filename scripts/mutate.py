@@ -148,6 +148,24 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     # issue 18, found by exhaustive site runs over scheduler, kernels and policies
     (
         "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "self.skip = 0",
+        "self.skip = -1",
+    ): "skip is only read through max(cursor, skip) with cursor >= 0: -1 behaves as 0",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "self.store_floor = 0",
+        "self.store_floor = 1",
+    ): "a floor of 1 only skips steps with no offloadable token, where nothing is storable",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "self.store_cap = 1 << 62",
+        "self.store_cap = 1 << 61",
+    ): "any cap above every possible token count",
+    (
+        "statecore/scheduler.py",
         "core/ReplaceTrueWithFalse",
         "for gs, adm, ids in zip(rec.groups, admitted, new_ids, strict=True):",
     ): "one allocated list and one scheduled list per group, both validated to the group count",

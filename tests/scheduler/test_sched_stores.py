@@ -299,3 +299,14 @@ def test_request_level_store_without_an_allocation_starts_at_chunk_0() -> None:
     h.step([ScheduledRequest("a", (tuple(h.alloc(2)),), 8)], new=["a"])
     keys = h.sched.request_keys("a")[0]
     assert [c.keys for c in fake.methods("prepare_store")] == [tuple(keys[:2])]
+
+
+def test_request_of_one_chunk_stores_and_hits_it(kind: str) -> None:
+    """The smallest request that has a key: one block hash, one chunk."""
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(4)))
+    (job,) = prefill(h, "a")
+    assert len(h.sched.jobs[job].keys) == 1
+    h.report([job])
+    b = h.add("b", list(range(4)) + [9])
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (4, True)
