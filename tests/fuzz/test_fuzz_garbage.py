@@ -62,6 +62,9 @@ NC_BAD: list[Any] = [*INT_BAD, 2**70]
 ID_BAD: list[Any] = [None, 5, 1.5, b"id", FOREIGN, ["r"], math.nan]
 HASHES_BAD: list[Any] = [None, 5, 1.5, "abc", FOREIGN, math.nan]
 FLAG_BAD: list[Any] = [None, "yes", 1, 0, 1.5, FOREIGN]
+WRONG_GROUP_COUNT: Any = [[1], [2]]
+"""Stands for one block list more than the stack has KV-cache groups (made at draw time: the
+stack's groups are hybrid, so two lists can be a valid shape)."""
 BLOCKS_BAD: list[Any] = [
     None,
     5,
@@ -70,7 +73,7 @@ BLOCKS_BAD: list[Any] = [
     [[None]],
     [[1.5]],
     [[-1]],
-    [[1], [2]],
+    WRONG_GROUP_COUNT,
     [FOREIGN],
     [[FOREIGN]],
     [["3"]],
@@ -217,6 +220,8 @@ class GarbageMachine(StackMachine):
         elif hook == 4 and real is not None:
             if draw(st.booleans()):
                 blocks = draw(st.sampled_from(BLOCKS_BAD))
+                if blocks is WRONG_GROUP_COUNT:
+                    blocks = [[1 + g] for g in range(len(s.config.groups) + 1)]
                 self._reject(
                     "update_state_after_alloc(block_ids)",
                     lambda: s.update_state_after_alloc(real, blocks, 0),
