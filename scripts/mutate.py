@@ -149,6 +149,38 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     (
         "statecore/scheduler.py",
         "core/NumberReplacer",
+        "allocated.discard(0)  # the null block is never handed to an owner",
+    ): "block 0 is never in the fence index nor in the window index: keeping it changes nothing",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceComparisonOperator_Eq_Lt",
+        "if hits == 0:",
+    ): "an early out: with hits == 0 the cap drops to the computed tokens and the next pass"
+    " returns 0 from its empty range",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceComparisonOperator_Eq_LtE",
+        "if hits == 0:",
+    ): "hits is never negative: <= 0 is == 0",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceComparisonOperator_Eq_LtE",
+        "if bpc == 1:",
+    ): "blocks_per_chunk >= 1 (config): <= 1 is == 1",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceAndWithOr",
+        "if not job.deferred_registered and job.deferred_fence:",
+    ): "fence_add of no blocks does nothing, and adding a job to a block's set twice is a no-op",
+    (
+        "statecore/scheduler.py",
+        "core/AddNot",
+        "if not self._sliding[g]:",
+    ): "full-attention blocks are never in the window index; a released request's sliding"
+    " entries left there only zero positions of its own dropped lists",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
         "self.skip = 0",
         "self.skip = -1",
     ): "skip is only read through max(cursor, skip) with cursor >= 0: -1 behaves as 0",
