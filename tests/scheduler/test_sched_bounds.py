@@ -130,3 +130,23 @@ def test_lookup_asks_the_wider_sliding_window_first() -> None:
     for i in range(6):
         fake.lookup_override[wide[i]] = LookupResult.HIT  # chunks 6 and 7: miss
     assert h.sched.get_num_new_matched_tokens(b, 0) == (24, True)
+
+
+def test_lookup_runs_until_no_group_lowers_the_hit_any_more() -> None:
+    """The wide window (asked first) covers 8 chunks; the narrow one then caps the hit at 6;
+    asked again below that cap, the wide one finds no full window (chunk 2 misses) and only a
+    leading run of 2 chunks: the lookup answers 8 tokens, not 24."""
+    cfg = SchedulerConfig(
+        groups=(GroupConfig(4, sliding_window=8), GroupConfig(4, sliding_window=16))
+    )
+    fake = RecordingManager()
+    h = Harness(fake, cfg)
+    b = h.add("b", list(range(33)))
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (0, False)  # computes b's keys
+    narrow, wide = h.sched.request_keys("b")
+    for i in range(8):
+        if i != 2:
+            fake.lookup_override[wide[i]] = LookupResult.HIT
+        if i < 6:
+            fake.lookup_override[narrow[i]] = LookupResult.HIT
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (8, True)

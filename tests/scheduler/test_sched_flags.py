@@ -22,7 +22,9 @@ from statecore import (
     InvalidMetadataError,
     InvariantViolation,
     OffloadingScheduler,
+    Request,
     SchedulerCounters,
+    WorkerMetadata,
 )
 from statecore.errors import ManagerError, StatecoreError, UnknownKeyError
 
@@ -104,3 +106,34 @@ def test_lookup_with_computed_tokens_out_of_range_is_refused(kind: str, computed
         h.sched.get_num_new_matched_tokens(a, computed)
     assert h.sched.counters.lookups == 0  # nothing changed
     assert h.sched.get_num_new_matched_tokens(a, 16) == (0, False)  # the bound itself is valid
+
+
+def test_load_completes_without_prefix_caching(kind: str) -> None:
+    h = Harness(make_manager(kind), config(enable_prefix_caching=False))
+    offloaded(h, "a", list(range(16)))
+    load = admit_with_load(h, "b", list(range(16)) + [1, 2, 3, 4], 16)
+    assert h.sched.loading_keys is None
+    assert h.report([load]).finished_loads == {"b"}
+    assert h.sched.counters.jobs_completed == 2
+
+
+def test_rank_report_after_a_count_only_one_counts_its_excess(kind: str) -> None:
+    """Two workers: one reports without ranks, then a rank-tagged report names both ranks.
+    The job completes with the one report it still waited for; the extra one is counted."""
+    h = Harness(make_manager(kind), config(workers=2))
+    h.add("a", list(range(8)))
+    (job,) = prefill(h, "a")
+    h.sched.update_connector_output(WorkerMetadata(completed={job: 1}))
+    assert h.sched.jobs[job].pending == 1
+    h.sched.update_connector_output(WorkerMetadata(completed={job: 2}, completed_ranks={job: 0b11}))
+    assert job not in h.sched.jobs
+    c = h.sched.counters
+    assert (c.over_reports, c.jobs_completed, c.duplicate_reports) == (1, 1, 0)
+
+
+def test_allocation_for_a_request_id_that_is_not_a_string_is_refused(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(8)))
+    ghost = Request(5, num_prompt_tokens=8, num_tokens=8, block_hashes=[])  # type: ignore[arg-type]
+    with pytest.raises(InvalidMetadataError, match="request_id"):
+        h.sched.update_state_after_alloc(ghost, [[1, 2]], 0)
