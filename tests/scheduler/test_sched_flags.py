@@ -137,3 +137,15 @@ def test_allocation_for_a_request_id_that_is_not_a_string_is_refused(kind: str) 
     ghost = Request(5, num_prompt_tokens=8, num_tokens=8, block_hashes=[])  # type: ignore[arg-type]
     with pytest.raises(InvalidMetadataError, match="request_id"):
         h.sched.update_state_after_alloc(ghost, [[1, 2]], 0)
+
+
+def test_block_hash_turned_bad_after_validation_is_counted_and_keeps_the_keys(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    a = h.add("a", list(range(8)))
+    h.admit("a")
+    keys = h.sched.request_keys("a")
+    a.block_hashes.append(12345)  # type: ignore[arg-type]  # the engine's view turned bad
+    a.num_tokens = a.num_prompt_tokens = 12
+    h.step([h.schedule("a", 12)], new=["a"])
+    assert h.sched.counters.invalid_request_views == 1
+    assert h.sched.request_keys("a") == keys  # no key from the bad hash, none lost

@@ -310,3 +310,18 @@ def test_request_of_one_chunk_stores_and_hits_it(kind: str) -> None:
     h.report([job])
     b = h.add("b", list(range(4)) + [9])
     assert h.sched.get_num_new_matched_tokens(b, 0) == (4, True)
+
+
+def test_chunk_level_policy_never_offers_the_loaded_chunks_again() -> None:
+    fake = RecordingManager()  # chunk-level
+    h = Harness(fake, config())
+    h.add("a", list(range(8)))
+    h.report(list(prefill(h, "a")))
+    h.add("b", list(range(12)) + [1])
+    assert h.admit("b") == (8, True)
+    (load,) = h.step().load_jobs
+    h.report([load])
+    h.reqs["b"].num_computed_tokens = 8
+    h.step([h.schedule("b", 5)])
+    offered = [c.keys for c in fake.methods("prepare_store") if c.req_id == "b"]
+    assert offered == [(h.sched.request_keys("b")[0][2],)]  # chunk 2 only, never 0 and 1
