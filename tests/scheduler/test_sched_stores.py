@@ -325,3 +325,16 @@ def test_chunk_level_policy_never_offers_the_loaded_chunks_again() -> None:
     h.step([h.schedule("b", 5)])
     offered = [c.keys for c in fake.methods("prepare_store") if c.req_id == "b"]
     assert offered == [(h.sched.request_keys("b")[0][2],)]  # chunk 2 only, never 0 and 1
+
+
+def test_load_into_an_all_null_sliding_window_list_writes_no_sliding_block(kind: str) -> None:
+    h = Harness(make_manager(kind), config(sliding=8))
+    h.add("a", list(range(32)))
+    h.report(list(prefill(h, "a")))
+    b = h.add("b", list(range(32)) + [3, 3, 3, 3])
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (32, True)
+    full = h.alloc(8)
+    h.sched.update_state_after_alloc(b, [full, [0] * 8], 32)
+    (load,) = h.step().load_jobs.values()
+    dst = load.dst  # type: ignore[attr-defined]
+    assert (list(dst.block_ids), dst.group_sizes) == (full, (8, 0))
