@@ -371,7 +371,9 @@ INVARIANTS: dict[str, Invariant] = {
             (
                 "conformance",
                 "CrossHair",
-                "simulator, fuzzing and statecore check (every prepare_store)",
+                "simulator (every prepare_store)",
+                "fuzzing",
+                "statecore check (every prepare_store)",
             ),
         ),
         Invariant(
