@@ -149,6 +149,22 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     (
         "statecore/scheduler.py",
         "core/NumberReplacer",
+        "self._stale_threshold = 0",
+        "self._stale_threshold = -1",
+    ): "a negative job id is classified unknown before the threshold is read: -1 acts as 0",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "key=lambda g: -(self._window[g] or 0),",
+    ): "only sliding groups are sorted and their window is never None: the fallback never runs",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceComparisonOperator_Is_Eq",
+        "rec = self._reqs.get(req_id) if type(req_id) is str else None",
+    ): "type(x) == str and type(x) is str agree (type objects compare by identity)",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
         "allocated.discard(0)  # the null block is never handed to an owner",
     ): "block 0 is never in the fence index nor in the window index: keeping it changes nothing",
     (

@@ -149,3 +149,13 @@ def test_block_hash_turned_bad_after_validation_is_counted_and_keeps_the_keys(ki
     h.step([h.schedule("a", 12)], new=["a"])
     assert h.sched.counters.invalid_request_views == 1
     assert h.sched.request_keys("a") == keys  # no key from the bad hash, none lost
+
+
+def test_job_ids_start_at_0_and_a_report_for_an_unissued_id_is_unknown(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    assert h.sched.next_job_id == 0
+    h.sched.update_connector_output(WorkerMetadata(completed={0: 1}))  # nothing issued yet
+    c = h.sched.counters
+    assert (c.unknown_reports, c.duplicate_reports) == (1, 0)
+    h.add("a", list(range(8)))
+    assert list(prefill(h, "a")) == [0]
