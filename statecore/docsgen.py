@@ -196,6 +196,12 @@ CHECK_MECHANISMS: dict[str, str] = {
         "what was stored (byte oracle), bounds how long a request may wait (hung requests) "
         "and looks for leaked state after the drain."
     ),
+    "statecore check": (
+        "`statecore check` explores every interleaving of the engine's, the workers' and the "
+        "clock's actions within a small scope (breadth-first, each distinct state once) and "
+        "evaluates the invariant at every state it reaches; a violation is a shortest trace, "
+        "written as a replayable pytest file (see the Model checking page)."
+    ),
     "lifecycle table": (
         "Structural: the lifecycle machines do not accept the event that would break it "
         "(a rejected event raises `LifecycleError` with the state unchanged)."
