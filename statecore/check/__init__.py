@@ -4,7 +4,9 @@ Random fuzzing samples interleavings; this package enumerates them. A :class:`Sc
 small world (requests whose prompts share prefixes, worker ranks, KV-cache groups, GPU blocks,
 CPU slots, a depth bound and fault budgets); :func:`explore` applies every move of the
 environment (engine, workers, clock, operator) to every reachable state breadth-first, driving
-the production scheduler, CPU manager and workers (:mod:`statecore.check.model`), and checks
+the production scheduler, CPU manager and workers (:mod:`statecore.check.model`; in the shared
+scopes also the tiering manager and the Redis tier on a server double,
+:mod:`statecore.check.shared`), and checks
 every state: errors raised into the engine, an abstract byte model (INV-DATA), every ``INV-*``
 predicate, and bounded liveness. The first violation has a shortest trace; it is printed with
 the state diff of each step and can be written as a pytest file that replays it

@@ -37,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list", action="store_true", help="list the scopes and exit")
     p.add_argument("--depth", type=int_range(0), help="override the depth bound of the scope(s)")
     p.add_argument(
-        "--mutant", help="apply a seeded mutant of tests/mutants/catalogue.py while exploring"
+        "--mutant",
+        help="apply a seeded mutant of tests/mutants/catalogue.py (MUTANTS or REDIS_MUTANTS) "
+        "while exploring",
     )
     p.add_argument("--no-liveness", action="store_true", help="skip the bounded liveness check")
     p.add_argument(
@@ -72,7 +74,7 @@ def mutant_applied(name: str | None) -> Iterator[None]:
         raise SystemExit("statecore check: tests/mutants/catalogue.py not found")
     import catalogue  # type: ignore[import-not-found]
 
-    mutants: dict[str, Any] = catalogue.MUTANTS
+    mutants: dict[str, Any] = {**catalogue.MUTANTS, **getattr(catalogue, "REDIS_MUTANTS", {})}
     if name not in mutants:
         raise SystemExit(f"statecore check: unknown mutant {name!r}; known: {sorted(mutants)}")
     with mutants[name].apply():

@@ -22,6 +22,16 @@ The environment's moves are :data:`Action` tuples, applied by :meth:`World.apply
 * ``("jump",)``: the clock passes the stall timeout and the stall check runs;
   ``("reset",)``: the operator calls ``reset_cache``.
 
+A scope with ``redis=True`` (one worker) puts the real tiering manager over the CPU tier with
+the real :class:`~statecore.managers.redistier.RedisTier` below it, on a server double
+(:mod:`statecore.check.shared`); the CPU tier's labels then live in pool rows that the tier
+copies. Its moves: ``("down",)`` / ``("up",)`` (the server refuses connections, or is back),
+``("corrupt", i)`` / ``("evict", i)`` (the value of the first prompt's chunk ``i`` is damaged or
+gone), ``("peer", i)`` / ``("foreign", i)`` (another engine of the same layout, or of another
+layout whose bytes carry the label ``foreign:`` + key, stores that chunk on the server).
+Down, corrupt and evict are faults. The fault-free continuation never brings the server back:
+with the server down, every request must still finish (lookups answer MISS).
+
 The abstract byte model: every GPU block and CPU slot of every rank holds a *label* (the
 offload key of the chunk whose KV it holds, a partial-block label, :data:`GARBAGE` or empty).
 Compute writes labels, transfers copy them (through the worker's own block-mapping arithmetic,
@@ -46,15 +56,21 @@ behaviour.
 from __future__ import annotations
 
 import importlib
+import zlib
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from statecore.check.shared import FOREIGN, LabelPool, ServerDouble
 from statecore.config import GroupConfig, SchedulerConfig
 from statecore.errors import StatecoreError
-from statecore.keys import make_offload_key
+from statecore.keys import OffloadKey, make_offload_key
 from statecore.manager import CPULoadStoreSpec, OffloadPolicy
 from statecore.managers.cpu import CPUOffloadingManager
+from statecore.managers.filetier import InlineExecutor
+from statecore.managers.redistier import RedisTier, RedisTierConfig, TierLayout
+from statecore.managers.tiering import TieringOffloadingManager
 from statecore.scheduler import OffloadingScheduler
 from statecore.sim.engine import ObservedManager
 from statecore.sim.hashing import ROOT_HASH, chain_hash, extend_block_hashes
@@ -127,6 +143,7 @@ class Scope:
     max_resets: int = 1
     foreign: tuple[int, ...] = ()
     free_order: str = "lifo"
+    redis: bool = False
     description: str = ""
 
     @property
@@ -147,6 +164,31 @@ class Scope:
             stall_timeout_s=10.0,
             stall_check_interval_s=1.0,
         )
+
+
+_LAYOUT = TierLayout("statecore-check", "f16", (2, 2, 1, 1), 1)
+"""The layout of the world's engine (and of its peer of the same layout)."""
+
+_OTHER_LAYOUT = TierLayout("statecore-check", "bf16", (2, 2, 1, 1), 1)
+"""The layout of the peer engine whose bytes are not interchangeable with the world's."""
+
+_INLINE = InlineExecutor()
+
+_TIER_CONFIGS: dict[TierLayout, RedisTierConfig] = {}
+
+
+def _tier_config(layout: TierLayout) -> RedisTierConfig:
+    """The shared tier's configuration for ``layout``: lookup answers trusted for two engine
+    steps (the default 32 would only multiply the states by the answers' ages)."""
+    cfg = _TIER_CONFIGS.get(layout)
+    if cfg is None:
+        cfg = _TIER_CONFIGS[layout] = RedisTierConfig(
+            url="redis://server-double", layout=layout, prefix="check", lookup_ttl_steps=2
+        )
+    return cfg
+
+
+_SERVER_ACTIONS = frozenset(("down", "up", "corrupt", "evict", "peer", "foreign"))
 
 
 class Clock:
@@ -287,9 +329,17 @@ class World:
         )
         self.clock = Clock()
         self.manager = CPUOffloadingManager(scope.cpu_slots, "lru")
+        self.top: Any = self.manager  # what the scheduler drives (under the observer)
+        self.tiering: TieringOffloadingManager | None = None
+        self.tier: RedisTier | None = None
+        self.server: ServerDouble | None = None
+        self.peer_keys: tuple[OffloadKey, ...] = ()
+        cpu0: list[bytes] | LabelPool | None = None
+        if scope.redis:
+            cpu0 = self._shared_tier(scope)
         # the simulator's observer of the manager: INV-EVICT on every prepare_store, the keys
         # the stack knows of (INV-STORE-COMPLETE); snapshots copy it with the world
-        self.observed = ObservedManager(self.manager)
+        self.observed = ObservedManager(self.top)
         self.sched = OffloadingScheduler(
             cfg,
             self.observed,  # type: ignore[arg-type]
@@ -298,7 +348,9 @@ class World:
         )
         n_blocks = scope.gpu_blocks + 1
         self.gpu: list[list[bytes]] = [[b""] * n_blocks for _ in range(scope.workers)]
-        self.cpu: list[list[bytes]] = [[b""] * scope.cpu_slots for _ in range(scope.workers)]
+        self.cpu: list[Any] = [[b""] * scope.cpu_slots for _ in range(scope.workers)]
+        if cpu0 is not None:
+            self.cpu[0] = cpu0
         self.backends = [LabelBackend(self.gpu[r], self.cpu[r]) for r in range(scope.workers)]
         self.workers = [OffloadingWorker(b, rank=r) for r, b in enumerate(self.backends)]
         self.reqs = [
@@ -328,6 +380,45 @@ class World:
         self.faults = 0
         self.resets = 0
         self.errors: list[str] = []
+
+    def _shared_tier(self, scope: Scope) -> LabelPool:
+        """The tiering manager, the RedisTier and its server double (scope ``redis``)."""
+        if scope.workers != 1:
+            raise ValueError(f"scope {scope.name}: a shared tier needs exactly one worker")
+        first = EngineRequest(0, scope.prompts[0], self.tpb, 1)
+        self.peer_keys = tuple(
+            make_offload_key(h, 0) for h in first.req.block_hashes[: len(first.tokens) // self.tpb]
+        )
+        width = 1 + len(FOREIGN) + len(self.peer_keys[0])
+        pool = LabelPool(scope.cpu_slots, width)
+        self.server = ServerDouble()
+        self.tier = RedisTier(
+            _tier_config(_LAYOUT), pool, executor=_INLINE, client=self.server, name="redis"
+        )
+        self.tiering = TieringOffloadingManager(self.manager, [self.tier])
+        self.top = self.tiering
+        return pool
+
+    def _pool(self) -> LabelPool:
+        pool = self.cpu[0]
+        if not isinstance(pool, LabelPool):
+            raise ValueError(f"scope {self.scope.name} has no shared tier")
+        return pool
+
+    def _peer_namespace(self, layout: TierLayout) -> bytes:
+        """The key namespace of a peer engine of ``layout`` (as its own RedisTier names it)."""
+        tier = RedisTier(_tier_config(layout), self._pool(), executor=_INLINE, client=self.server)
+        return tier.namespace
+
+    def peer_store(self, layout: TierLayout, i: int) -> None:
+        """Another engine of ``layout`` (its own RedisTier, same server) stores chunk ``i`` of
+        the first prompt; an engine of another layout holds other bytes (``foreign:`` + key)."""
+        key = self.peer_keys[i]
+        pool = LabelPool(1, self._pool().width)
+        pool[0] = key if layout is _LAYOUT else FOREIGN + key
+        peer = RedisTier(_tier_config(layout), pool, executor=_INLINE, client=self.server)
+        peer.submit_store(0, [key], [0])
+        peer.get_finished()
 
     # -- labels ---------------------------------------------------------------------------------
 
@@ -398,6 +489,34 @@ class World:
                 out.append(("dup", *rep))
             for job_id in s.jobs:
                 out.append(("over", job_id))
+        if self.server is not None:
+            out += self._server_actions(faults_left)
+        return out
+
+    def _server_actions(self, faults_left: bool) -> list[Action]:
+        """The shared tier's environment: the server goes down or comes back, a value is
+        corrupted or evicted, a peer engine (same layout, or another) stores one of the first
+        prompt's chunks. A store that would change nothing (the value is there, the server is
+        down) is not offered."""
+        srv, tier = self.server, self.tier
+        if srv is None or tier is None:
+            return []
+        out: list[Action] = []
+        if srv.down:
+            out.append(("up",))
+        elif faults_left:
+            out.append(("down",))
+        data = srv.data
+        ours = tier.namespace
+        other = self._peer_namespace(_OTHER_LAYOUT)
+        for i, key in enumerate(self.peer_keys):
+            if ours + key in data:
+                if faults_left:
+                    out += [("corrupt", i), ("evict", i)]
+            elif not srv.down:
+                out.append(("peer", i))
+            if not srv.down and other + key not in data:
+                out.append(("foreign", i))
         return out
 
     def apply(self, action: Action) -> None:
@@ -426,14 +545,29 @@ class World:
             self.feed(_report(rank, job_id, ok))
         elif kind == "over":
             self.over_report(action[1])
+        elif kind in _SERVER_ACTIONS and self.server is not None and self.tier is not None:
+            if kind == "down":
+                self.faults += 1
+                self.server.down = True
+            elif kind == "up":
+                self.server.down = False
+            elif kind in ("corrupt", "evict"):
+                self.faults += 1
+                rkey = self.tier.namespace + self.peer_keys[action[1]]
+                if kind == "corrupt":
+                    self.server.corrupt(rkey)
+                else:
+                    del self.server.data[rkey]
+            else:
+                self.peer_store(_LAYOUT if kind == "peer" else _OTHER_LAYOUT, action[1])
         else:
             raise ValueError(f"unknown action {action!r}")
         obs = self.observed
         if obs.violations:
             self.errors += obs.violations
             obs.violations.clear()
-        self.manager.take_events()  # events and allocation statistics would only grow
-        self.manager.get_stats()
+        self.top.take_events()  # events and allocation statistics would only grow
+        self.top.get_stats()
         self._prune_delivered()
 
     def _prune_delivered(self) -> None:
@@ -889,6 +1023,12 @@ class World:
         for rank, (w, be) in enumerate(zip(self.workers, self.backends, strict=True)):
             if w.deferred or w.in_flight or be.submitted:
                 return f"rank {rank} still has jobs {sorted(set(w.deferred) | set(be.submitted))}"
+        t = self.tiering
+        if t is not None:
+            if t.tracked_requests():
+                return f"the tiering manager still tracks {sorted(t.tracked_requests())}"
+            if t.in_flight_jobs():
+                return f"the tiering manager has {t.in_flight_jobs()} tier jobs in flight"
         return None
 
     # -- canonical form -------------------------------------------------------------------------
@@ -1031,7 +1171,57 @@ class World:
             self.faults,
             self.resets,
         )
-        return (sched_key, mgr_key, workers_key, engine_key)
+        if self.tiering is None:
+            return (sched_key, mgr_key, workers_key, engine_key)
+        return (sched_key, mgr_key, workers_key, engine_key, self._tier_key())
+
+    def _tier_key(self) -> tuple[Any, ...]:
+        """The shared tier's part of :meth:`key`: the server's values and state, the tiering
+        manager's jobs, promotions and requests, the RedisTier's lookup answers (their ages
+        capped where a lookup can no longer tell them apart), queries and jobs; the tiering
+        manager's job ids relative to its next one."""
+        t, tier, srv = self.tiering, self.tier, self.server
+        if t is None or tier is None or srv is None:
+            return ()
+        nxt = t._next_job_id
+        step = tier._step
+        cap = tier.config.lookup_ttl_steps + 1
+        return (
+            tuple(sorted(srv.data.items())),
+            srv.down,
+            tuple(
+                [
+                    (j - nxt, tj.tier, tj.keys, tj.is_promotion, tj.ctx.req_id)
+                    for j, tj in t._jobs.items()
+                ]
+            ),
+            tuple(
+                [
+                    tuple([(rid, tuple(p.keys), tuple(p.slots)) for rid, p in per.items()])
+                    for per in t._pending_promotions
+                ]
+            ),
+            t._polled_this_step,
+            tuple(sorted(t._hits_this_step)),
+            tuple(
+                [
+                    (rid, st.pending_primary_stores, st.is_finished, st.request_level_tiers)
+                    for rid, st in t._req_state.items()
+                ]
+            ),
+            tuple(sorted(t._finalized)),
+            tuple([(k, p, min(step - at, cap)) for k, (p, at) in tier._known.items()]),
+            tuple(tier._to_query),
+            tuple(sorted(tier._querying)),
+            tuple([(keys, _outcome(fut)) for keys, fut in tier._queries]),
+            tuple(sorted(tier._storing)),
+            tuple(
+                [
+                    (j - nxt, rj.is_store, rj.keys, rj.written, _outcome(rj.future))
+                    for j, rj in tier._jobs.items()
+                ]
+            ),
+        )
 
     def describe(self) -> dict[str, str]:
         """A readable summary, one entry per entity (for counterexample diffs)."""
@@ -1075,6 +1265,19 @@ class World:
             for slot, lab in enumerate(self.cpu[rank]):
                 if lab:
                     out[f"rank {rank} cpu slot {slot}"] = _label(lab)
+        if self.server is not None and self.tier is not None:
+            ours = self.tier.namespace
+            out["server"] = "down" if self.server.down else "up"
+            for rkey, value in self.server.data.items():
+                who = "ours" if rkey.startswith(ours) else "other layout"
+                out[f"server {_label(rkey[-len(self.peer_keys[0]) :])} ({who})"] = (
+                    f"{len(value)} bytes, crc {zlib.crc32(value):08x}"
+                )
+            for key, (present, at) in self.tier._known.items():
+                age = self.tier._step - at
+                out[f"redis answer {_label(key)}"] = (
+                    f"{'present' if present else 'absent'}, age {age}"
+                )
         out["clock"] = f"{self.clock.now:g}s"
         return out
 
@@ -1082,6 +1285,17 @@ class World:
 def _invariants() -> Any:
     """The invariant catalogue (specs/ is mapped into the package at build time)."""
     return importlib.import_module("statecore.specs.invariants")
+
+
+def _outcome(fut: Future[Any]) -> Any:
+    """A finished future as plain data: its result, or its exception's type."""
+    if not fut.done():
+        return None
+    exc = fut.exception()
+    if exc is not None:
+        return type(exc).__name__
+    result = fut.result()
+    return tuple(result) if isinstance(result, list) else result
 
 
 def _transfer_key(job: TransferJob) -> tuple[Any, ...]:
@@ -1112,12 +1326,12 @@ def _label(lab: bytes) -> str:
         return "empty"
     if lab == GARBAGE:
         return "GARBAGE"
-    partial = lab.startswith(b"partial:")
-    body = lab[8:] if partial else lab
+    prefix = lab[:8] if lab.startswith((b"partial:", FOREIGN)) else b""
+    body = lab[len(prefix) :]
     name = _NAMES.get(body)
     if name is None:
         name = _NAMES[body] = f"{body[:3].hex()}/g{int.from_bytes(body[-4:], 'big')}"
-    return ("partial " if partial else "") + name
+    return (prefix[:-1].decode() + " " if prefix else "") + name
 
 
 def format_action(action: Action) -> str:
@@ -1137,5 +1351,11 @@ def format_action(action: Action) -> str:
         "late": "rank {1} completes job {2}, the report arrives after the stall timeout",
         "dup": "rank {1}'s report for job {2} (ok={3}) is delivered again",
         "over": "a count-only report claims one more completion of job {1} than outstanding",
+        "down": "the shared tier's server goes down",
+        "up": "the shared tier's server comes back",
+        "corrupt": "a value on the server (chunk {1} of r0, our layout) is corrupted",
+        "evict": "the server evicts a value (chunk {1} of r0, our layout)",
+        "peer": "an engine of the same layout stores chunk {1} of r0 on the server",
+        "foreign": "an engine of another layout stores chunk {1} of r0 on the server",
     }.get(kind, repr(action))
     return text.format(*action)

@@ -100,6 +100,28 @@ SCOPES: dict[str, Scope] = {
             "the window while its request runs on) with vLLM's FIFO free-block queue",
         ),
         Scope(
+            "shared",
+            prompts=(_A,),
+            workers=1,
+            gpu_blocks=3,
+            cpu_slots=2,
+            depth=9,
+            redis=True,
+            description="one request over a shared Redis tier: the real tiering manager and "
+            "RedisTier on a server double that goes down, corrupts or evicts a value, and takes "
+            "chunks from engines of the same and of another layout",
+        ),
+        Scope(
+            "shared2",
+            prompts=(_A, _B),
+            workers=1,
+            gpu_blocks=3,
+            cpu_slots=2,
+            depth=8,
+            redis=True,
+            description="two requests sharing a chunk over the shared Redis tier",
+        ),
+        Scope(
             "swa2",
             prompts=(_A, _B),
             workers=2,

@@ -17,6 +17,7 @@ import io
 import operator
 import pickle
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from statecore.check.model import Scope
@@ -27,6 +28,7 @@ from statecore.manager import (
     TierFilter,
     TierMatcher,
 )
+from statecore.managers.redistier import RedisTierConfig, TierLayout
 from statecore.scheduler import SchedulerCounters, _StepBatch
 from statecore.views import Request
 from statecore.wire import (
@@ -109,7 +111,13 @@ def _reduce_report(obj: WorkerMetadata) -> tuple[Any, ...]:
 
 
 _TABLE: dict[type, Any] = copyreg.dispatch_table.copy()
-_SHARED_TYPES: tuple[type, ...] = (Scope, SchedulerConfig, GroupConfig)
+_SHARED_TYPES: tuple[type, ...] = (
+    Scope,
+    SchedulerConfig,
+    GroupConfig,
+    RedisTierConfig,
+    TierLayout,
+)
 # plain (not frozen) slotted dataclasses: rebuilt by their generated __init__
 _CONSTRUCTED_TYPES: tuple[type, ...] = (
     SchedulerCounters,
@@ -135,6 +143,27 @@ for _cls in _SLOTTED_TYPES + _CONSTRUCTED_TYPES:
     _GETTERS[_cls] = _getter(_SLOTS[_cls])
     _TABLE[_cls] = _reduce_slotted if _cls in _SLOTTED_TYPES else _reduce_by_constructor
 _TABLE[WorkerMetadata] = _reduce_report
+
+
+def _done_future(failed: bool, value: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
+    if failed:
+        fut.set_exception(value)
+    else:
+        fut.set_result(value)
+    return fut
+
+
+def _reduce_future(fut: Future[Any]) -> tuple[Any, ...]:
+    """A finished future (the shared tier runs its jobs inline) as its outcome; its lock and
+    condition are rebuilt, not copied."""
+    if not fut.done():
+        raise TypeError("statecore check snapshots only finished futures")
+    exc = fut.exception()
+    return (_done_future, (True, exc) if exc is not None else (False, fut.result()))
+
+
+_TABLE[Future] = _reduce_future
 
 
 def _enum_reducer(cls: type[enum.Enum]) -> None:
@@ -165,8 +194,10 @@ def register_enums(*classes: type[enum.Enum]) -> None:
 
 def _init() -> None:
     from statecore.manager import OffloadPolicy
+    from statecore.managers.filetier import InlineExecutor
 
     register_enums(OffloadPolicy)
+    _TABLE[InlineExecutor] = _reduce_shared  # stateless
 
 
 _init()

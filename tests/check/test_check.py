@@ -1,8 +1,9 @@
 """``statecore check``: the explorer has teeth, and the unmodified stack passes.
 
-* every seeded mutant of ``tests/mutants/catalogue.py`` is found by the smallest shipped scope
-  that can express it (``MUTANT_SCOPES``; one worker and full attention unless named), and its
-  shortest counterexample, written as a pytest file, replays it;
+* every seeded mutant of ``tests/mutants/catalogue.py`` (``MUTANTS`` and ``REDIS_MUTANTS``) is
+  found by the smallest shipped scope that can express it (``MUTANT_SCOPES``; one worker and
+  full attention unless named), and its shortest counterexample, written as a pytest file,
+  replays it;
 * the unmodified code passes the same scopes at the same depth;
 * the canonical state form identifies what it should (job ids renamed) and nothing more;
 * snapshots restore the exact state; the fault-free continuation quiesces.
@@ -23,11 +24,15 @@ import pytest
 from statecore.check import SCOPES, explore, format_counterexample, pytest_source, replay, snapshot
 from statecore.check.cli import main as check_main
 from statecore.check.explore import continuation
-from statecore.check.model import World
+from statecore.check.model import GARBAGE, RUNNING, World
+from statecore.check.shared import LabelPool
 from statecore.scheduler import OffloadingScheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mutants"))
-from catalogue import MUTANTS
+from catalogue import MUTANTS, REDIS_MUTANTS
+
+ALL_MUTANTS = {**MUTANTS, **REDIS_MUTANTS}
+"""The catalogue's mutants and the Redis tier's (found in the scope with the shared tier)."""
 
 TEST_DEPTH = {
     "one": 7,
@@ -38,6 +43,7 @@ TEST_DEPTH = {
     "two": 6,
     "swa": 6,
     "window": 6,
+    "shared": 6,
 }
 """Depth of each scope in this file (the shipped depth is larger)."""
 
@@ -46,6 +52,7 @@ MUTANT_DEPTH = {
     "async_load_allocation_not_fenced": 7,
     "preempt_keeps_block_lists": 8,  # a 12-action trace, met on a continuation from depth 8
     "stale_window_block_stored": 7,
+    "redis_decode_unverified": 7,
 }
 """Mutants whose shortest trace needs a deeper search than :data:`TEST_DEPTH`."""
 
@@ -63,6 +70,9 @@ MUTANT_SCOPES = {
     "over_report_completes_job": "one",
     "evicts_offered_key": "pair",
     "final_store_never_built": "pair",
+    "redis_unreadable_keeps_answer": "shared",
+    "redis_decode_unverified": "shared",
+    "redis_namespace_without_layout": "shared",
 }
 """The smallest scope that can express a mutant, where known and not ``one``; a mutant not
 listed is looked for in every scope of :data:`SCOPE_ORDER` in turn."""
@@ -113,14 +123,14 @@ def test_unmodified_stack_passes(name: str) -> None:
     assert res.complete and res.states > least and res.depth == TEST_DEPTH[name]
 
 
-@pytest.mark.parametrize("name", sorted(MUTANTS))
+@pytest.mark.parametrize("name", sorted(ALL_MUTANTS))
 def test_mutant_found_and_replayed(name: str, tmp_path: Path) -> None:
     """The smallest scope finds the mutant; the counterexample file replays it."""
     order = (MUTANT_SCOPES[name],) if name in MUTANT_SCOPES else SCOPE_ORDER
     depth = dict(TEST_DEPTH)
     if name in MUTANT_DEPTH:
         depth[order[0]] = MUTANT_DEPTH[name]
-    with MUTANTS[name].apply():
+    with ALL_MUTANTS[name].apply():
         for scope_name in order:
             scope = dataclasses.replace(SCOPES[scope_name], depth=depth[scope_name])
             res = explore(scope)
@@ -222,3 +232,29 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     assert rc == 1 and "violation" in out and "  1. request r0 arrives" in out
     assert (tmp_path / "test_check_one_fence_index_not_consulted.py").is_file()
+
+
+def test_shared_tier_world() -> None:
+    """Scope ``shared``: the pool rows encode the labels the RedisTier copies; a snapshot keeps
+    the pool, the tier and the server double together; a server that is down answers MISS
+    (the request computes), and a promotion delivers the label the server's value encodes."""
+    scope = SCOPES["shared"]
+    w, violation, _ = replay(scope, [("peer", 0), ("arrive", 0), ("step",), ("step",)])
+    assert violation is None, violation
+    pool = w.cpu[0]
+    assert isinstance(pool, LabelPool) and w.tier is not None and w.tier.pool is pool
+    assert w.peer_keys[0] in list(pool)  # promoted: the slot holds the chunk of its key
+    restored = snapshot.loads(snapshot.dumps(w))
+    assert restored.key() == w.key()
+    assert restored.tier is not None and restored.tier.pool is restored.cpu[0]
+    assert restored.backends[0].cpu is restored.cpu[0]
+    assert restored.tier.client is restored.server
+    row = pool.row(0, 0)
+    row[-1] ^= 0xFF  # a byte past the label's end: not an encoding of any label
+    assert pool[0] == GARBAGE
+    down, violation, _ = replay(scope, [("arrive", 0), ("down",), ("step",), ("step",)])
+    assert violation is None and down.reqs[0].status == RUNNING, down.describe()
+    left, _ = continuation(down)  # the server stays down: everything still quiesces
+    assert left is None and down.server is not None and down.server.down
+    with pytest.raises(ValueError, match="exactly one worker"):
+        World(dataclasses.replace(scope, workers=2))
