@@ -442,6 +442,16 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "len(c) // (p * blocks_per_chunk) for c, p in zip(self.cpu, page_bytes, strict=True)",
     ): "the constructor refuses len(cpu) != len(page_bytes) a few lines above",
     (
+        "statecore/lifecycle/table.py",
+        "core/ReplaceComparisonOperator_Is_Eq",
+        "return all(bool(f(rec)) is e for f, e in guards)",
+    ): "both sides are bools: `==` and `is` agree",
+    (
+        "statecore/managers/cpu.py",
+        "core/ReplaceComparisonOperator_IsNot_NotEq",
+        "if type(key) is not bytes or len(key) < 4:",
+    ): "types compare by identity: `!=` and `is not` agree",
+    (
         "statecore/managers/tiering.py",
         "core/NumberReplacer",
         "self._next_job_id = 0",

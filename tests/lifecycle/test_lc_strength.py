@@ -3,6 +3,9 @@ found the action check unasserted): a guard or an action given by name, not as a
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 from statemachine import State, StateMachine
 
@@ -55,3 +58,28 @@ def test_functions_compile() -> None:
     assert [(t.event, t.source, t.target, t.actions) for t in table.transitions] == [
         ("start", "idle", "busy", (_ok,))
     ]
+
+
+def _a(rec: Any) -> bool:
+    return bool(rec.a)
+
+
+def _b(rec: Any) -> bool:
+    return bool(rec.b)
+
+
+class _TwoGuards(StateMachine):
+    idle = State(initial=True)
+    busy = State(final=True)
+
+    start = idle.to(busy, cond=[_a, _b])
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "allowed"), [(True, True, True), (True, False, False), (False, True, False)]
+)
+def test_a_transition_with_two_guards_needs_both(a: bool, b: bool, allowed: bool) -> None:
+    # the one-guard shortcut of the compiler must not drop the second guard
+    table = compile_lifecycle(_TwoGuards, "thing", "thing_id")
+    rec = SimpleNamespace(state=table.state_index["idle"], a=a, b=b, thing_id="t")
+    assert table.accepts(rec, table.events.index("start")) is allowed

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from statecore.errors import InvalidKeyError
+from statecore.errors import InvalidKeyError, InvariantViolation
 from statecore.keys import OffloadKey, make_offload_key
 from statecore.manager import LookupResult, Medium, OffloadingEvent, ReqContext
 from statecore.managers import CPUOffloadingManager
+from statecore.managers.cpu import CPUManagerCounters
 
 CTX = ReqContext("r")
 
@@ -62,3 +63,56 @@ def test_prepare_load_refuses_a_one_shot_iterator_and_pins_nothing() -> None:
     with pytest.raises(ValueError):
         m.prepare_load(iter([k(1)]), CTX)  # type: ignore[arg-type]
     assert m.ref_count(k(1)) == 0 and m.counters().evictable == 1
+
+
+# -- seed 5521 survivors: key checks on every path, the invariant checker's own checks ----------
+
+
+@pytest.mark.parametrize("threshold", [1, 2])
+def test_lookup_and_prepare_store_refuse_a_str_key(threshold: int) -> None:
+    m = CPUOffloadingManager(4, store_threshold=threshold)
+    with pytest.raises(InvalidKeyError):
+        m.lookup("abcd", CTX)  # type: ignore[arg-type]
+    with pytest.raises(InvalidKeyError):
+        m.prepare_store(["abcd"], CTX)  # type: ignore[list-item]
+    assert m.counters().keys == 0
+
+
+def test_is_ready_only_for_a_present_readable_key() -> None:
+    m = CPUOffloadingManager(4)
+    assert m.prepare_store([k(1)], CTX) is not None
+    assert not m.is_ready(k(1)) and not m.is_ready(k(9))
+    m.complete_store([k(1)], CTX)
+    assert m.is_ready(k(1))
+
+
+def test_check_invariants_holds_with_many_write_pending_keys() -> None:
+    # counts above the small-int cache: compared by value, not identity
+    m = CPUOffloadingManager(600)
+    assert m.prepare_store([k(i) for i in range(300)], CTX) is not None
+    m.check_invariants()
+    m.complete_store([k(i) for i in range(300)], CTX)
+    m.check_invariants()
+
+
+def test_check_invariants_catches_a_ref_below_minus_one() -> None:
+    m = CPUOffloadingManager(4)
+    assert m.prepare_store([k(1)], CTX) is not None
+    m._entries[k(1)] = (-2, m._entries[k(1)][1])
+    m._write_pending = 0
+    with pytest.raises(InvariantViolation, match="INV-PIN"):
+        m.check_invariants()
+
+
+def test_check_invariants_catches_a_slot_lost_from_the_tiling() -> None:
+    m = CPUOffloadingManager(4)
+    assert m.prepare_store([k(1), k(2)], CTX) is not None
+    m.complete_store([k(1), k(2)], CTX, success=False)  # slots 0 and 1 back on the free list
+    m._free.pop()  # a slot neither used nor free, high water within capacity
+    with pytest.raises(InvariantViolation, match="do not tile"):
+        m.check_invariants()
+
+
+def test_fresh_counters_default_to_no_quarantine_and_no_schedule_end() -> None:
+    c = CPUManagerCounters(4, 0, 0, 0, 0, 4, 0)
+    assert (c.quarantined, c.schedule_ends) == (0, 0)
