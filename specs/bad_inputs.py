@@ -1011,7 +1011,12 @@ _AREAS = {
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    # Markdown table cell: pipes escaped; brackets outside code spans escaped too, so that a
+    # path such as ``block_ids[0][1]`` is not read as a reference link (mkdocs-autorefs).
+    parts = text.replace("|", "\\|").replace("\n", " ").split("`")
+    for i in range(0, len(parts), 2):
+        parts[i] = parts[i].replace("[", "\\[").replace("]", "\\]")
+    return "`".join(parts)
 
 
 def render_page() -> str:
