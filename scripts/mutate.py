@@ -452,6 +452,22 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "if type(key) is not bytes or len(key) < 4:",
     ): "types compare by identity: `!=` and `is not` agree",
     (
+        "statecore/managers/cpu.py",
+        "core/NumberReplacer",
+        "if to_store and (set(map(type, to_store)) != _BYTES_ONLY or min(map(len, to_store)) < 4):",
+        "if to_store and (set(map(type, to_store)) != _BYTES_ONLY or min(map(len, to_store)) < 5):",
+    ): "4-byte keys only take the slow path, whose full check accepts them",
+    (
+        "statecore/managers/cpu.py",
+        "core/ReplaceBinaryOperator_Sub_Mul",
+        "bad = bool(set(map(type, keys)) - _BYTES_ONLY) or (",
+    ): "set * set raises TypeError, caught as `bad`: the full check runs and accepts good keys",
+    (
+        "statecore/managers/cpu.py",
+        "core/ReplaceComparisonOperator_Lt_LtE",
+        "bool(keys) and min(map(len, keys)) < 4",
+    ): "4-byte keys only take the slow path, whose full check accepts them",
+    (
         "statecore/managers/tiering.py",
         "core/NumberReplacer",
         "self._next_job_id = 0",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from statecore.errors import InvalidKeyError, InvariantViolation
+from statecore.errors import InvalidArgumentError, InvalidKeyError, InvariantViolation
 from statecore.keys import OffloadKey, make_offload_key
 from statecore.manager import LookupResult, Medium, OffloadingEvent, ReqContext
 from statecore.managers import CPUOffloadingManager
@@ -116,3 +116,29 @@ def test_check_invariants_catches_a_slot_lost_from_the_tiling() -> None:
 def test_fresh_counters_default_to_no_quarantine_and_no_schedule_end() -> None:
     c = CPUManagerCounters(4, 0, 0, 0, 0, 4, 0)
     assert (c.quarantined, c.schedule_ends) == (0, 0)
+
+
+def test_complete_write_defaults_to_success_and_returns_the_changed_keys() -> None:
+    m = CPUOffloadingManager(4)
+    assert m.prepare_store([k(1)], CTX) is not None
+    assert m.complete_write([k(1)], CTX) == [k(1)]
+    assert m.is_ready(k(1))
+
+
+@pytest.mark.parametrize("flag", ["yes", 1, None])
+def test_complete_store_refuses_a_success_flag_that_is_not_a_bool(flag: object) -> None:
+    m = CPUOffloadingManager(4)
+    assert m.prepare_store([k(1)], CTX) is not None
+    with pytest.raises(InvalidArgumentError, match="success"):
+        m.complete_store([k(1)], CTX, success=flag)  # type: ignore[arg-type]
+    assert m.ref_count(k(1)) == -1  # still write-pending
+
+
+def test_reset_announces_only_the_keys_that_were_announced_stored() -> None:
+    m = CPUOffloadingManager(4)
+    assert m.prepare_store([k(1)], CTX) is not None
+    m.complete_store([k(1)], CTX)
+    assert m.prepare_store([k(2)], CTX) is not None  # write-pending: never announced
+    m.take_events()
+    m.reset_cache()
+    assert m.take_events() == [OffloadingEvent((k(1),), Medium.CPU, removed=True)]
