@@ -1,15 +1,22 @@
-"""CPU manager behaviour that mutation testing found unasserted (docs/mutation.md): the input
-check of ``complete_store``, its walk over every key, and the reuse tracker's default bound."""
+"""CPU manager (and one tiering) behaviour that mutation testing found unasserted
+(docs/mutation.md): key and flag checks on every path, the walk over every key, the invariant
+checker's own checks, defaults, and how many finalised request ids tiering remembers."""
 
 from __future__ import annotations
 
 import pytest
 
-from statecore.errors import InvalidArgumentError, InvalidKeyError, InvariantViolation
+from statecore.errors import (
+    InvalidArgumentError,
+    InvalidKeyError,
+    InvariantViolation,
+    ManagerStateError,
+)
 from statecore.keys import OffloadKey, make_offload_key
 from statecore.manager import LookupResult, Medium, OffloadingEvent, ReqContext
-from statecore.managers import CPUOffloadingManager
+from statecore.managers import CPUOffloadingManager, MemoryTier, TieringOffloadingManager
 from statecore.managers.cpu import CPUManagerCounters
+from statecore.pool import CPUPool
 
 CTX = ReqContext("r")
 
@@ -142,3 +149,20 @@ def test_reset_announces_only_the_keys_that_were_announced_stored() -> None:
     m.take_events()
     m.reset_cache()
     assert m.take_events() == [OffloadingEvent((k(1),), Medium.CPU, removed=True)]
+
+
+# -- tiering: how many finalised request ids are remembered --------------------------------------
+
+
+def test_tiering_remembers_exactly_the_last_finalized_memory_request_ids() -> None:
+    m = TieringOffloadingManager(CPUOffloadingManager(2), [MemoryTier(CPUPool(2, [4]))])
+    n = TieringOffloadingManager.FINALIZED_MEMORY
+    m.on_request_finished(ReqContext("first"))
+    with pytest.raises(ManagerStateError, match="already finished"):
+        m.on_request_finished(ReqContext("first"))  # the latest id is remembered
+    for i in range(n):
+        m.on_request_finished(ReqContext(f"r{i}"))
+    m.on_request_finished(ReqContext("first"))  # pushed out by n newer ids: a new request
+    with pytest.raises(ManagerStateError, match="already finished"):
+        m.on_request_finished(ReqContext("r1"))  # still among the last n
+    assert n == 65_536  # upstream-sized: a step's finished requests never come close
