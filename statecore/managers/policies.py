@@ -112,8 +112,6 @@ def arc_select_victims(
     post: __return__ is None or len({k for k, _ in __return__}) == len(__return__)
     """
     out: list[tuple[K, int]] = []
-    if n == 0:
-        return out
     taken: set[K] = set()
     it1 = iter(t1)
     it2 = iter(t2)

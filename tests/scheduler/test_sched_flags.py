@@ -159,3 +159,16 @@ def test_job_ids_start_at_0_and_a_report_for_an_unissued_id_is_unknown(kind: str
     assert (c.unknown_reports, c.duplicate_reports) == (1, 0)
     h.add("a", list(range(8)))
     assert list(prefill(h, "a")) == [0]
+
+
+def test_transfer_params_are_checked_at_the_first_sighting_only(kind: str) -> None:
+    """kv_transfer_params are read once, when the request is first seen: a malformed value
+    is refused then (nothing tracked), and a tracked request's later value is not read."""
+    h = Harness(make_manager(kind), config())
+    bad = Request("b", num_prompt_tokens=8, num_tokens=8, kv_transfer_params=5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidMetadataError, match="kv_transfer_params"):
+        h.sched.get_num_new_matched_tokens(bad, 0)
+    assert "b" not in h.sched.requests
+    a = h.add("a", list(range(8)))
+    a.kv_transfer_params = 5  # type: ignore[assignment]
+    assert h.sched.get_num_new_matched_tokens(a, 0) == (0, False)
