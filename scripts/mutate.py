@@ -148,6 +148,11 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     # issue 18, found by exhaustive site runs over scheduler, kernels and policies
     (
         "statecore/scheduler.py",
+        "core/ReplaceComparisonOperator_IsNot_NotEq",
+        "if type(rid) is not str:",
+    ): "type objects compare by identity: != and `is not` agree",
+    (
+        "statecore/scheduler.py",
         "core/NumberReplacer",
         "self._stale_threshold = 0",
         "self._stale_threshold = -1",

@@ -14,7 +14,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from sched_harness import Harness, admit_with_load, config, make_manager, offloaded, prefill
+from sched_harness import (
+    Harness,
+    admit_with_load,
+    chain_hashes,
+    config,
+    make_manager,
+    offloaded,
+    prefill,
+)
 from statecore.specs.fakes import RecordingManager
 
 from statecore import (
@@ -172,3 +180,23 @@ def test_transfer_params_are_checked_at_the_first_sighting_only(kind: str) -> No
     a = h.add("a", list(range(8)))
     a.kv_transfer_params = 5  # type: ignore[assignment]
     assert h.sched.get_num_new_matched_tokens(a, 0) == (0, False)
+
+
+def test_lookup_with_a_negative_new_token_bound_is_refused(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    a = h.add("a", list(range(16)))
+    with pytest.raises(InvalidMetadataError, match="max_num_new_tokens"):
+        h.sched.get_num_new_matched_tokens(a, 0, max_num_new_tokens=-1)
+    assert h.sched.counters.lookups == 0
+    assert h.sched.get_num_new_matched_tokens(a, 0, max_num_new_tokens=0) == (0, False)
+
+
+def test_block_hashes_given_as_a_tuple_are_a_valid_view(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    tokens = list(range(8))
+    a = Request("a", num_prompt_tokens=8, num_tokens=8, block_hashes=tuple(chain_hashes(tokens, 4)))  # type: ignore[arg-type]
+    h.reqs["a"] = a
+    h.sched.on_new_request(a)
+    (job,) = prefill(h, "a")
+    assert len(h.sched.jobs[job].keys) == 2
+    assert h.sched.counters.invalid_request_views == 0
