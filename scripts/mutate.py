@@ -148,6 +148,41 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     # issue 18, found by exhaustive site runs over scheduler, kernels and policies
     (
         "statecore/scheduler.py",
+        "core/ReplaceBinaryOperator_Add_Div",
+        "((max(gs.cursor, gs.skip) if chunk_level else gs.cursor) + 1) * self._tpc[g]",
+        "((max(gs.cursor, gs.skip) if chunk_level else gs.cursor) / 1) * self._tpc[g]",
+    ): "a lower store floor only runs the store path on more steps, which then finds nothing new",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceBinaryOperator_Mul_RShift",
+        "((max(gs.cursor, gs.skip) if chunk_level else gs.cursor) + 1) * self._tpc[g]",
+        "((max(gs.cursor, gs.skip) if chunk_level else gs.cursor) + 1) >> self._tpc[g]",
+    ): "a lower store floor only runs the store path on more steps, which then finds nothing new",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "if bpc == 1:",
+        "if bpc == 0:",
+    ): "the general path (slices of blocks_per_chunk blocks) gives the same chunks and blocks",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "held[:] = [e for e in held if e[0] is not gs]",
+        "held[:] = [e for e in held if e[ 1] is not gs]",
+    ): "keeps a released request's window entries, which only zero its own dropped lists",
+    (
+        "statecore/scheduler.py",
+        "core/ZeroIterationForLoop",
+        "for b in set(gs.block_ids):",
+    ): "keeps a released request's window entries, which only zero its own dropped lists",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
+        "gs.skip = 0",
+        "gs.skip = -1",
+    ): "skip is only read through max(cursor, skip) with cursor >= 0: -1 behaves as 0",
+    (
+        "statecore/scheduler.py",
         "core/ReplaceComparisonOperator_IsNot_NotEq",
         "if type(rid) is not str:",
     ): "type objects compare by identity: != and `is not` agree",

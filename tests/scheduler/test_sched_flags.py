@@ -200,3 +200,28 @@ def test_block_hashes_given_as_a_tuple_are_a_valid_view(kind: str) -> None:
     (job,) = prefill(h, "a")
     assert len(h.sched.jobs[job].keys) == 2
     assert h.sched.counters.invalid_request_views == 0
+
+
+def test_request_finished_never_delays_freeing_the_blocks(kind: str) -> None:
+    h = Harness(make_manager(kind), config())
+    a = h.add("a", list(range(8)))
+    prefill(h, "a")
+    assert h.sched.request_finished(a) == (False, None)  # tracked, a store in flight
+    ghost = Request("ghost", num_prompt_tokens=4, num_tokens=4, block_hashes=[])
+    assert h.sched.request_finished(ghost) == (False, None)  # never tracked
+
+
+def test_reset_rewinds_a_running_request_to_chunk_0() -> None:
+    """The reset manager forgot every chunk: a request that keeps running offers its chunks
+    again from chunk 0 (seed 004), the ones stored before the reset included."""
+    fake = RecordingManager()
+    h = Harness(fake, config())
+    h.add("a", list(range(16)))
+    h.admit("a")
+    h.report(list(h.step([h.schedule("a", 8)], new=["a"]).store_jobs))
+    h.sched.reset_cache()
+    h.report()
+    h.step([h.schedule("a", 8)])
+    keys = h.sched.request_keys("a")[0]
+    offered = [c.keys for c in fake.methods("prepare_store")]
+    assert offered == [tuple(keys[:2]), tuple(keys[:4])]
