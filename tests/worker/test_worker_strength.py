@@ -120,3 +120,10 @@ def test_memory_backend_reports_bytes_moved_and_no_transfer_time() -> None:
     be.submit(3, simple_mapping([5], [2], 2).load(), False)
     be.progress()
     assert be.poll() == [TransferResult(3, True, PAGE, 0.0, False)]
+
+
+def test_range_errors_name_the_last_valid_id_for_even_counts_too() -> None:
+    with pytest.raises(SpecError, match=r"GPU block ids \[10\] out of range 0\.\.9$"):
+        validate_ids([10], [0], 10, 4)
+    with pytest.raises(SpecError, match=r"CPU slots \[6\] out of range 0\.\.5$"):
+        validate_ids([0], [6], 10, 6)
