@@ -127,3 +127,17 @@ def test_range_errors_name_the_last_valid_id_for_even_counts_too() -> None:
         validate_ids([10], [0], 10, 4)
     with pytest.raises(SpecError, match=r"CPU slots \[6\] out of range 0\.\.5$"):
         validate_ids([0], [6], 10, 6)
+
+
+def test_memory_backend_progress_counts_the_jobs_it_ran_and_auto_progress_is_default() -> None:
+    be = _backend(auto=False)
+    assert be.progress() == 0
+    be.submit(1, simple_mapping([5], [2], 2).load(), False)
+    be.submit(2, simple_mapping([6], [3], 2).store(), True)
+    assert be.progress() == 2 and be.progress() == 0
+    pool = CPUPool(8, [PAGE, 2 * PAGE])
+    auto = MemoryBackend(
+        [PAGE, 2 * PAGE], 16, [pool.region(0), pool.region(1)], 1, group_tensors=[[0], [1]]
+    )
+    auto.submit(3, simple_mapping([5], [2], 2).load(), False)
+    assert [r.job_id for r in auto.poll()] == [3]  # runs at poll without progress()
