@@ -35,6 +35,7 @@ from statecore import (
     WorkerMetadata,
 )
 from statecore.errors import ManagerError, StatecoreError, UnknownKeyError
+from statecore.manager import OffloadPolicy
 
 
 def test_store_is_unflushed_until_a_step_flushes_it(kind: str) -> None:
@@ -159,6 +160,24 @@ def test_block_hash_turned_bad_after_validation_is_counted_and_keeps_the_keys(ki
     assert h.sched.request_keys("a") == keys  # no key from the bad hash, none lost
 
 
+@pytest.mark.parametrize("bad", [None, 7, {b"x"}])
+def test_block_hashes_turned_into_a_non_sequence_are_counted_and_keep_the_keys(
+    kind: str, bad: object
+) -> None:
+    """A ``block_hashes`` that stopped being a sequence after the lookup: the step counts it
+    once, keeps the keys built at the lookup, and stores with them."""
+    h = Harness(make_manager(kind), config())
+    a = h.add("a", list(range(8)))
+    h.admit("a")
+    keys = h.sched.request_keys("a")
+    a.block_hashes = bad  # type: ignore[assignment]
+    meta = h.step([h.schedule("a", 8)], new=["a"])
+    assert h.sched.counters.invalid_request_views == 1
+    assert h.sched.request_keys("a") == keys
+    ((job, _),) = meta.store_jobs.items()
+    assert h.sched.jobs[job].keys == keys[0]
+
+
 def test_job_ids_start_at_0_and_a_report_for_an_unissued_id_is_unknown(kind: str) -> None:
     h = Harness(make_manager(kind), config())
     assert h.sched.next_job_id == 0
@@ -215,6 +234,22 @@ def test_reset_rewinds_a_running_request_to_chunk_0() -> None:
     """The reset manager forgot every chunk: a request that keeps running offers its chunks
     again from chunk 0 (seed 004), the ones stored before the reset included."""
     fake = RecordingManager()
+    h = Harness(fake, config())
+    h.add("a", list(range(16)))
+    h.admit("a")
+    h.report(list(h.step([h.schedule("a", 8)], new=["a"]).store_jobs))
+    h.sched.reset_cache()
+    h.report()
+    h.step([h.schedule("a", 8)])
+    keys = h.sched.request_keys("a")[0]
+    offered = [c.keys for c in fake.methods("prepare_store")]
+    assert offered == [tuple(keys[:2]), tuple(keys[:4])]
+
+
+def test_reset_rewinds_a_running_request_level_request_to_chunk_0() -> None:
+    """With the request-level policy a rewound request offers every chunk again from chunk 0:
+    the stores after a reset hold each key once, in chunk order (none from past the end)."""
+    fake = RecordingManager(policy=OffloadPolicy.REQUEST_LEVEL)
     h = Harness(fake, config())
     h.add("a", list(range(16)))
     h.admit("a")

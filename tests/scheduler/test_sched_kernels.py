@@ -87,6 +87,7 @@ def test_over_report_is_strictly_more_than_outstanding(
         (0b0, 0b1000, 0b0, 4, (0b1000, 1, 0, 0, 0)),  # the highest rank of four
         (0b0, 0b1000, 0b0, 3, (0b0, 0, 0, 0, 1)),  # one rank too high
         (0b11, 0b01, 0b10, 2, (0b11, 0, 0, 2, 0)),  # everything already seen
+        (0b0, 0b100, 0b100, 2, (0b0, 0, 0, 0, 1)),  # a missing rank in both masks: one rank
     ],
 )
 def test_rank_delta_counts_each_rank_once(

@@ -477,6 +477,56 @@ def test_unknown_request_ids_get_typed_errors(kind: str) -> None:
         h.sched.update_state_after_alloc(ghost, [[1], [2]], 0)
 
 
+def test_an_allocation_for_a_load_needs_both_the_blocks_and_the_keys(kind: str) -> None:
+    """The cached tokens need enough GPU blocks and enough chunk keys: either one short is a
+    typed error that creates no load; the allocation that holds them creates one."""
+    h = Harness(make_manager(kind), config())
+    offloaded(h, "a", list(range(16)))
+    b = h.add("b", list(range(16)) + [7, 7, 7, 7])
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (16, True)
+    with pytest.raises(MetadataError, match="3 blocks and 5 keys cannot hold 16 cached tokens"):
+        h.sched.update_state_after_alloc(b, [h.alloc(3)], 16)  # 16 tokens need 4 blocks
+    with pytest.raises(MetadataError, match="6 blocks and 5 keys cannot hold 24 cached tokens"):
+        h.sched.update_state_after_alloc(b, [h.alloc(6)], 24)  # 5 keys hold 20 tokens
+    assert not h.sched.requests["b"].jobs
+    h.sched.update_state_after_alloc(b, [h.alloc(4)], 16)
+    assert len(h.step().load_jobs) == 1
+
+
+class _ClaimsToBeInt(type):
+    """A metaclass whose classes say they equal ``int``: only an identity check sees through."""
+
+    def __eq__(cls, other: object) -> bool:
+        return other is int or type.__eq__(cls, other)
+
+    __hash__ = type.__hash__
+
+
+class _ImpostorJobId(metaclass=_ClaimsToBeInt):
+    """Equal to (and hashed as) a real job id, but not an int."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return other == self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+def test_a_report_for_a_job_id_that_is_not_an_int_is_absorbed(kind: str) -> None:
+    """Job ids in a report must be ints by type, not merely compare equal to one: an impostor
+    id completes nothing and is counted."""
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(8)))
+    (job_id,) = prefill(h, "a")
+    assert _ImpostorJobId(job_id) == job_id and type(_ImpostorJobId(job_id)) == int  # noqa: E721
+    h.sched.update_connector_output(WorkerMetadata(completed={_ImpostorJobId(job_id): 1}))  # type: ignore[dict-item]
+    assert h.sched.jobs[job_id].pending == 1
+    assert (h.sched.counters.invalid_report_counts, h.sched.counters.jobs_completed) == (1, 0)
+
+
 # -- 11. events and stats ------------------------------------------------------------------------
 
 

@@ -105,6 +105,34 @@ def test_zero_transfer_limits_are_valid_and_mean_nothing(kind: str) -> None:
     assert (c.invalid_transfer_params, c.lookup_hit_tokens, c.store_jobs_created) == (0, 0, 1)
 
 
+def test_zero_offload_limit_stores_nothing_with_one_token_chunks(kind: str) -> None:
+    """With one token a chunk, nothing to offload is still nothing: no chunk 0 is offered."""
+    h = Harness(make_manager(kind), config(tokens_per_block=1))
+    _request(h, "a", 4, {"max_offload_tokens": 0})
+    h.admit("a")
+    for step in range(2):
+        meta = h.step([h.schedule("a", 2)], new=["a"] if step == 0 else [])
+        assert not meta.store_jobs
+    h.finish("a")
+    assert not h.step(finished=["a"]).store_jobs
+    assert h.sched.counters.store_jobs_created == 0
+
+
+def test_final_store_never_includes_the_last_token() -> None:
+    """The last token of a finished request is the sampled one, whose KV is never stored, even
+    when the engine's view counts it computed: the final store ends one token short."""
+    fake = RecordingManager(fail_prepare_store=True)
+    h = Harness(fake, config())
+    h.add("a", list(range(16)), prompt=12)
+    h.admit("a")
+    assert not h.step([h.schedule("a", 16)], new=["a"]).store_jobs  # the manager refused
+    assert h.reqs["a"].num_computed_tokens == h.reqs["a"].num_tokens == 16
+    fake.fail_prepare_store = False
+    h.finish("a")
+    (job,) = h.step(finished=["a"]).store_jobs
+    assert h.sched.jobs[job].keys == h.sched.request_keys("a")[0][:3]  # tokens 0..11
+
+
 def test_allocation_must_hold_the_locally_computed_tokens(kind: str) -> None:
     h = Harness(make_manager(kind), config())
     a = h.add("a", list(range(16)))

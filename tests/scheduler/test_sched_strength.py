@@ -22,6 +22,7 @@ from statecore import (
     ScheduledRequest,
     WorkerMetadata,
     kernels,
+    make_offload_key,
 )
 
 # -- counters ------------------------------------------------------------------------------------
@@ -392,6 +393,18 @@ def test_bytes_like_block_hashes_give_the_same_keys(kind: str, as_type: type) ->
     assert keys[:4] == h.sched.request_keys("a")[0]
 
 
+def test_a_chunk_key_is_made_from_the_last_hash_of_the_chunk(kind: str) -> None:
+    """Three hashes a chunk (blocks of 4 tokens, 3 blocks a chunk): chunk ``i``'s key is
+    hash ``3 * i + 2`` with the group's suffix, for every chunk, not only the first."""
+    h = Harness(make_manager(kind), config(tokens_per_block=4, blocks_per_chunk=3))
+    tokens = list(range(36))
+    h.add("a", tokens)
+    h.admit("a")
+    hashes = chain_hashes(tokens, h.tph)
+    assert len(hashes) == 9
+    assert h.sched.request_keys("a")[0] == tuple(make_offload_key(hashes[i], 0) for i in (2, 5, 8))
+
+
 # -- found by the third sample (seed 4242) -------------------------------------------------------
 
 
@@ -411,6 +424,22 @@ def test_view_turned_bad_before_the_step_is_counted_and_stores_nothing(kind: str
     h.reqs["a"].num_computed_tokens = -1  # the engine's view turned bad after the lookup
     meta = h.step([sched], new=["a"])
     assert not meta.store_jobs
+    assert h.sched.counters.invalid_request_views == 1
+
+
+def test_view_turned_bad_in_a_step_under_the_store_floor_is_counted(kind: str) -> None:
+    """A step that cannot complete a chunk skips store building, but only on a valid view:
+    a ``num_computed_tokens`` turned bad still reaches the store path, which counts it."""
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(32)))
+    h.admit("a")
+    (store,) = h.step([h.schedule("a", 16)], new=["a"]).store_jobs
+    h.report([store])
+    assert not h.step([h.schedule("a", 1)]).store_jobs  # 17 tokens: under the next chunk
+    assert h.sched.counters.invalid_request_views == 0
+    sched = h.schedule("a", 1)
+    h.reqs["a"].num_computed_tokens = 17.0  # type: ignore[assignment]
+    assert not h.step([sched]).store_jobs
     assert h.sched.counters.invalid_request_views == 1
 
 
