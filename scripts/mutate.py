@@ -111,16 +111,6 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "return storable if storable > cursor else cursor",
     ): "when storable == cursor both branches return the same value",
     (
-        "statecore/scheduler.py",
-        "core/ReplaceComparisonOperator_LtE_Eq",
-        "if max_hit <= num_computed:",
-    ): "unreachable as true: the group loop above returns 0 whenever max_hit <= num_computed",
-    (
-        "statecore/scheduler.py",
-        "core/ReplaceComparisonOperator_LtE_Lt",
-        "if max_hit <= num_computed:",
-    ): "unreachable as true: the group loop above returns 0 whenever max_hit <= num_computed",
-    (
         "statecore/kernels.py",
         "core/NumberReplacer",
         "LIVE = 0",
@@ -523,6 +513,24 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "core/ReplaceComparisonOperator_Gt_NotEq",
         "or self._num_pending_promotions > 0",
     ): "the pending-promotion count only grows by one or is reset to 0: never negative",
+    (
+        "statecore/lifecycle/machines.py",
+        "core/NumberReplacer",
+        "name for name, value in vars(LifecycleEffects).items()"
+        ' if callable(value) and name[0] != "_"',
+    ): "the protocol's callables are public hooks (no `_` at 0, 1 or -1) or dunders (`_` at all "
+    "three): every variant picks the same names",
+    (
+        "statecore/lifecycle/machines.py",
+        "core/ReplaceTrueWithFalse",
+        'in_flight = State("in flight", initial=True)',
+    ): "python-statemachine makes the first declared state initial when none is marked, and "
+    "in_flight is declared first: the same machine and table",
+    (
+        "statecore/lifecycle/table.py",
+        "core/ReplaceTrueWithFalse",
+        "for lc, was in zip(targets, before, strict=True):",
+    ): "before is built from targets at the top of the function: equal lengths, strict never fires",
 }
 """Mutants judged equivalent, with a one-line reason each (skipped and reported apart)."""
 

@@ -700,8 +700,8 @@ class OffloadingScheduler:
                     changed = True
         if defer:
             return None
-        if max_hit <= num_computed:
-            return 0
+        # here max_hit > num_computed: a group whose cap is at most num_computed returned 0
+        # above, and a lowered max_hit is tpc * (start + hits) > num_computed (hits >= 1)
         loading = self._loading_keys
         if loading and not self._waited_for_loaders(rec):
             for g in self._lookup_order:
