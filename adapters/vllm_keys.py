@@ -16,7 +16,7 @@ user's config against the tables before anything is built and raises
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -537,6 +537,16 @@ def refusal_message(config: Mapping[str, Any]) -> str:
     raise ValueError(f"{config!r} is accepted")
 
 
+def _key_table(title: str, specs: Iterable[ExtraKey]) -> list[str]:
+    """One section of the page: a heading and a row per key."""
+    head = [
+        "## " + title,
+        "",
+        "| key | vLLM 0.33 meaning | statecore | how, or the error's reason |",
+    ]
+    return [*head, "| --- | --- | --- | --- |", *map(_row, specs), ""]
+
+
 def render_table_page() -> str:
     """The documentation page: both tables, with each rejection's message."""
     out = [
@@ -551,24 +561,10 @@ def render_table_page() -> str:
         "extension. Any other key is rejected as unknown. Values outside what is implemented "
         "are rejected the same way.",
         "",
-        "## Top-level keys",
-        "",
-        "| key | vLLM 0.33 meaning | statecore | how, or the error's reason |",
-        "| --- | --- | --- | --- |",
     ]
-    for spec in _KEYS:
-        out.append(_row(spec))
+    out += _key_table("Top-level keys", _KEYS)
+    out += _key_table('Keys of a `secondary_tiers` entry of type `"fs"`', _FS_KEYS)
     out += [
-        "",
-        '## Keys of a `secondary_tiers` entry of type `"fs"`',
-        "",
-        "| key | vLLM 0.33 meaning | statecore | how, or the error's reason |",
-        "| --- | --- | --- | --- |",
-    ]
-    for spec in _FS_KEYS:
-        out.append(_row(spec))
-    out += [
-        "",
         "## Refused values and their errors",
         "",
         "The start-up error for a refused value of each key (the connector raises it in every "

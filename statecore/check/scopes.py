@@ -7,6 +7,9 @@ which some class of bug can happen (see ``docs/check.md`` for the table of figur
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 from statecore.check.model import Scope
 
 __all__ = ["SCOPES"]
@@ -16,112 +19,90 @@ _B = (1, 2, 5, 6)
 _C = (7, 8, 9, 10)
 _D = (7, 8)
 
+_USUAL = Scope("", prompts=(), gpu_blocks=3, depth=9)
+"""The world most scopes share: three GPU blocks, two CPU slots, one worker, depth 9."""
+
+
+def _scope(name: str, *, description: str, **fields: Any) -> Scope:
+    """The usual world, named, described and changed where ``fields`` say."""
+    return replace(_USUAL, name=name, description=description, **fields)
+
+
 SCOPES: dict[str, Scope] = {
     s.name: s
     for s in (
-        Scope(
+        _scope(
             "one",
             prompts=(_A, _B),
-            workers=1,
-            gpu_blocks=3,
-            cpu_slots=2,
-            depth=9,
             description="two requests sharing a chunk, one worker, full attention",
         ),
-        Scope(
+        _scope(
             "pair",
             prompts=(_A, _B),
-            workers=1,
             gpu_blocks=4,
-            cpu_slots=2,
             depth=8,
             description="two requests sharing a chunk that fit on the GPU together (both "
             "compute the shared chunk; the CPU tier cannot take both)",
         ),
-        Scope(
+        _scope(
             "apart",
             prompts=(_A, _C),
-            workers=1,
-            gpu_blocks=3,
-            cpu_slots=2,
-            depth=9,
             description="two requests sharing nothing (no deferral orders them), one worker",
         ),
-        Scope(
+        _scope(
             "foreign",
             prompts=(_A, _C),
-            workers=1,
-            gpu_blocks=3,
-            cpu_slots=2,
-            depth=9,
             foreign=(1,),
             description="a tracked request and one of another connector, one worker",
         ),
-        Scope(
+        _scope(
             "chunked",
             prompts=(_A, _B),
-            workers=1,
-            gpu_blocks=3,
-            cpu_slots=2,
             depth=10,
             max_batched_tokens=2,
             description="chunked prefill (one block per step): chunks stored one by one",
         ),
-        Scope(
+        _scope(
             "two",
             prompts=(_A, _B),
             workers=2,
-            gpu_blocks=3,
-            cpu_slots=2,
-            depth=9,
             description="the same on two workers (quorum, per-rank bytes)",
         ),
-        Scope(
+        _scope(
             "swa",
             prompts=(_A, _B),
-            workers=1,
             sliding_window=2,
             gpu_blocks=6,
             cpu_slots=4,
-            depth=9,
             description="full attention + a sliding-window group, one worker",
         ),
-        Scope(
+        _scope(
             "window",
             prompts=(_A, _D),
-            workers=1,
             sliding_window=1,
             gpu_blocks=7,
             cpu_slots=6,
-            depth=9,
             max_output=3,
             free_order="fifo",
             description="a sliding window of half a block and three outputs (a block leaves "
             "the window while its request runs on) with vLLM's FIFO free-block queue",
         ),
-        Scope(
+        _scope(
             "shared",
             prompts=(_A,),
-            workers=1,
-            gpu_blocks=3,
-            cpu_slots=2,
-            depth=9,
             redis=True,
             description="one request over a shared Redis tier: the real tiering manager and "
             "RedisTier on a server double that goes down, corrupts or evicts a value, and takes "
             "chunks from engines of the same and of another layout",
         ),
-        Scope(
+        _scope(
             "shared2",
             prompts=(_A, _B),
-            workers=1,
-            gpu_blocks=3,
-            cpu_slots=2,
             depth=8,
             redis=True,
             description="two requests sharing a chunk over the shared Redis tier",
         ),
-        Scope(
+        _scope(
             "swa2",
             prompts=(_A, _B),
             workers=2,

@@ -32,26 +32,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``statecore simulate``."""
     d = SimConfig()
     p.description = DESCRIPTION
+
+    def count(flag: str, kind: Callable[[str], int], default: int, text: str) -> None:
+        p.add_argument(flag, metavar="N", type=kind, default=default, help=text)
+
     p.add_argument(
         "--seed", metavar="N", type=int, default=d.seed, help="seed of every random stream"
     )
-    p.add_argument(
-        "--requests",
-        metavar="N",
-        type=int_range(0),
-        default=d.workload.num_requests,
-        help="requests (turns) to issue",
-    )
-    p.add_argument(
+    count("--requests", int_range(0), d.workload.num_requests, "requests (turns) to issue")
+    count(
         "--steps",
-        metavar="N",
-        type=int_range(1),
-        default=d.steps,
-        help="engine steps before the remaining requests are aborted and the run drains",
+        int_range(1),
+        d.steps,
+        "engine steps before the remaining requests are aborted and the run drains",
     )
-    p.add_argument(
-        "--workers", metavar="N", type=int_range(1, 64), default=d.num_workers, help="worker ranks"
-    )
+    count("--workers", int_range(1, 64), d.num_workers, "worker ranks")
     p.add_argument(
         "--faults",
         metavar="SPEC",
@@ -60,20 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="none | default | heavy, optionally followed by k=v overrides "
         "(e.g. 'heavy,reset=0.05' or 'stall=0.01,late=0.01')",
     )
-    p.add_argument(
-        "--gpu-blocks",
-        metavar="N",
-        type=int_range(8),
-        default=d.num_gpu_blocks,
-        help="GPU blocks per rank (null block included)",
+    count(
+        "--gpu-blocks", int_range(8), d.num_gpu_blocks, "GPU blocks per rank (null block included)"
     )
-    p.add_argument(
-        "--cpu-slots",
-        metavar="N",
-        type=int_range(1),
-        default=d.cpu_slots,
-        help="CPU tier chunk slots",
-    )
+    count("--cpu-slots", int_range(1), d.cpu_slots, "CPU tier chunk slots")
     p.add_argument(
         "--stall-timeout",
         metavar="SECONDS",
@@ -87,13 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.groups,
         help="KV-cache groups: " + "; ".join(f"{k}: {v}" for k, v in GROUP_PRESETS.items()),
     )
-    p.add_argument(
-        "--blocks-per-chunk",
-        metavar="N",
-        type=int_range(1),
-        default=d.blocks_per_chunk,
-        help="GPU blocks per offloaded chunk",
-    )
+    count("--blocks-per-chunk", int_range(1), d.blocks_per_chunk, "GPU blocks per offloaded chunk")
     p.add_argument(
         "--manager",
         metavar="NAME",

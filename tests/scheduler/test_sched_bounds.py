@@ -13,7 +13,7 @@ from __future__ import annotations
 from sched_harness import Harness, config, make_manager, offloaded, prefill
 from statecore.specs.fakes import RecordingManager
 
-from statecore import GroupConfig, LookupResult, SchedulerConfig
+from statecore import GroupConfig, LookupResult, OffloadKey, Request, SchedulerConfig
 from statecore.managers import CPUOffloadingManager, MemoryTier, TieringOffloadingManager
 
 
@@ -112,19 +112,29 @@ def test_lookup_asks_nothing_beyond_the_first_miss() -> None:
     assert manager.has_pending_work()
 
 
-def test_lookup_asks_the_wider_sliding_window_first() -> None:
-    """Two sliding-window groups (windows of 2 and 4 chunks, the narrow one configured
-    first). The wide one is asked first: its window ends at chunk 6, which caps the narrow
-    one's scan below its two chunks still being written, so the lookup answers 24 tokens.
-    Asking the narrow one first would see the pending chunks and defer."""
+KeyList = tuple[OffloadKey, ...]
+
+
+def _two_windows() -> tuple[RecordingManager, Harness, Request, KeyList, KeyList]:
+    """Two sliding-window groups (2 and 4 chunks, the narrow one configured first) and a
+    33-token request ``b`` whose keys a first lookup (a miss everywhere) computed."""
     cfg = SchedulerConfig(
         groups=(GroupConfig(4, sliding_window=8), GroupConfig(4, sliding_window=16))
     )
     fake = RecordingManager()
     h = Harness(fake, cfg)
     b = h.add("b", list(range(33)))
-    assert h.sched.get_num_new_matched_tokens(b, 0) == (0, False)  # computes b's keys
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (0, False)
     narrow, wide = h.sched.request_keys("b")
+    return fake, h, b, narrow, wide
+
+
+def test_lookup_asks_the_wider_sliding_window_first() -> None:
+    """Two sliding-window groups (windows of 2 and 4 chunks, the narrow one configured
+    first). The wide one is asked first: its window ends at chunk 6, which caps the narrow
+    one's scan below its two chunks still being written, so the lookup answers 24 tokens.
+    Asking the narrow one first would see the pending chunks and defer."""
+    fake, h, b, narrow, wide = _two_windows()
     for i in range(8):
         fake.lookup_override[narrow[i]] = LookupResult.HIT if i < 6 else LookupResult.HIT_PENDING
     for i in range(6):
@@ -136,14 +146,7 @@ def test_lookup_runs_until_no_group_lowers_the_hit_any_more() -> None:
     """The wide window (asked first) covers 8 chunks; the narrow one then caps the hit at 6;
     asked again below that cap, the wide one finds no full window (chunk 2 misses) and only a
     leading run of 2 chunks: the lookup answers 8 tokens, not 24."""
-    cfg = SchedulerConfig(
-        groups=(GroupConfig(4, sliding_window=8), GroupConfig(4, sliding_window=16))
-    )
-    fake = RecordingManager()
-    h = Harness(fake, cfg)
-    b = h.add("b", list(range(33)))
-    assert h.sched.get_num_new_matched_tokens(b, 0) == (0, False)  # computes b's keys
-    narrow, wide = h.sched.request_keys("b")
+    fake, h, b, narrow, wide = _two_windows()
     for i in range(8):
         if i != 2:
             fake.lookup_override[wide[i]] = LookupResult.HIT
