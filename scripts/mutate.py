@@ -498,6 +498,30 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "bool(keys) and min(map(len, keys)) < 4",
     ): "4-byte keys only take the slow path, whose full check accepts them",
     (
+        "statecore/managers/cpu.py",
+        "core/NumberReplacer",
+        "last_release = 0",
+    ): "the first quarantined release passed `release > schedule_ends >= 0`, so it is >= 1: "
+    "comparing it with 0, 1 or -1 never fires",
+    (
+        "statecore/managers/cpu.py",
+        "core/ReplaceComparisonOperator_Eq_LtE",
+        "if ref == 0:",
+        "if ref <= 0:",
+    ): "ref is never negative at either site (a pinnable key is ready; an unpin of a pinned key "
+    "leaves >= 0): `<= 0` is `== 0`",
+    (
+        "statecore/managers/cpu.py",
+        "core/NumberReplacer",
+        "if tracker.get(key, 0) >= threshold:",
+    ): "the tracker exists only for thresholds >= 2: an unseen key's default 0, 1 or -1 is below",
+    (
+        "statecore/managers/tiering.py",
+        "core/ReplaceTrueWithFalse",
+        "@dataclass(slots=True)",
+    ): "private bookkeeping classes (_TierJob, _PendingPromotion, _RequestState) that never leave "
+    "the module and are only assigned their declared fields: slots change memory, not behaviour",
+    (
         "statecore/managers/tiering.py",
         "core/NumberReplacer",
         "self._next_job_id = 0",

@@ -451,10 +451,12 @@ class OffloadingWorker:
 
 
 def aggregate(reports: Iterable[WorkerMetadata]) -> WorkerMetadata:
-    """Merge several ranks' reports: counts add up per job id, statistics concatenate."""
+    """Merge several ranks' reports: counts add up per job id, statistics concatenate.
+
+    Each report is checked (entries included) by :meth:`WorkerMetadata.aggregate`.
+    """
     out = WorkerMetadata()
     for i, r in enumerate(reports):
-        validate.worker_metadata(r, "aggregate", entries=True)
         if r is None:
             validate._fail("aggregate", f"reports[{i}]", r, "a WorkerMetadata")
         out = out.aggregate(r)

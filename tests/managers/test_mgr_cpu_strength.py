@@ -4,16 +4,25 @@ checker's own checks, defaults, and how many finalised request ids tiering remem
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from statecore.errors import (
+    ConfigError,
     InvalidArgumentError,
     InvalidKeyError,
     InvariantViolation,
     ManagerStateError,
 )
 from statecore.keys import OffloadKey, make_offload_key
-from statecore.manager import LookupResult, Medium, OffloadingEvent, ReqContext
+from statecore.manager import (
+    CPULoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    ReqContext,
+)
 from statecore.managers import CPUOffloadingManager, MemoryTier, TieringOffloadingManager
 from statecore.managers.cpu import CPUManagerCounters
 from statecore.pool import CPUPool
@@ -149,6 +158,56 @@ def test_reset_announces_only_the_keys_that_were_announced_stored() -> None:
     m.take_events()
     m.reset_cache()
     assert m.take_events() == [OffloadingEvent((k(1),), Medium.CPU, removed=True)]
+
+
+# -- seed 6007 survivors: the snapshot, the policy cross-check, big promotions ------------------
+
+
+def test_counters_are_an_immutable_hashable_snapshot() -> None:
+    m = CPUOffloadingManager(4)
+    assert m.prepare_store([k(1)], CTX) is not None
+    before = m.counters()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.keys = 0  # type: ignore[misc]
+    m.complete_store([k(1)], CTX)
+    after = m.counters()
+    assert (before.keys, before.write_pending, after.evictable) == (1, 1, 1)
+    assert {before, after, m.counters()} == {before, after}  # equal snapshots hash equal
+
+
+def test_check_invariants_catches_an_idle_key_the_policy_lost() -> None:
+    m = CPUOffloadingManager(4)
+    for i in (1, 2):
+        assert m.prepare_store([k(i)], CTX) is not None
+        m.complete_store([k(i)], CTX)
+    m.check_invariants()
+    m.policy.remove(k(1))  # the policy lists fewer idle keys than the tier holds
+    with pytest.raises(InvariantViolation, match="evictable keys differ"):
+        m.check_invariants()
+
+
+def test_a_promotion_of_many_keys_takes_exactly_that_many_fresh_slots() -> None:
+    # counts above the small-int cache: the slot loop stops at n by value, not identity
+    m = CPUOffloadingManager(700)
+    assert m.prepare_store([k(0)], CTX) is not None
+    m.complete_store([k(0)], CTX, success=False)  # slot 0 quarantined: promotions avoid it
+    keys = [k(i) for i in range(1, 301)]
+    out = m.prepare_write(keys, CTX, bypass_reuse_filter=True, skip_quarantined=True)
+    assert out is not None and out.store_spec == CPULoadStoreSpec(tuple(range(1, 301)))
+    c = m.counters()
+    assert (c.high_water, c.write_pending, c.free, c.quarantined) == (301, 300, 400, 1)
+    m.check_invariants()
+
+
+# -- tiering: its configuration is checked tier by tier -------------------------------------------
+
+
+@pytest.mark.parametrize("at", [0, 1])
+def test_tiering_refuses_a_secondary_that_is_not_a_tier(at: int) -> None:
+    tiers: list[object] = [MemoryTier(CPUPool(2, [4]))]
+    tiers.insert(at, "disk")
+    with pytest.raises(ConfigError, match=rf"secondaries\[{at}\] must be a SecondaryTier"):
+        TieringOffloadingManager(CPUOffloadingManager(2), tiers)  # type: ignore[arg-type]
 
 
 # -- tiering: how many finalised request ids are remembered --------------------------------------

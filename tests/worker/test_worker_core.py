@@ -93,6 +93,7 @@ def test_plan_spans_sub_block_skip() -> None:
     ("args", "match"),
     [
         (((2,), (0, 0), 2, 2, 1), "group sizes but"),
+        (((2, 1), (0,), 3, 3, 1), "2 group sizes but 1 block indices"),
         (((2, 1), (0, 0), 2, 3, 1), "sum to 3"),
         (((2,), (1,), 2, 1, 2), "needs 2 CPU chunks"),
         (((2,), (0,), 2, 3, 1), "lists 3 slots"),

@@ -9,14 +9,16 @@ from collections.abc import Collection
 import pytest
 from worker_harness import simple_mapping
 
-from statecore.errors import SpecError
+from statecore.errors import ConfigError, InvalidMetadataError, SpecError
 from statecore.manager import CPULoadStoreSpec
 from statecore.pool import CPUPool
-from statecore.wire import ConnectorMetadata, TransferJob
+from statecore.wire import ConnectorMetadata, TransferJob, WorkerMetadata
 from statecore.worker import (
+    FaultyBackend,
     MemoryBackend,
     OffloadingWorker,
     TransferResult,
+    aggregate,
     job_specs,
     validate_ids,
 )
@@ -141,3 +143,43 @@ def test_memory_backend_progress_counts_the_jobs_it_ran_and_auto_progress_is_def
     )
     auto.submit(3, simple_mapping([5], [2], 2).load(), False)
     assert [r.job_id for r in auto.poll()] == [3]  # runs at poll without progress()
+
+
+# -- seed 6007 survivors -----------------------------------------------------------------------
+
+
+def test_memory_backend_progress_runs_at_most_max_jobs_stores_first() -> None:
+    be = _backend(auto=False)
+    be.submit(1, simple_mapping([5], [2], 2).load(), False)
+    be.submit(2, simple_mapping([6], [3], 2).store(), True)
+    be.submit(3, simple_mapping([7], [4], 2).load(), False)
+    assert be.progress(max_jobs=0) == 0 and be.poll() == []
+    assert be.progress(max_jobs=2) == 2
+    assert [(r.job_id, r.is_store) for r in be.poll()] == [(2, True), (1, False)]
+    assert be.progress(max_jobs=5) == 1 and [r.job_id for r in be.poll()] == [3]
+
+
+@pytest.mark.parametrize("missing", ["submit", "poll", "wait", "shutdown"])
+def test_worker_refuses_a_backend_without_a_transfer_method(missing: str) -> None:
+    class Partial:
+        def __init__(self) -> None:
+            for name in ("submit", "poll", "wait", "shutdown"):
+                if name != missing:
+                    setattr(self, name, lambda *args: None)
+
+    with pytest.raises(ConfigError, match=rf"must be a TransferBackend \(no {missing}\(\)\)"):
+        OffloadingWorker(Partial())  # type: ignore[arg-type]
+
+
+def test_an_injected_job_failure_reports_no_bytes_and_no_time() -> None:
+    be = FaultyBackend(_backend(auto=False), fail_job=lambda j: j == 7)
+    be.submit(7, simple_mapping([5], [2], 2).store(), True)
+    assert be.poll() == [TransferResult(7, False, 0, 0.0, True)]
+
+
+@pytest.mark.parametrize("at", [0, 1])
+def test_aggregate_refuses_a_report_with_a_count_that_is_not_an_int(at: int) -> None:
+    reports = [WorkerMetadata(completed={1: 1})]
+    reports.insert(at, WorkerMetadata(completed={2: "1"}))  # type: ignore[dict-item]
+    with pytest.raises(InvalidMetadataError, match=r"aggregate.*meta\.completed\[2\]"):
+        aggregate(reports)
