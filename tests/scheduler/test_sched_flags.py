@@ -201,6 +201,22 @@ def test_transfer_params_are_checked_at_the_first_sighting_only(kind: str) -> No
     assert h.sched.get_num_new_matched_tokens(a, 0) == (0, False)
 
 
+def test_request_finished_checks_transfer_params_of_an_untracked_request_only(kind: str) -> None:
+    """request_finished is the first sighting of a request never tracked: its malformed
+    kv_transfer_params are refused (the manager hears nothing); a tracked request's are not
+    read again, so a value turned bad since does not stop its finish."""
+    h = Harness(make_manager(kind), config())
+    ghost = Request("g", num_prompt_tokens=8, num_tokens=8, kv_transfer_params=5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidMetadataError, match="kv_transfer_params"):
+        h.sched.request_finished(ghost)
+    assert h.sched.counters.untracked_finishes == 0
+    a = h.add("a", list(range(8)))
+    prefill(h, "a")
+    a.kv_transfer_params = 5  # type: ignore[assignment]
+    assert h.sched.request_finished(a) == (False, None)
+    assert h.sched.request_state("a") == "finished_pending_final"
+
+
 def test_lookup_with_a_negative_new_token_bound_is_refused(kind: str) -> None:
     h = Harness(make_manager(kind), config())
     a = h.add("a", list(range(16)))

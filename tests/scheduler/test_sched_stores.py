@@ -13,7 +13,14 @@ import pytest
 from sched_harness import Harness, chain_hashes, config, make_manager, prefill
 from statecore.specs.fakes import RecordingManager
 
-from statecore import InvalidMetadataError, MetadataError, Request, ScheduledRequest
+from statecore import (
+    GroupConfig,
+    InvalidMetadataError,
+    MetadataError,
+    Request,
+    ScheduledRequest,
+    SchedulerConfig,
+)
 from statecore.manager import LookupResult, OffloadPolicy, ReqContext
 from statecore.managers import CPUOffloadingManager, MemoryTier, TieringOffloadingManager
 
@@ -190,6 +197,22 @@ def test_sliding_window_chunk_with_a_null_block_is_not_stored(kind: str) -> None
     assert _layout(store) == ((*full, x, y), (6, 2), (0, 2))
     keys = h.sched.request_keys("a")
     assert h.sched.jobs[job].keys == (*keys[0], keys[1][1])
+
+
+def test_a_group_with_no_chunk_in_a_store_has_no_blocks_in_its_layout(kind: str) -> None:
+    """Groups with different block sizes complete chunks in different steps: a store that
+    holds a chunk of one group only lists 0 blocks (at index 0) for the other."""
+    cfg = SchedulerConfig(groups=(GroupConfig(4), GroupConfig(8)))
+    h = Harness(make_manager(kind), cfg)
+    h.add("a", list(range(16)))
+    h.admit("a")
+    ((job, store),) = h.step([h.schedule("a", 4)], new=["a"]).store_jobs.items()
+    (b0,), (c0,) = h.blocks["a"]
+    assert _layout(store) == ((b0,), (1, 0), (0, 0))
+    assert h.sched.jobs[job].keys == (h.sched.request_keys("a")[0][0],)
+    h.report([job])
+    ((job, store),) = h.step([h.schedule("a", 4)]).store_jobs.items()
+    assert _layout(store) == ((h.blocks["a"][0][1], c0), (1, 1), (1, 0))
 
 
 def test_released_request_leaves_other_holders_of_a_window_block_indexed(kind: str) -> None:
