@@ -8,6 +8,14 @@
  * held, then the GIL is released once while the addresses are computed, runs that continue
  * each other are merged, and the bytes move.
  *
+ * Streaming (stream=True, chosen by the caller for jobs much larger than the caches): the
+ * runs are copied with non-temporal stores, and the source is prefetched PREFETCH_AHEAD bytes
+ * ahead along the job's sequence of runs, across the end of one run into the next.  Scattered
+ * blocks are short runs at random addresses: the hardware prefetcher stops at every 4 KiB
+ * page and restarts on each new run, and ordinary stores first read every destination line
+ * (read-for-ownership) into a cache it will not be read from again soon.  A run whose two
+ * ranges overlap, and every run on a machine without SSE2, is copied with memmove.
+ *
  * The caller owns the addresses: every index must have been validated (every range inside a
  * live buffer that stays alive for the call).  Nothing here checks them.
  */
@@ -17,7 +25,57 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define HAVE_STREAM 1
+#else
+#define HAVE_STREAM 0
+#endif
+
 #define STACK_COPIES 64
+/* Bytes of source prefetched ahead of the copy, and the prefetch's locality (1: prefetcht2).
+ * Measured on the 2-core AMD EPYC of docs/performance.md, one thread, 4 KiB and 16 KiB
+ * blocks: 4 KiB ahead beat 0.5, 1, 2, 3, 6 and 8 KiB; locality 1 beat 0 (non-temporal,
+ * about 0.2 of a contiguous copy less at 4 KiB blocks) and 3, and matched 2. */
+#define PREFETCH_AHEAD 4096
+#define PREFETCH_LOCALITY 1
+
+#if HAVE_STREAM
+/* Copy len bytes from s to d (not overlapping) with non-temporal stores, prefetching the
+ * source PREFETCH_AHEAD bytes ahead; past the end of this run, into next (next_len bytes). */
+static void
+stream_run(char *d, const char *s, size_t len, const char *next, size_t next_len)
+{
+    size_t head = (size_t)(-(uintptr_t)d) & 15; /* bytes until d is 16-byte aligned */
+    if (head > len) head = len;
+    if (head) memcpy(d, s, head);
+    size_t o = head;
+    for (; o + 64 <= len; o += 64) {
+        size_t p = o + PREFETCH_AHEAD;
+        if (p < len) {
+            __builtin_prefetch(s + p, 0, PREFETCH_LOCALITY);
+        } else if (p - len < next_len) {
+            __builtin_prefetch(next + (p - len), 0, PREFETCH_LOCALITY);
+        }
+        __m128i x0 = _mm_loadu_si128((const __m128i *)(s + o));
+        __m128i x1 = _mm_loadu_si128((const __m128i *)(s + o + 16));
+        __m128i x2 = _mm_loadu_si128((const __m128i *)(s + o + 32));
+        __m128i x3 = _mm_loadu_si128((const __m128i *)(s + o + 48));
+        _mm_stream_si128((__m128i *)(d + o), x0);
+        _mm_stream_si128((__m128i *)(d + o + 16), x1);
+        _mm_stream_si128((__m128i *)(d + o + 32), x2);
+        _mm_stream_si128((__m128i *)(d + o + 48), x3);
+    }
+    if (o < len) memcpy(d + o, s + o, len - o);
+}
+#endif
+
+/* Do [a, a+n) and [b, b+n) share a byte? */
+static int
+overlap(uintptr_t a, uintptr_t b, size_t n)
+{
+    return a < b + n && b < a + n;
+}
 
 /* Read items [lo, hi) of a list or tuple of ints into out[0 .. hi-lo). */
 static int
@@ -39,14 +97,19 @@ read_ints(PyObject *seq, Py_ssize_t lo, Py_ssize_t hi, size_t *out, const char *
 
 PyDoc_STRVAR(copy_blocks_doc,
 "copy_blocks(dst_base, dst_stride, dst_index, src_base, src_stride, src_index, nbytes,\n"
-"            start=0, stop=None, /) -> tuple[int, int]\n"
+"            start=0, stop=None, stream=False, /) -> tuple[int, int]\n"
 "\n"
 "For every i in range(start, stop): copy nbytes bytes from host address\n"
 "src_base + src_index[i] * src_stride to dst_base + dst_index[i] * dst_stride.\n"
 "dst_index and src_index are lists or tuples of non-negative ints of equal length.\n"
 "Where both strides equal nbytes, copies whose indices go up by one on both sides are\n"
 "merged into one memmove.  The GIL is released while the bytes move.  Returns\n"
-"(bytes copied, memmove calls made).\n"
+"(bytes copied, runs copied).\n"
+"\n"
+"With a true stream, runs are copied with non-temporal stores while the next bytes of the\n"
+"source (across runs) are prefetched: for jobs far larger than the caches, whose\n"
+"destination is not read again soon.  Overlapping runs, and every run where the machine\n"
+"has no SSE2, are copied with memmove.\n"
 "\n"
 "The addresses are trusted: the caller must have checked every index.");
 
@@ -67,9 +130,9 @@ static PyObject *
 copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs < 7 || nargs > 9) {
+    if (nargs < 7 || nargs > 10) {
         PyErr_Format(PyExc_TypeError,
-                     "copy_blocks expects 7 to 9 positional arguments, got %zd", nargs);
+                     "copy_blocks expects 7 to 10 positional arguments, got %zd", nargs);
         return NULL;
     }
     size_t dst_base, dst_stride, src_base, src_stride, nbytes;
@@ -104,6 +167,11 @@ copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         hi = PyLong_AsSsize_t(args[8]);
         if (hi == -1 && PyErr_Occurred()) goto done;
     }
+    int stream = 0;
+    if (nargs > 9) {
+        stream = PyObject_IsTrue(args[9]);
+        if (stream < 0) goto done;
+    }
     if (lo < 0 || hi > n || lo > hi) {
         PyErr_Format(PyExc_ValueError,
                      "copy_blocks: range [%zd, %zd) is not inside the %zd copies", lo, hi, n);
@@ -123,19 +191,55 @@ copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int mergeable = dst_stride == nbytes && src_stride == nbytes;
     size_t total = 0, calls = 0;
     Py_BEGIN_ALLOW_THREADS
-    Py_ssize_t i = 0;
-    while (i < count) {
-        Py_ssize_t j = i + 1;
+    /* runs are found one ahead of the copy, so a streaming copy can prefetch the next one */
+    Py_ssize_t i = 0, j = 0;
+    uintptr_t dst = 0, src = 0;
+    size_t len = 0;
+    if (count > 0) {
+        j = 1;
         if (mergeable) {
             while (j < count && d[j] == d[j - 1] + 1 && s[j] == s[j - 1] + 1) j++;
         }
-        size_t len = (size_t)(j - i) * nbytes;
-        memmove((void *)(uintptr_t)(dst_base + d[i] * dst_stride),
-                (const void *)(uintptr_t)(src_base + s[i] * src_stride), len);
+        dst = dst_base + d[0] * dst_stride;
+        src = src_base + s[0] * src_stride;
+        len = (size_t)j * nbytes;
+    }
+    while (i < count) {
+        /* the run after [i, j) */
+        Py_ssize_t k = j;
+        uintptr_t next_dst = 0, next_src = 0;
+        size_t next_len = 0;
+        if (j < count) {
+            k = j + 1;
+            if (mergeable) {
+                while (k < count && d[k] == d[k - 1] + 1 && s[k] == s[k - 1] + 1) k++;
+            }
+            next_dst = dst_base + d[j] * dst_stride;
+            next_src = src_base + s[j] * src_stride;
+            next_len = (size_t)(k - j) * nbytes;
+        }
+#if HAVE_STREAM
+        if (stream && !overlap(dst, src, len)) {
+            stream_run((char *)dst, (const char *)src, len, (const char *)next_src, next_len);
+        } else {
+            memmove((void *)dst, (const void *)src, len);
+        }
+#else
+        (void)stream;
+        (void)overlap;
+        memmove((void *)dst, (const void *)src, len);
+#endif
         total += len;
         calls++;
         i = j;
+        j = k;
+        dst = next_dst;
+        src = next_src;
+        len = next_len;
     }
+#if HAVE_STREAM
+    if (stream) _mm_sfence(); /* order the non-temporal stores before the GIL is taken back */
+#endif
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("(nn)", (Py_ssize_t)total, (Py_ssize_t)calls);
 done:

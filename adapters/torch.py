@@ -24,10 +24,13 @@ Execution:
   :func:`statecore.adapters._hostcopy.copy_blocks` computes the addresses, merges pages that
   continue each other on both sides, and copies a whole piece with the GIL released once;
   jobs of 1 MiB and more are shared by ``torch.get_num_threads()`` persistent threads that
-  claim pieces of the segments. Where the extension was not built (no C compiler at install;
-  :func:`host_copy_impl` says which), Python computes the addresses and one ctypes
-  ``memmove`` per run does the same more slowly: each call takes the GIL back, so only large
-  jobs of long copies are shared.
+  claim pieces of the segments. Such jobs *stream*: non-temporal stores (no read of each
+  destination line first) while the source is prefetched 4 KiB ahead along the job's pages,
+  across the end of one into the next (what a contiguous copy gets from the hardware
+  prefetcher, which stops at every page). Where the extension was not built (no C compiler
+  at install; :func:`host_copy_impl` says which), Python computes the addresses and one
+  ctypes ``memmove`` per run does the same more slowly: each call takes the GIL back, so
+  only large jobs of long copies are shared.
 * **CPU test modes** (``copy_impl="staging"`` or ``"triton"`` on CPU tensors): the CUDA
   paths below, minus streams, pinning and registration, so CI runs their planning, queueing,
   polling and byte movement without a GPU (``"triton"`` in Triton's interpreter).
@@ -141,6 +144,10 @@ _HOST_PARALLEL_MIN_RUN = 40 << 10  # ... and when its copies are shorter than th
 _PIECE_BYTES = 256 << 10  # least bytes per piece that copy threads claim in a parallel host job
 # With the native copy loop (no GIL fight), a job is shared from this size on:
 _NATIVE_PARALLEL_MIN_BYTES = 1 << 20
+# ... and from this size on it streams: non-temporal stores, the source prefetched across
+# runs (a job this large evicts most of what its destination lines would displace, and its
+# destination is not read back by this CPU soon: a store's pool rows, a load's KV blocks)
+_STREAM_MIN_BYTES = 1 << 20
 DEFAULT_STAGING_CHUNK_BYTES = 16 << 20
 """Bytes of one chunk of the staging ring (at least the largest page)."""
 DEFAULT_STAGING_CHUNKS = 4
@@ -243,10 +250,15 @@ def host_copy_impl() -> Literal["native", "ctypes"]:
     return "native" if _native_copy_blocks is not None else "ctypes"
 
 
-def _copy_blocks(seg: _Segment, start: int = 0, stop: int | None = None) -> tuple[int, int]:
-    """Copy pages ``[start, stop)`` of a segment; returns (bytes, memmove calls)."""
+def _copy_blocks(
+    seg: _Segment, start: int = 0, stop: int | None = None, stream: bool = False
+) -> tuple[int, int]:
+    """Copy pages ``[start, stop)`` of a segment; returns (bytes, memmove calls).
+
+    ``stream``: the native loop's streaming copy (the ctypes fallback ignores it).
+    """
     if _native_copy_blocks is not None:
-        return _native_copy_blocks(*seg, start, stop)
+        return _native_copy_blocks(*seg, start, stop, stream)
     return _ctypes_copy_blocks(*seg, start, stop)
 
 
@@ -280,8 +292,10 @@ def run_segments(
     The calling thread is one of them; ``executor`` runs the others. Small jobs stay on the
     calling thread (handing work to another thread costs tens of microseconds). With the
     ctypes fallback, jobs of short pages stay there too: each ``memmove`` call takes the GIL
-    back, so several threads mostly fight over it.
+    back, so several threads mostly fight over it. Jobs of ``_STREAM_MIN_BYTES`` and more
+    stream (native loop only: non-temporal stores, the source prefetched across pages).
     """
+    stream = nbytes >= _STREAM_MIN_BYTES
     if executor is None or threads <= 1 or pages < 2:
         share = False
     elif _native_copy_blocks is not None:
@@ -290,17 +304,17 @@ def run_segments(
         share = nbytes >= _HOST_PARALLEL_MIN_BYTES and nbytes >= _HOST_PARALLEL_MIN_RUN * pages
     if not share or executor is None:
         for seg in segments:
-            _copy_blocks(seg)
+            _copy_blocks(seg, 0, None, stream)
         return
     pieces = _segment_pieces(segments, nbytes, threads)
-    futures = [executor.submit(_drain_segment_pieces, pieces) for _ in range(threads - 1)]
-    _drain_segment_pieces(pieces)
+    futures = [executor.submit(_drain_segment_pieces, pieces, stream) for _ in range(threads - 1)]
+    _drain_segment_pieces(pieces, stream)
     for f in futures:
         if not f.cancel():  # a helper that has not started yet has nothing left to do
             f.result()
 
 
-def _drain_segment_pieces(pieces: deque[tuple[_Segment, int, int]]) -> None:
+def _drain_segment_pieces(pieces: deque[tuple[_Segment, int, int]], stream: bool) -> None:
     """Claim pieces from ``pieces`` (``popleft`` is atomic) and copy them until none is left."""
     pop = pieces.popleft
     while True:
@@ -308,7 +322,7 @@ def _drain_segment_pieces(pieces: deque[tuple[_Segment, int, int]]) -> None:
             seg, a, b = pop()
         except IndexError:
             return
-        _copy_blocks(seg, a, b)
+        _copy_blocks(seg, a, b, stream)
 
 
 def _runs(ids: Sequence[int], rows: Sequence[int]) -> tuple[list[int], list[int], list[int]]:

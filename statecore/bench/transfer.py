@@ -7,8 +7,15 @@ stores (GPU -> CPU), loads (CPU -> GPU) and, on CUDA, both at once (stores and l
 disjoint halves). The baseline is one contiguous copy of the same bytes (on CUDA: between the
 GPU tensor and the pinned pool). Each figure is the median of ``--repeat`` runs after a
 warm-up; one block per job is checked byte for byte after the stores. Stores and loads are
-timed in interleaved pairs with their contiguous copy, and the ratio printed is the median
-of the pairs' ratios (a shared machine's load shifts between separate medians).
+timed in interleaved rounds with their contiguous copy, and the ratio printed is the median
+of the rounds' ratios (a shared machine's load shifts between separate medians). Every
+copy of a round runs warm: the warm-up wrote every page each copy touches, and the bytes
+per direction are kept well above the last-level cache, so none of them runs from cache.
+
+On the CPU a second reference is timed in the same rounds: the adapter's own copy loop
+(same threads, same pieces, same stores) over the contiguous bytes, one run per piece.
+``ratio`` (to torch's contiguous ``copy_``) is the goal's figure; ``loop ratio`` says how
+much of it the scattering costs, apart from how the bytes are stored.
 
 Last, the host-side planning cost per job for a layer-per-tensor layout (what the CPU does
 while the copies of earlier jobs run): the CPU path's segments, and the Triton path's address
@@ -77,30 +84,30 @@ def _median_seconds(fn: Callable[[], None], sync: Callable[[], None], repeat: in
     return statistics.median(times)
 
 
-def _paired_seconds(
-    fn: Callable[[], None], ref: Callable[[], None], sync: Callable[[], None], repeat: int
-) -> tuple[float, float, float]:
-    """``fn`` and ``ref`` timed in ``repeat`` back-to-back pairs (order alternating), after a
-    warm-up of each: (median of ``fn``, median of ``ref``, median of the pairs' ``ref / fn``).
-    On a shared machine the load moves between figures taken one after the other; within a
-    pair it mostly does not, so the median pair ratio is the figure to read."""
-    for f in (fn, ref):
+def _interleaved_seconds(
+    fns: Sequence[Callable[[], None]], sync: Callable[[], None], repeat: int
+) -> tuple[list[float], list[float]]:
+    """``fns[0]`` and its references ``fns[1:]`` timed in ``repeat`` back-to-back rounds (order
+    reversed every other round), after a warm-up of each: (median seconds of each, median
+    over the rounds of ``ref / fns[0]`` for each reference). On a shared machine the load
+    moves between figures taken one after the other; within a round it mostly does not, so
+    the median round ratio is the figure to read."""
+    for f in fns:
         f()
         sync()
-    ts: list[float] = []
-    tr: list[float] = []
+    times: list[list[float]] = [[] for _ in fns]
     for i in range(repeat):
-        pair = [0.0, 0.0]
-        for which in (0, 1) if i % 2 == 0 else (1, 0):
+        order = range(len(fns)) if i % 2 == 0 else range(len(fns) - 1, -1, -1)
+        for which in order:
             sync()
             t0 = time.perf_counter()
-            (fn, ref)[which]()
+            fns[which]()
             sync()
-            pair[which] = time.perf_counter() - t0
-        ts.append(pair[0])
-        tr.append(pair[1])
-    ratios = [r / t for t, r in zip(ts, tr, strict=True)]
-    return statistics.median(ts), statistics.median(tr), statistics.median(ratios)
+            times[which].append(time.perf_counter() - t0)
+    ratios = [
+        statistics.median(r / t for t, r in zip(times[0], ts, strict=True)) for ts in times[1:]
+    ]
+    return [statistics.median(ts) for ts in times], ratios
 
 
 def main(argv: Sequence[str]) -> int:
@@ -134,8 +141,10 @@ def main(argv: Sequence[str]) -> int:
         from statecore.adapters.torch import host_copy_impl
 
         print(f"cpu threads={torch.get_num_threads()}  host copy loop={host_copy_impl()}")
+    loop_head = "" if cuda else f" {'loop ratio':>10}"
     print(
         f"{'block':>7} {'impl':>8} {'direction':>10} {'GB/s':>8} {'contig GB/s':>12} {'ratio':>6}"
+        f"{loop_head}"
     )
     sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
     gen = torch.Generator().manual_seed(0)
@@ -199,6 +208,12 @@ def main(argv: Sequence[str]) -> int:
                 "store": functools.partial(_copy, sub_host, sub_gpu),
                 "load": functools.partial(_copy, sub_gpu, sub_host),
             }
+            # the adapter's loop over the same contiguous bytes (one job per ``per_job`` rows)
+            rows = list(range(n))
+            loop: dict[str, Callable[[Any], None]] = {
+                "store": functools.partial(_loop_copy, sub_host, sub_gpu, rows, per_job),
+                "load": functools.partial(_loop_copy, sub_gpu, sub_host, rows, per_job),
+            }
             cases: list[tuple[str, list[TransferJob], list[bool]]] = [
                 ("store", stores, [True] * len(stores)),
                 ("load", loads, [False] * len(loads)),
@@ -207,8 +222,15 @@ def main(argv: Sequence[str]) -> int:
                 cases.append(("both", both, both_store))
             for direction, js, flags in cases:
                 copy = functools.partial(run, js, flags)
-                if direction in contig:  # interleaved pairs: the ratio survives a load shift
-                    t, tc, ratio = _paired_seconds(copy, contig[direction], sync, args.repeat)
+                loop_ratio = ""
+                if direction in contig:  # interleaved rounds: the ratio survives a load shift
+                    refs = [contig[direction]]
+                    if not cuda:
+                        refs.append(functools.partial(loop[direction], be))
+                    ts, ratios = _interleaved_seconds([copy, *refs], sync, args.repeat)
+                    t, tc, ratio = ts[0], ts[1], ratios[0]
+                    if not cuda:
+                        loop_ratio = f"{ratios[1]:6.2f}"
                 else:
                     t = _median_seconds(copy, sync, args.repeat)
                 gbs = n * page / t / 1e9
@@ -227,7 +249,7 @@ def main(argv: Sequence[str]) -> int:
                 cgbs = n * page / tc / 1e9
                 print(
                     f"{page >> 10:>6}K {label:>8} {direction:>10} {gbs:8.1f} {cgbs:12.1f} "
-                    f"{ratio:6.2f}"
+                    f"{ratio:6.2f} {loop_ratio:>10}".rstrip()
                 )
             be.shutdown()
     _planning(torch, backend_cls)
@@ -273,6 +295,19 @@ def _median_us(fn: Callable[[], object], n: int = 200) -> float:
 
 def _copy(dst: Any, src: Any) -> None:
     dst.copy_(src, non_blocking=True)
+
+
+def _loop_copy(dst: Any, src: Any, rows: list[int], per_job: int, be: Any) -> None:
+    """``src`` into ``dst`` (2-D, same shape, contiguous rows) through the CPU backend's copy
+    loop and threads, ``per_job`` rows at a time: each job's rows merge into one run per
+    piece."""
+    from statecore.adapters.torch import run_segments
+
+    page = int(src.shape[1])
+    for a in range(0, len(rows), per_job):
+        idx = rows[a : a + per_job]
+        seg = (dst.data_ptr(), page, idx, src.data_ptr(), page, idx, page)
+        run_segments([seg], len(idx) * page, len(idx), be._executor, be.threads)
 
 
 def _both_contig(torch: Any, g1: Any, h1: Any, g2: Any, h2: Any, repeat: int) -> float:

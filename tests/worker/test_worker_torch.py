@@ -44,7 +44,13 @@ needs_native = pytest.mark.skipif(
     host_copy_impl() != "native",
     reason="statecore.adapters._hostcopy was not built (no C compiler at install)",
 )
-HOST_IMPLS = [pytest.param("native", marks=needs_native), "ctypes"]
+# "native": the C loop's memmove copies; "stream": the C loop streaming every job
+# (non-temporal stores, prefetch across runs); "ctypes": the fallback
+HOST_IMPLS = [
+    pytest.param("native", marks=needs_native),
+    pytest.param("stream", marks=needs_native),
+    "ctypes",
+]
 
 
 def use_host_impl(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,7 +59,8 @@ def use_host_impl(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(torch_adapter, "_native_copy_blocks", None)
     monkeypatch.setattr(torch_adapter, "_HOST_PARALLEL_MIN_BYTES", 1 << 20)
     monkeypatch.setattr(torch_adapter, "_NATIVE_PARALLEL_MIN_BYTES", 1 << 20)
-    assert host_copy_impl() == impl
+    monkeypatch.setattr(torch_adapter, "_STREAM_MIN_BYTES", 0 if impl == "stream" else 1 << 62)
+    assert host_copy_impl() == ("native" if impl == "stream" else impl)
 
 
 def _spy_pieces(monkeypatch: pytest.MonkeyPatch, name: str = "_pieces") -> list[int]:
@@ -549,9 +556,106 @@ def test_native_copy_blocks_strides_merges_and_errors() -> None:
         copy_blocks(d0, 4, [0, 1], s0, 4, [0, -1], 4)
     with pytest.raises(ValueError, match="nbytes"):
         copy_blocks(d0, 4, [0], s0, 4, [0], -4)
-    with pytest.raises(TypeError, match="7 to 9"):
+    with pytest.raises(TypeError, match="7 to 10"):
         copy_blocks(d0, 4, [0], s0, 4, [0])  # type: ignore[call-arg]
     assert torch.equal(dst, before)  # a rejected call copies nothing
+
+
+def _memmove_model(
+    buf: bytearray, dst: int, ds: int, di: list[int], src: int, ss: int, si: list[int], n: int
+) -> None:
+    """What copy_blocks must do, page by page, on offsets into one buffer (memmove
+    semantics: each page reads its source before writing its destination)."""
+    for d, x in zip(di, si, strict=True):
+        buf[dst + d * ds : dst + d * ds + n] = bytes(buf[src + x * ss : src + x * ss + n])
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("page", "src_pad", "dst_off", "di", "si"),
+    [
+        (4096, 0, 0, [3, 4, 5, 0, 9], [7, 8, 9, 1, 2]),  # aligned pages, a run of three
+        (4096 + 24, 0, 5, [1, 2, 0], [0, 1, 3]),  # misaligned dst: head, body, tail
+        (100, 12, 3, [0, 1, 2, 7], [5, 6, 7, 0]),  # padded source: nothing merges
+        (64, 0, 8, [2], [6]),  # a single page, exactly one 64-byte line
+        (7, 0, 1, [0, 1, 2, 3], [4, 5, 6, 7]),  # shorter than one line: one run of 28 bytes
+        (4096, 0, 0, [], []),  # empty
+    ],
+)
+def test_native_streaming_copy_is_memmove_on_the_edges(
+    page: int, src_pad: int, dst_off: int, di: list[int], si: list[int]
+) -> None:
+    """The streaming copy (non-temporal stores, prefetch into the next run) writes exactly
+    what memmove writes: runs merged or not, misaligned heads, tails, tiny and empty jobs."""
+    from statecore.adapters._hostcopy import copy_blocks
+
+    rng = random.Random(page)
+    rows, stride = 10, page + src_pad
+    src = torch.tensor(list(rng.randbytes(rows * stride)), dtype=torch.uint8)
+    outs = [torch.zeros(rows * page + 64, dtype=torch.uint8) for _ in range(2)]
+    mergeable = src_pad == 0
+    runs = sum(
+        1
+        for i in range(len(di))
+        if not (mergeable and i and di[i] == di[i - 1] + 1 and si[i] == si[i - 1] + 1)
+    )
+    for out, stream in zip(outs, (False, True), strict=True):
+        got = copy_blocks(
+            out.data_ptr() + dst_off, page, di, src.data_ptr(), stride, si, page, 0, None, stream
+        )
+        assert got == (len(di) * page, runs)
+    assert torch.equal(outs[0], outs[1])
+    want = bytearray(outs[0].numel())
+    for d, x in zip(di, si, strict=True):
+        at = dst_off + d * page
+        want[at : at + page] = bytes(src[x * stride : x * stride + page].tolist())
+    assert bytes(outs[1].tolist()) == bytes(want)
+
+
+@needs_native
+@pytest.mark.parametrize("shift", [8, -8, 4096 - 8])
+def test_native_streaming_copy_falls_back_to_memmove_when_ranges_overlap(shift: int) -> None:
+    """Source and destination ranges that overlap (possible only through the raw function:
+    the adapter's sides are distinct buffers) are copied with memmove, never streamed."""
+    from statecore.adapters._hostcopy import copy_blocks
+
+    page = 8192
+    init = random.Random(shift).randbytes(4 * page)
+    buf = torch.tensor(list(init), dtype=torch.uint8)
+    base, src_off = buf.data_ptr(), page
+    dst_off = src_off + shift
+    assert copy_blocks(base + dst_off, page, [0], base + src_off, page, [0], page, 0, 1, True) == (
+        page,
+        1,
+    )
+    want = bytearray(init)
+    _memmove_model(want, dst_off, page, [0], src_off, page, [0], page)
+    assert bytes(buf.tolist()) == bytes(want)
+
+
+@needs_native
+def test_jobs_stream_from_the_threshold_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs of ``_STREAM_MIN_BYTES`` and more reach the C loop with ``stream`` set, smaller
+    ones without; both land byte for byte."""
+    flags: list[bool] = []
+    real = torch_adapter._copy_blocks
+
+    def spy(seg: object, start: int = 0, stop: int | None = None, stream: bool = False) -> object:
+        flags.append(stream)
+        return real(seg, start, stop, stream)
+
+    monkeypatch.setattr(torch_adapter, "_copy_blocks", spy)
+    page = 64 << 10
+    n = torch_adapter._STREAM_MIN_BYTES // page
+    src = torch.randint(0, 255, (n + 2, page), dtype=torch.uint8)
+    for count, streamed in ((n, True), (n - 1, False)):
+        dst = torch.zeros_like(src)
+        rows = list(range(count))[::-1]  # reversed: no run merges
+        seg = (dst.data_ptr(), page, rows, src.data_ptr(), page, list(range(count)), page)
+        flags.clear()
+        run_segments([seg], count * page, count, None, 1)
+        assert flags and set(flags) == {streamed}
+        assert torch.equal(dst[:count], src[:count].flip(0)) and not dst[count:].any()
 
 
 @needs_native
