@@ -48,9 +48,9 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from itertools import chain
+from itertools import chain, repeat
 from operator import attrgetter
-from typing import Any
+from typing import Any, cast
 
 from statecore import kernels, validate
 from statecore.config import SchedulerConfig
@@ -94,6 +94,7 @@ __all__ = [
 Clock = Callable[[], float]
 
 _MISS = int(LookupResult.MISS)
+_BYTES_ONLY = {bytes}
 
 
 class GroupState:
@@ -632,24 +633,36 @@ class OffloadingScheduler:
         n_hashes = len(hashes)
         if n_hashes == rec.n_hashes:
             return
-        new: list[tuple[list[OffloadKey], list[bytes], int]] = []
+        new: list[tuple[list[OffloadKey], Sequence[Any], int, bool]] = []
+        sliceable = type(hashes) is list or type(hashes) is tuple
         for g, gs in enumerate(rec.groups):
             hpc = self._hpc[g]
             have = len(gs.keys)
-            if have < n_hashes // hpc:
-                ends = [hashes[idx * hpc + hpc - 1] for idx in range(have, n_hashes // hpc)]
-                for h in ends:
-                    if type(h) is not bytes and not isinstance(h, bytes | bytearray | memoryview):
-                        self.counters.invalid_request_views += 1
-                        return
-                new.append((gs.keys, ends, g))
+            whole = n_hashes // hpc
+            if have < whole:
+                # each chunk's key is built from its last hash block: every hpc-th hash
+                ends: Sequence[Any]
+                if sliceable:
+                    ends = hashes[have * hpc + hpc - 1 : whole * hpc : hpc]
+                else:
+                    ends = [hashes[idx * hpc + hpc - 1] for idx in range(have, whole)]
+                plain = set(map(type, ends)) == _BYTES_ONLY  # the usual case, at C speed
+                if not plain:
+                    for h in ends:
+                        if type(h) is not bytes and not isinstance(
+                            h, bytes | bytearray | memoryview
+                        ):
+                            self.counters.invalid_request_views += 1
+                            return
+                new.append((gs.keys, ends, g, plain))
         rec.n_hashes = n_hashes
-        for keys, ends, g in new:
+        for keys, ends, g, plain in new:
             # make_offload_key without its argument checks (done above): hash + group bytes
             suffix = self._group_suffix[g]
-            keys.extend(
-                [OffloadKey(h + suffix if type(h) is bytes else bytes(h) + suffix) for h in ends]
-            )
+            if plain:
+                keys.extend(cast("Iterable[OffloadKey]", map(bytes.__add__, ends, repeat(suffix))))
+            else:
+                keys.extend([OffloadKey(bytes(h) + suffix) for h in ends])
 
     def _lookup(
         self, rec: RequestRecord, num_computed: int, max_num_new_tokens: int | None

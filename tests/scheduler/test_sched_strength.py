@@ -8,6 +8,8 @@ chunk still being written at index 0 of a lookup never counted as a hit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from sched_harness import Harness, chain_hashes, config, make_manager, prefill
 from statecore.specs.fakes import RecordingManager
@@ -403,6 +405,43 @@ def test_a_chunk_key_is_made_from_the_last_hash_of_the_chunk(kind: str) -> None:
     hashes = chain_hashes(tokens, h.tph)
     assert len(hashes) == 9
     assert h.sched.request_keys("a")[0] == tuple(make_offload_key(hashes[i], 0) for i in (2, 5, 8))
+
+
+class _HashSeq(Sequence[bytes]):
+    """block_hashes as a Sequence that is neither a list nor a tuple."""
+
+    def __init__(self, items: list[bytes]) -> None:
+        self._items = items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def,override]
+        if isinstance(i, slice):
+            raise TypeError("no slices")  # a Sequence need not take them
+        return self._items[i]
+
+
+@pytest.mark.parametrize("wrap", [list, tuple, _HashSeq])
+@pytest.mark.parametrize("bpc", [1, 2, 3])
+def test_keys_are_each_chunks_last_hash_and_group(kind: str, wrap: type, bpc: int) -> None:
+    """Key i of a group is make_offload_key(hash of the chunk's last block, group), for
+    block hashes in any Sequence, whole chunks only; keys grow as hashes arrive."""
+    h = Harness(make_manager(kind), config(blocks_per_chunk=bpc, sliding=8))
+    hashes = chain_hashes(list(range(40)), h.tph)  # 10 hashes
+    req = Request("a", num_prompt_tokens=40, num_tokens=40, block_hashes=wrap(hashes[:7]))
+    h.reqs["a"] = req
+    h.sched.get_num_new_matched_tokens(req, 0)
+    want = [make_offload_key(hashes[i * bpc + bpc - 1], 0) for i in range(7 // bpc)]
+    assert list(h.sched.request_keys("a")[0]) == want
+    assert list(h.sched.request_keys("a")[1]) == [
+        make_offload_key(hashes[i * bpc + bpc - 1], 1) for i in range(7 // bpc)
+    ]
+    req.block_hashes = wrap(hashes)
+    h.sched.get_num_new_matched_tokens(req, 0)
+    want = [make_offload_key(hashes[i * bpc + bpc - 1], 0) for i in range(10 // bpc)]
+    assert list(h.sched.request_keys("a")[0]) == want
+    assert all(type(key) is bytes for g in h.sched.request_keys("a") for key in g)
 
 
 # -- found by the third sample (seed 4242) -------------------------------------------------------
