@@ -28,6 +28,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from itertools import filterfalse, repeat
+from operator import itemgetter
+from typing import Any
 
 from statecore import validate
 from statecore.errors import (
@@ -97,6 +100,9 @@ class CPUManagerCounters:
 
 
 _BYTES_ONLY = {bytes}
+_WRITE_PENDING_ONLY = {-1}
+_REF = itemgetter(0)
+_SLOT = itemgetter(1)
 
 
 _Entry = tuple[int, int]
@@ -433,7 +439,7 @@ class CPUOffloadingManager(OffloadingManager):
         else:
             candidates = keys
         try:
-            to_store = [k for k in dict.fromkeys(candidates) if k not in entries]
+            to_store = list(filterfalse(entries.__contains__, dict.fromkeys(candidates)))
         except TypeError:  # not iterable, or an unhashable key
             validate.offload_keys(keys, "prepare_store")
             raise
@@ -474,10 +480,8 @@ class CPUOffloadingManager(OffloadingManager):
                 # Reused by a store the workers order after the flush: the mark is moot.
                 for slot in slots:
                     quarantine.pop(slot, None)
-        policy = self.policy
-        for key, slot in zip(to_store, slots, strict=True):
-            entries[key] = (-1, slot)
-            policy.insert(key)
+        entries.update(zip(to_store, zip(repeat(-1), slots), strict=True))  # write-pending
+        self.policy.insert_many(to_store)
         self._write_pending += n
         self._alloc_sizes.append(float(n))
         self._stores_skipped += skipped
@@ -546,22 +550,35 @@ class CPUOffloadingManager(OffloadingManager):
         entries = self._entries
         get = entries.get
         policy = self.policy
-        changed: list[OffloadKey] = []
-        for key in keys:
-            entry = get(key)
-            if entry is None or entry[0] != -1:
-                continue
-            changed.append(key)
-            slot = entry[1]
+        changed: list[OffloadKey]
+        got: list[Any] = list(map(get, keys))
+        if (
+            success
+            and None not in got
+            and set(map(_REF, got)) == _WRITE_PENDING_ONLY
+            and len(set(keys)) == len(got)
+        ):  # the usual case: a store job's own keys, all write-pending, each listed once
+            changed = list(keys)
+            entries.update(zip(changed, zip(repeat(0), map(_SLOT, got)), strict=True))
+            policy.mark_evictable_many(changed)
+        else:
+            changed = []
+            for key in keys:
+                entry = get(key)  # (read again: a key listed twice changes once)
+                if entry is None or entry[0] != -1:
+                    continue
+                changed.append(key)
+                slot = entry[1]
+                if success:
+                    entries[key] = (0, slot)
+                else:
+                    del entries[key]
+                    policy.remove(key)
+                    self._free.append(slot)
+                    if quarantine:
+                        self._quarantine_slot(slot)
             if success:
-                entries[key] = (0, slot)
-                policy.mark_evictable(key)
-            else:
-                del entries[key]
-                policy.remove(key)
-                self._free.append(slot)
-                if quarantine:
-                    self._quarantine_slot(slot)
+                policy.mark_evictable_many(changed)
         self._write_pending -= len(changed)
         if success:
             self._evictable += len(changed)

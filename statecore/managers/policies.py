@@ -8,6 +8,11 @@ slot). The manager tells the policy about every state change through four hooks:
 * ``mark_non_evictable(key)``: an idle key got pinned (reference count 0 -> 1);
 * ``remove(key)``: the key left the cache without being evicted (failed store).
 
+A store job's keys arrive together, so the first two hooks also come in batch form, which
+the manager uses on its hot paths: ``insert_many(keys)`` and ``mark_evictable_many(keys)``
+must leave the policy exactly as calling ``insert`` / ``mark_evictable`` on each key in
+order would (a subclass that overrides one form overrides the other).
+
 ``evict(n, protected)`` is atomic: it returns exactly ``n`` victims (all idle, none in
 ``protected``) and forgets them, or returns ``None`` and changes nothing (INV-EVICT).
 
@@ -252,11 +257,17 @@ class CachePolicy(Protocol):
     def insert(self, key: OffloadKey) -> None:
         """A new, write-pending key."""
 
+    def insert_many(self, keys: Sequence[OffloadKey]) -> None:
+        """``insert`` of each of ``keys``, in order (one store job's new keys)."""
+
     def remove(self, key: OffloadKey) -> None:
         """``key`` left the cache without eviction (its store failed)."""
 
     def mark_evictable(self, key: OffloadKey) -> None:
         """``key`` became ready and idle (reference count 0)."""
+
+    def mark_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
+        """``mark_evictable`` of each of ``keys``, in order (one store job's completion)."""
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         """The idle ``key`` was pinned by a reader."""
@@ -288,6 +299,9 @@ class LRUCachePolicy:
     def insert(self, key: OffloadKey) -> None:
         """A new key is write-pending: not evictable, nothing to record."""
 
+    def insert_many(self, keys: Sequence[OffloadKey]) -> None:
+        """New keys are write-pending: nothing to record."""
+
     def remove(self, key: OffloadKey) -> None:
         """Forget ``key``."""
         self.evictable_blocks.pop(key, None)
@@ -296,6 +310,14 @@ class LRUCachePolicy:
         """Append ``key`` at the most recent end."""
         self.evictable_blocks[key] = None
         self.evictable_blocks.move_to_end(key)
+
+    def mark_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
+        """Append ``keys`` at the most recent end, in order (the last one most recent)."""
+        ev = self.evictable_blocks
+        move = ev.move_to_end
+        for key in keys:
+            ev[key] = None
+            move(key)
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         """Take ``key`` out of the evictable list."""
@@ -356,6 +378,17 @@ class ARCCachePolicy:
         self.b1.pop(key, None)
         self.b2.pop(key, None)
 
+    def insert_many(self, keys: Sequence[OffloadKey]) -> None:
+        """``insert`` of each key, in order."""
+        t1 = self.t1
+        for key in keys:
+            t1[key] = None
+        self._pending.update(keys)
+        for ghosts in (self.b1, self.b2):
+            if ghosts and not ghosts.keys().isdisjoint(keys):
+                for key in keys:
+                    ghosts.pop(key, None)
+
     def remove(self, key: OffloadKey) -> None:
         """Forget ``key`` (no ghost is kept)."""
         if key in self.t1:
@@ -369,6 +402,11 @@ class ARCCachePolicy:
         """``key`` is ready and idle."""
         self._idle.add(key)
         self._pending.discard(key)
+
+    def mark_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
+        """``mark_evictable`` of each key."""
+        self._idle.update(keys)
+        self._pending.difference_update(keys)
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         """``key`` is pinned."""

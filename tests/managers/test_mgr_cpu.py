@@ -119,6 +119,42 @@ def test_complete_store_ignores_absent_and_ready_keys() -> None:
     assert m.take_events() == []
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_complete_store_lists_each_changed_key_once(policy: str) -> None:
+    """A key listed twice, or beside a ready or absent key, changes once (the batch path is
+    only for a job's own keys, each write-pending and listed once)."""
+    m = CPUOffloadingManager(8, policy)
+    stored(m, 1)
+    out = m.prepare_store([k(2), k(3), k(4)], CTX)
+    assert out is not None
+    m.take_events()
+    assert m.complete_write([k(2), k(2), k(1), k(9), k(3)], CTX) == [k(2), k(3)]
+    c = m.counters()
+    assert (c.write_pending, c.evictable, c.keys) == (1, 3, 4)
+    assert m.take_events() == [OffloadingEvent((k(2), k(3)), Medium.CPU, removed=False)]
+    m.check_invariants()
+    # a failure drops the keys listed, once each
+    assert m.complete_write([k(4), k(4)], CTX, success=False) == [k(4)]
+    assert m.counters().free == 8 - 3 and m.counters().write_pending == 0
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_complete_store_makes_a_job_ready_in_offered_order(policy: str) -> None:
+    m = CPUOffloadingManager(3, policy)
+    out = m.prepare_store([k(3), k(1), k(2)], CTX)
+    assert out is not None and out.store_spec == CPULoadStoreSpec((0, 1, 2))
+    m.take_events()
+    assert m.complete_write(list(out.keys_to_store), CTX) == [k(3), k(1), k(2)]
+    assert [m.slot_of(k(i)) for i in (3, 1, 2)] == [0, 1, 2]
+    assert m.ref_count(k(3)) == 0 and m.counters().evictable == 3
+    assert m.take_events() == [OffloadingEvent((k(3), k(1), k(2)), Medium.CPU, removed=False)]
+    # the oldest ready key (the first of the job) is evicted first
+    again = m.prepare_store([k(4)], CTX)
+    assert again is not None and again.evicted_keys == (k(3),)
+    m.check_invariants()
+
+
 def test_pins_protect_from_eviction_and_release() -> None:
     m = CPUOffloadingManager(2)
     stored(m, 1, 2)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from statecore.keys import OffloadKey, make_offload_key
 from statecore.managers.policies import (
     ARCCachePolicy,
@@ -125,3 +128,63 @@ def test_kernels() -> None:
     assert arc_target_after_b2_hit(5.0, 4, 2) == 3.0
     assert allocation_plan(4, 2, 3, 4) == (2, 2)
     assert usage_gauges(4, 3, 1) == (0.75, 0.25, 0.5)
+
+
+def _policy_state(p: LRUCachePolicy | ARCCachePolicy) -> tuple[object, ...]:
+    if isinstance(p, LRUCachePolicy):
+        return (list(p.evictable_blocks),)
+    return (
+        list(p.t1),
+        list(p.t2),
+        list(p.b1),
+        list(p.b2),
+        p.target_t1_size,
+        set(p._idle),
+        set(p._pending),
+    )
+
+
+_ids = st.lists(st.integers(0, 7), max_size=8)
+
+
+@given(
+    policy=st.sampled_from([LRUCachePolicy, ARCCachePolicy]),
+    history=st.lists(st.tuples(st.sampled_from(["ins", "ready", "pin", "touch", "evict"]), _ids)),
+    batch=_ids,
+    ready=st.booleans(),
+)
+def test_batch_hooks_equal_the_single_key_hooks_in_order(
+    policy: type[LRUCachePolicy] | type[ARCCachePolicy],
+    history: list[tuple[str, list[int]]],
+    batch: list[int],
+    ready: bool,
+) -> None:
+    """insert_many / mark_evictable_many leave a policy as the single-key calls in order do,
+    whatever came before (ghosts, idle keys, repeated keys)."""
+    a, b = policy(4), policy(4)
+    for p in (a, b):
+        for op, ids in history:
+            keys = [k(i) for i in ids]
+            if op == "ins":
+                for key in keys:
+                    p.insert(key)
+            elif op == "ready":
+                for key in keys:
+                    p.mark_evictable(key)
+            elif op == "pin":
+                for key in keys:
+                    p.mark_non_evictable(key)
+            elif op == "touch":
+                p.touch(keys)
+            else:
+                p.evict(len(ids) % 3, frozenset())
+    keys = [k(i) for i in batch]
+    if ready:
+        a.mark_evictable_many(keys)
+        for key in keys:
+            b.mark_evictable(key)
+    else:
+        a.insert_many(keys)
+        for key in keys:
+            b.insert(key)
+    assert _policy_state(a) == _policy_state(b)
