@@ -16,6 +16,10 @@
  * (read-for-ownership) into a cache it will not be read from again soon.  A run whose two
  * ranges overlap, and every run on a machine without SSE2, is copied with memmove.
  *
+ * ids_valid is the accepting half of that validation at C speed (one pass over each id
+ * list, a bitmap for repeated slots); when it says no, the caller's Python check names the
+ * fault.
+ *
  * The caller owns the addresses: every index must have been validated (every range inside a
  * live buffer that stays alive for the call).  Nothing here checks them.
  */
@@ -249,8 +253,83 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(ids_valid_doc,
+"ids_valid(block_ids, num_gpu_blocks, slots, num_slots, /) -> bool\n"
+"\n"
+"True when every block id is an int in [0, num_gpu_blocks), every slot an int in\n"
+"[0, num_slots) and no slot is listed twice; False otherwise, and also whenever it cannot\n"
+"tell cheaply (an item that is not an int, more than 2**27 slots): the caller then checks\n"
+"in Python, which names what is wrong.  block_ids and slots are lists or tuples.");
+
+/* Largest slot count checked here: a bitmap of 16 MiB (beyond it, Python's set). */
+#define IDS_MAX_SLOTS ((Py_ssize_t)1 << 27)
+
+/* 1 when every item of seq is an int in [0, bound), 0 otherwise (error indicator clear). */
+static int
+all_below(PyObject *seq, Py_ssize_t bound, unsigned char *seen)
+{
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyLong_Check(items[i])) return 0;
+        Py_ssize_t v = PyLong_AsSsize_t(items[i]);
+        if (v == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (v < 0 || v >= bound) return 0;
+        if (seen != NULL) {
+            unsigned char bit = (unsigned char)(1u << (v & 7));
+            if (seen[v >> 3] & bit) return 0;
+            seen[v >> 3] |= bit;
+        }
+    }
+    return 1;
+}
+
+static PyObject *
+ids_valid(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "ids_valid expects 4 positional arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    Py_ssize_t num_blocks = PyLong_AsSsize_t(args[1]);
+    if (num_blocks == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t num_slots = PyLong_AsSsize_t(args[3]);
+    if (num_slots == -1 && PyErr_Occurred()) return NULL;
+    PyObject *blocks = PySequence_Fast(args[0], "ids_valid: block_ids must be a list or tuple");
+    if (blocks == NULL) return NULL;
+    PyObject *slots = PySequence_Fast(args[2], "ids_valid: slots must be a list or tuple");
+    if (slots == NULL) {
+        Py_DECREF(blocks);
+        return NULL;
+    }
+    int ok = 0;
+    if (num_slots >= 0 && num_slots <= IDS_MAX_SLOTS && all_below(blocks, num_blocks, NULL)) {
+        if (PySequence_Fast_GET_SIZE(slots) == 0) {
+            ok = 1;
+        } else {
+            unsigned char *seen = (unsigned char *)PyMem_RawCalloc((size_t)num_slots / 8 + 1, 1);
+            if (seen == NULL) {
+                Py_DECREF(blocks);
+                Py_DECREF(slots);
+                return PyErr_NoMemory();
+            }
+            ok = all_below(slots, num_slots, seen);
+            PyMem_RawFree(seen);
+        }
+    }
+    Py_DECREF(blocks);
+    Py_DECREF(slots);
+    return PyBool_FromLong(ok);
+}
+
 static PyMethodDef methods[] = {
     {"copy_blocks", (PyCFunction)(void (*)(void))copy_blocks, METH_FASTCALL, copy_blocks_doc},
+    {"ids_valid", (PyCFunction)(void (*)(void))ids_valid, METH_FASTCALL, ids_valid_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -267,7 +346,8 @@ static struct PyModuleDef_Slot slots[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     "_hostcopy",
-    "Batched host memory copies that release the GIL (statecore's torch adapter, CPU path).",
+    "Batched host memory copies that release the GIL, and the check of a job's ids (statecore's\n"
+"torch adapter, CPU path).",
     0,
     methods,
     slots,

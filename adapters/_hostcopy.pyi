@@ -26,3 +26,10 @@ def copy_blocks(
     runs (for jobs far larger than the caches). Runs whose ranges overlap, and every run on
     a machine without SSE2, are copied with ``memmove``.
     """
+
+def ids_valid(
+    block_ids: Sequence[int], num_gpu_blocks: int, slots: Sequence[int], num_slots: int, /
+) -> bool:
+    """``True`` when every block id is in ``[0, num_gpu_blocks)``, every slot in
+    ``[0, num_slots)`` and no slot repeats; ``False`` otherwise and whenever it cannot tell
+    cheaply (a non-int item, more than 2**27 slots): the caller then checks in Python."""

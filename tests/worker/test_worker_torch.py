@@ -55,8 +55,9 @@ HOST_IMPLS = [
 
 def use_host_impl(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run host copies with ``impl`` and share even small test jobs between the threads."""
-    if impl == "ctypes":
+    if impl == "ctypes":  # an installation without the extension
         monkeypatch.setattr(torch_adapter, "_native_copy_blocks", None)
+        monkeypatch.setattr(torch_adapter, "_native_ids_valid", None)
     monkeypatch.setattr(torch_adapter, "_HOST_PARALLEL_MIN_BYTES", 1 << 20)
     monkeypatch.setattr(torch_adapter, "_NATIVE_PARALLEL_MIN_BYTES", 1 << 20)
     monkeypatch.setattr(torch_adapter, "_STREAM_MIN_BYTES", 0 if impl == "stream" else 1 << 62)
@@ -656,6 +657,117 @@ def test_jobs_stream_from_the_threshold_on(monkeypatch: pytest.MonkeyPatch) -> N
         run_segments([seg], count * page, count, None, 1)
         assert flags and set(flags) == {streamed}
         assert torch.equal(dst[:count], src[:count].flip(0)) and not dst[count:].any()
+
+
+def _python_accepts(blocks: object, slots: object, num_blocks: int, num_slots: int) -> bool:
+    from statecore.worker import validate_ids
+
+    try:
+        validate_ids(blocks, slots, num_blocks, num_slots)  # type: ignore[arg-type]
+    except SpecError:
+        return False
+    return True
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("blocks", "slots", "num_blocks", "num_slots"),
+    [
+        ((), (), 4, 4),
+        ((0,), (3,), 1, 4),
+        ((3, 3, 0), (0, 1, 2), 4, 3),  # a block read twice is allowed
+        ((4,), (0,), 4, 4),  # block id == num_gpu_blocks
+        ((-1,), (0,), 4, 4),
+        ((0,), (4,), 4, 4),  # slot == num_slots
+        ((0,), (-1,), 4, 4),
+        ((0, 1), (2, 2), 4, 4),  # a slot twice
+        ((0, 1, 2), (7, 0, 7), 4, 8),
+        ([1, 2], [1, 2], 3, 3),  # lists
+        ((0,), (1,), 0, 4),  # no GPU blocks at all
+        ((0,), (0,), 4, 0),
+        ((True,), (False,), 2, 2),  # bools are ints, as in Python
+        ((1 << 70,), (0,), 4, 4),
+        ((0,), (0,), 1 << 62, 1 << 30),  # beyond the bitmap: Python rules
+    ],
+)
+def test_native_id_check_accepts_only_what_python_accepts(
+    blocks: tuple[int, ...], slots: tuple[int, ...], num_blocks: int, num_slots: int
+) -> None:
+    """The C check (the adapter's accepting fast path) agrees with
+    :func:`statecore.worker.validate_ids` on every edge; where it cannot tell cheaply (a
+    bitmap too large) it says no and leaves the verdict to Python."""
+    from statecore.adapters._hostcopy import ids_valid
+
+    got = ids_valid(blocks, num_blocks, slots, num_slots)
+    python = _python_accepts(blocks, slots, num_blocks, num_slots)
+    if num_slots > 1 << 27:
+        assert got is False and python is True
+    else:
+        assert got is python
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(6))
+def test_native_id_check_agrees_with_python_on_random_jobs(seed: int) -> None:
+    from statecore.adapters._hostcopy import ids_valid
+
+    rng = random.Random(seed)
+    for _ in range(200):
+        nb, ns = rng.randint(1, 40), rng.randint(1, 40)
+        k = rng.randint(0, 12)
+        blocks = tuple(rng.randint(-2, nb + 1) for _ in range(k))
+        slots = tuple(rng.randint(-2, ns + 1) for _ in range(k))
+        assert ids_valid(blocks, nb, slots, ns) is _python_accepts(blocks, slots, nb, ns)
+
+
+@needs_native
+def test_native_id_check_rejects_items_that_are_not_ints() -> None:
+    from statecore.adapters._hostcopy import ids_valid
+
+    assert ids_valid((0.0,), 4, (0,), 4) is False
+    assert ids_valid((0,), 4, ("0",), 4) is False
+    with pytest.raises(TypeError, match="4 positional"):
+        ids_valid((0,), 4, (0,))  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="list or tuple"):
+        ids_valid(0, 4, (0,), 4)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("impl", HOST_IMPLS)
+@pytest.mark.parametrize("fault", ["block", "slot", "twice"])
+def test_large_job_with_one_bad_id_moves_no_bytes(
+    impl: str, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job of many pages (checked by the C check where built, streamed if it passed) with
+    one bad id at its end raises SpecError naming it, and no byte moves."""
+    use_host_impl(impl, monkeypatch)
+    page, n = 256, 600
+    gpu = torch.randint(0, 255, (n + 1, page), dtype=torch.uint8)
+    pool = CPUPool(n + 1, [page])
+    be = TorchTransferBackend([gpu], pool, 1, threads=2)
+    blocks, slots = list(range(n)), list(range(n))[::-1]
+    if fault == "block":
+        blocks[-1] = n + 1
+    elif fault == "slot":
+        slots[-1] = n + 1
+    else:
+        slots[-1] = slots[0]
+    job = TransferJob(
+        "r", GPULoadStoreSpec(tuple(blocks), (n,), (0,)), CPULoadStoreSpec(tuple(slots))
+    )
+    before = bytes(pool.region(0))
+    match = "slot twice" if fault == "twice" else rf"\[{n + 1}\] out of range"
+    with pytest.raises(SpecError, match=match):
+        be.submit(1, job, True)
+    assert bytes(pool.region(0)) == before and be.poll() == []
+    blocks[-1], slots[-1] = n - 1, 0  # the same job made valid is copied
+    job = TransferJob(
+        "r", GPULoadStoreSpec(tuple(blocks), (n,), (0,)), CPULoadStoreSpec(tuple(slots))
+    )
+    be.submit(2, job, True)
+    assert all(
+        bytes(pool.row(0, s)) == bytes(gpu[b].tolist()) for b, s in zip(blocks, slots, strict=True)
+    )
+    be.shutdown()
 
 
 @needs_native
