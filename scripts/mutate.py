@@ -473,6 +473,25 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ): "the constructor refuses len(cpu) != len(page_bytes) a few lines above",
     (
         "statecore/lifecycle/table.py",
+        "core/NumberReplacer",
+        "if len(guards) == 1 and guards[0][1]:",
+        "if len(guards) == 1 and guards[ -1][1]:",
+    ): "with one guard, guards[-1] is guards[0]",
+    (
+        "statecore/lifecycle/table.py",
+        "core/NumberReplacer",
+        "return guards[0][0]",
+        "return guards[ -1][0]",
+    ): "reached with exactly one guard only: guards[-1] is guards[0]",
+    (
+        "statecore/lifecycle/table.py",
+        "core/NumberReplacer",
+        "if len(guards) == 1 and guards[0][1]:",
+        "if len(guards) == 0 and guards[0][1]:",
+    ): "guards is non-empty here: the one-guard shortcut is skipped, and the wrapper returns "
+    "the same truth (callers test truth only)",
+    (
+        "statecore/lifecycle/table.py",
         "core/ReplaceComparisonOperator_Is_Eq",
         "return all(bool(f(rec)) is e for f, e in guards)",
     ): "both sides are bools: `==` and `is` agree",

@@ -83,3 +83,19 @@ def test_a_transition_with_two_guards_needs_both(a: bool, b: bool, allowed: bool
     table = compile_lifecycle(_TwoGuards, "thing", "thing_id")
     rec = SimpleNamespace(state=table.state_index["idle"], a=a, b=b, thing_id="t")
     assert table.accepts(rec, table.events.index("start")) is allowed
+
+
+class _Unless(StateMachine):
+    idle = State(initial=True)
+    busy = State(final=True)
+
+    start = idle.to(busy, unless=_a)
+
+
+@pytest.mark.parametrize(("a", "allowed"), [(True, False), (False, True)])
+def test_a_transition_with_one_negated_guard_needs_it_false(a: bool, allowed: bool) -> None:
+    # the one-guard shortcut applies to a plain guard only: an `unless` guard is negated
+    table = compile_lifecycle(_Unless, "thing", "thing_id")
+    assert [t.guard_text for t in table.transitions] == ["not _a"]
+    rec = SimpleNamespace(state=table.state_index["idle"], a=a, thing_id="t")
+    assert table.accepts(rec, table.events.index("start")) is allowed

@@ -18,6 +18,7 @@ from sched_harness import (
 from statecore.specs.fakes import RecordingManager
 
 from statecore import (
+    InvalidMetadataError,
     InvariantViolation,
     LifecycleError,
     LookupResult,
@@ -475,6 +476,25 @@ def test_unknown_request_ids_get_typed_errors(kind: str) -> None:
         h.sched.build_connector_meta("not an output")  # type: ignore[arg-type]
     with pytest.raises(MetadataError, match="one per KV-cache group"):
         h.sched.update_state_after_alloc(ghost, [[1], [2]], 0)
+
+
+@pytest.mark.parametrize(
+    "call", ["on_new_request", "get_num_new_matched_tokens", "request_finished"]
+)
+def test_a_first_sighting_checks_every_block_hash_from_the_first(kind: str, call: str) -> None:
+    """A request the scheduler has never seen has no hash checked yet: a bad first block
+    hash is refused by whichever hook sees the request first, and nothing is tracked."""
+    manager = make_manager(kind)
+    h = Harness(manager, config())
+    good = h.add("a", list(range(12))).block_hashes
+    bad = Request("b", 12, 12, block_hashes=["not bytes", *good[1:]])  # type: ignore[list-item]
+    before = list(finished_order(manager))
+    hook = getattr(h.sched, call)
+    with pytest.raises(InvalidMetadataError, match=r"request.block_hashes\[0\]"):
+        hook(bad) if call != "get_num_new_matched_tokens" else hook(bad, 0)
+    assert set(h.sched.requests) == {"a"}
+    assert finished_order(manager) == before
+    assert h.sched.counters.untracked_finishes == 0
 
 
 def test_an_allocation_for_a_load_needs_both_the_blocks_and_the_keys(kind: str) -> None:
