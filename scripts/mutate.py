@@ -453,7 +453,7 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     (
         "statecore/managers/cpu.py",
         "core/ReplaceTrueWithFalse",
-        "for key, slot in zip(to_store, slots, strict=True):",
+        "entries.update(zip(to_store, zip(repeat(-1), slots), strict=True))  # write-pending",
     ): "slots always holds len(to_store) ids: both allocation paths return exactly n",
     (
         "statecore/managers/cpu.py",
