@@ -105,6 +105,19 @@ def _ref(s: OffloadingScheduler) -> Iterator[str]:
         for block in registered:
             if jid not in s.fence_index.get(block, ()):
                 yield f"store job {jid} reads block {block} but is not in its fence entry"
+    owner = {id(gs): rid for rid, rec in reqs.items() for gs in rec.groups}
+    for block, held in s.window_index.items():
+        if not held:
+            yield f"window entry for block {block} is empty"
+        for gs, pos in held:
+            who = owner.get(id(gs))
+            if who is None:
+                yield f"window entry for block {block} names a position of an untracked request"
+            elif not (pos < len(gs.block_ids) and gs.block_ids[pos] == block):
+                yield (
+                    f"window entry for block {block} names position {pos} of request {who!r}, "
+                    "which does not list it"
+                )
     loading = s.loading_keys
     if loading is not None:
         expected: Counter[bytes] = Counter()
@@ -271,9 +284,11 @@ INVARIANTS: dict[str, Invariant] = {
             "INV-REF",
             "Every job id in a request's in-flight set is a live job of that request, every "
             "live job belongs to exactly one live request, every fence entry names live store "
-            "jobs that read that block, and the chunks-being-loaded index equals the keys of "
-            "live load jobs.",
-            "Dangling job ids that defer a request forever; KeyErrors on completion.",
+            "jobs that read that block, every sliding-window index entry is a position that a "
+            "tracked request lists that block at, and the chunks-being-loaded index equals the "
+            "keys of live load jobs.",
+            "Dangling job ids that defer a request forever; KeyErrors on completion; index "
+            "entries of released requests or dropped block lists kept until the block is reused.",
             ("checked mode", "fuzzing", "simulator"),
             _ref,
         ),

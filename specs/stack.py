@@ -26,7 +26,8 @@ beside the byte oracle.
 After every rule: ``scheduler.check_invariants()`` (every INV-* predicate), the data oracle over
 every valid GPU block (INV-DATA), no typed error raised into the engine, INV-LIVE. At the end
 of each example the machine drains (every outstanding report delivered, clock advanced, steps
-run) and checks that no state leaked (requests, jobs, fences, pins, write-pending keys).
+run) and checks that no state leaked (requests, jobs, fences, window-index
+positions, pins, write-pending keys).
 """
 
 from __future__ import annotations

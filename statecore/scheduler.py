@@ -461,6 +461,12 @@ class OffloadingScheduler:
         return self._fence
 
     @property
+    def window_index(self) -> Mapping[int, list[tuple[GroupState, int]]]:
+        """Sliding-window GPU block id -> (group state, position) of every tracked request that
+        lists it there (read-only use): the positions zeroed when the block is handed out."""
+        return self._window_blocks
+
+    @property
     def loading_keys(self) -> Mapping[OffloadKey, int] | None:
         """Keys of live load jobs with their multiplicity (None without prefix caching)."""
         return self._loading_keys

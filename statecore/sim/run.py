@@ -430,6 +430,11 @@ def leaks(stack: SimStack, engine: SimEngine) -> list[str]:
         out.append(f"stalled-job ledger still holds {sorted(s.stalled_jobs)[:8]}")
     if s.fence_index:
         out.append(f"fence index still holds blocks {sorted(s.fence_index)[:8]}")
+    if s.window_index:
+        out.append(
+            f"window index still lists positions of released requests at "
+            f"{len(s.window_index)} blocks {sorted(s.window_index)[:8]}"
+        )
     if s.loading_keys:
         out.append(f"{len(s.loading_keys)} chunks still marked as being loaded")
     m = stack.manager

@@ -175,6 +175,19 @@ def _untracked_not_recorded(
     self.counters.unknown_scheduled_requests += 1  # skipped before its blocks are recorded
 
 
+def _clear_block_lists_keeping_window_positions(self: OffloadingScheduler, req: Any) -> None:
+    # before issue 18's leak fix: the lists are dropped, their window-index entries are not
+    req.store_floor = 0
+    for gs in req.groups:
+        gs.block_ids.clear()
+        gs.cursor = 0
+
+
+def _release_keeping_window_positions(self: OffloadingScheduler, req: Any) -> None:
+    self._reqs.pop(req.req_id, None)  # forgotten, but its window-index entries stay
+    self._awaiting_signal.pop(req.req_id, None)
+
+
 _real_alloc = OffloadingScheduler.update_state_after_alloc
 
 
@@ -278,6 +291,25 @@ MUTANTS: dict[str, Mutant] = dict(
                 "_drop_stale_window_blocks",
                 _drop_stale_window_blocks_scheduled_only,
             ),
+        ),
+        _mutant(
+            "dropped_block_lists_stay_window_indexed",
+            "a preempted or resumed request's dropped block lists keep their sliding-window "
+            "index entries (until the block is reused, or forever once the request is released)",
+            "issue 18 leak: per-request window-index entries outlive their positions; INV-REF, "
+            "simulator leak check",
+            (
+                OffloadingScheduler,
+                "_clear_block_lists",
+                _clear_block_lists_keeping_window_positions,
+            ),
+        ),
+        _mutant(
+            "released_request_stays_window_indexed",
+            "a released request's sliding-window index entries are kept",
+            "issue 18 leak: per-request window-index entries outlive their request; INV-REF, "
+            "simulator leak check",
+            (OffloadingScheduler, "release_request", _release_keeping_window_positions),
         ),
         _mutant(
             "untracked_allocation_not_fenced",
