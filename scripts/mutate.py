@@ -157,17 +157,6 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     (
         "statecore/scheduler.py",
         "core/NumberReplacer",
-        "held[:] = [e for e in held if e[0] is not gs]",
-        "held[:] = [e for e in held if e[ 1] is not gs]",
-    ): "keeps a released request's window entries, which only zero its own dropped lists",
-    (
-        "statecore/scheduler.py",
-        "core/ZeroIterationForLoop",
-        "for b in set(gs.block_ids):",
-    ): "keeps a released request's window entries, which only zero its own dropped lists",
-    (
-        "statecore/scheduler.py",
-        "core/NumberReplacer",
         "gs.skip = 0",
         "gs.skip = -1",
     ): "skip is only read through max(cursor, skip) with cursor >= 0: -1 behaves as 0",
@@ -218,12 +207,6 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "core/ReplaceAndWithOr",
         "if not job.deferred_registered and job.deferred_fence:",
     ): "fence_add of no blocks does nothing, and adding a job to a block's set twice is a no-op",
-    (
-        "statecore/scheduler.py",
-        "core/AddNot",
-        "if not self._sliding[g]:",
-    ): "full-attention blocks are never in the window index; a released request's sliding"
-    " entries left there only zero positions of its own dropped lists",
     (
         "statecore/scheduler.py",
         "core/NumberReplacer",
@@ -423,14 +406,6 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "a shortcut: kept is an order-preserving subset of the offer, so the set path gives the"
         " same keys in the same order, and no single change makes the None path run when"
         " kept != offer"
-    ),
-    (
-        "statecore/scheduler.py",
-        "core/ReplaceUnaryOperator_Delete_Not",
-        "if not self._sliding[g]:",
-    ): (
-        "full-attention blocks are never in the window index; a released request's sliding entries "
-        "left there only zero positions of its own dropped lists"
     ),
     (
         "statecore/scheduler.py",

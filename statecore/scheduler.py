@@ -929,6 +929,7 @@ class OffloadingScheduler:
         admitted = rec.admitted or []
         rec.admitted = None
         rec.store_floor = 0
+        self._unindex_window_positions(rec)
         out: list[Sequence[int]] = []
         for gs, adm, ids in zip(rec.groups, admitted, new_ids, strict=True):
             gs.block_ids.clear()
@@ -1490,12 +1491,30 @@ class OffloadingScheduler:
         new lists."""
         self._clear_block_lists(req)
 
-    @staticmethod
-    def _clear_block_lists(req: RequestRecord) -> None:
+    def _clear_block_lists(self, req: RequestRecord) -> None:
+        self._unindex_window_positions(req)
         req.store_floor = 0
         for gs in req.groups:
             gs.block_ids.clear()
             gs.cursor = 0
+
+    def _unindex_window_positions(self, req: RequestRecord) -> None:
+        """Take ``req``'s sliding-window positions out of the window index, before its block
+        lists are dropped or it is released: an entry never outlives the position it names
+        (INV-REF). O(the request's sliding-window blocks)."""
+        index = self._window_blocks
+        if not index:
+            return
+        sliding = self._sliding
+        for g, gs in enumerate(req.groups):
+            if not sliding[g]:
+                continue
+            for b in set(gs.block_ids):
+                held = index.get(b)
+                if held:
+                    held[:] = [e for e in held if e[0] is not gs]
+                    if not held:
+                        del index[b]
 
     def on_finish(self, req: RequestRecord) -> None:
         """Fence the full-attention sources of the finished request's in-flight stores."""
@@ -1513,17 +1532,7 @@ class OffloadingScheduler:
         """Forget the request (and its sliding-window block positions)."""
         self._reqs.pop(req.req_id, None)
         self._awaiting_signal.pop(req.req_id, None)
-        index = self._window_blocks
-        if index:
-            for g, gs in enumerate(req.groups):
-                if not self._sliding[g]:
-                    continue
-                for b in set(gs.block_ids):
-                    held = index.get(b)
-                    if held:
-                        held[:] = [e for e in held if e[0] is not gs]
-                        if not held:
-                            del index[b]
+        self._unindex_window_positions(req)
 
     def rewind_request(self, req: RequestRecord) -> None:
         """After a reset: rewind the request's store cursors (its carried load stays)."""

@@ -277,6 +277,36 @@ def test_handing_out_a_block_a_request_listed_before_its_preemption_spares_its_n
     assert h.sched.jobs[job].keys == (*keys[0][1:], *keys[1][1:])
 
 
+def test_window_index_forgets_dropped_lists_and_released_requests(kind: str) -> None:
+    """The sliding-window index names only positions a tracked request lists now: a
+    preemption's dropped lists leave it at once, a resumed request's new list replaces them,
+    and a released request leaves nothing behind (before, those entries stayed until the
+    engine handed the block out again)."""
+    h = Harness(make_manager(kind), config(sliding=8))
+    a = h.add("a", list(range(16)))
+    h.admit("a")
+    old = (h.alloc(4), h.alloc(4))
+    meta = h.step([ScheduledRequest("a", (tuple(old[0]), tuple(old[1])), 4)], new=["a"])
+    gs = h.sched.requests["a"].groups[1]
+    assert {b: [p for _, p in held] for b, held in h.sched.window_index.items()} == {
+        b: [i] for i, b in enumerate(old[1])
+    }
+    h.report(list(meta.store_jobs))
+    h.step(preempted=["a"])
+    assert dict(h.sched.window_index) == {}
+    a.num_computed_tokens = 0
+    new = (h.alloc(3), h.alloc(3))
+    h.report(
+        list(h.step([ScheduledRequest("a", (tuple(new[0]), tuple(new[1])), 4, True)]).store_jobs)
+    )
+    assert {b: held for b, held in h.sched.window_index.items()} == {
+        b: [(gs, i)] for i, b in enumerate(new[1])
+    }
+    h.finish("a")
+    h.step(finished=["a"])
+    assert "a" not in h.sched.requests and dict(h.sched.window_index) == {}
+
+
 def test_long_request_without_limits_stores_every_chunk(kind: str) -> None:
     """No transfer limit and no prompt-only rule: a long request stores all its chunks,
     however far they lie (a 4096-token request, chunk by chunk in 512-token steps)."""
