@@ -38,9 +38,10 @@
 
 #define STACK_COPIES 64
 /* Bytes of source prefetched ahead of the copy, and the prefetch's locality (1: prefetcht2).
- * Measured on the 2-core AMD EPYC of docs/performance.md, one thread, 4 KiB and 16 KiB
- * blocks: 4 KiB ahead beat 0.5, 1, 2, 3, 6 and 8 KiB; locality 1 beat 0 (non-temporal,
- * about 0.2 of a contiguous copy less at 4 KiB blocks) and 3, and matched 2. */
+ * Measured on the 2-core AMD EPYC of docs/performance.md, one thread: at 4 KiB blocks 4 KiB
+ * ahead beat 0.5, 1, 2, 3, 6 and 8 KiB (at 16 KiB blocks 6-8 KiB did as well, within the
+ * noise); locality 1 beat 0 (non-temporal: about 0.2 of a contiguous copy less at 4 KiB
+ * blocks) and 3, and matched 2. */
 #define PREFETCH_AHEAD 4096
 #define PREFETCH_LOCALITY 1
 
