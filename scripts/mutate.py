@@ -110,31 +110,20 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "core/ReplaceComparisonOperator_Gt_GtE",
         "return storable if storable > cursor else cursor",
     ): "when storable == cursor both branches return the same value",
+    # ReportKind numbers: a variant that makes two members share a value turns one into an
+    # alias of the other (IntEnum), which identity checks see; only these two keep them apart
     (
         "statecore/kernels.py",
         "core/NumberReplacer",
         "LIVE = 0",
-    ): "ReportKind members are compared by identity only; no code reads their numbers",
-    (
-        "statecore/kernels.py",
-        "core/NumberReplacer",
-        "STALLED = 1",
-    ): "ReportKind members are compared by identity only; no code reads their numbers",
-    (
-        "statecore/kernels.py",
-        "core/NumberReplacer",
-        "STALE = 2",
-    ): "ReportKind members are compared by identity only; no code reads their numbers",
-    (
-        "statecore/kernels.py",
-        "core/NumberReplacer",
-        "UNKNOWN = 3",
-    ): "ReportKind members are compared by identity only; no code reads their numbers",
+        "LIVE = -1",
+    ): "ReportKind values stay distinct; members are compared by identity, numbers unread",
     (
         "statecore/kernels.py",
         "core/NumberReplacer",
         "DUPLICATE = 4",
-    ): "ReportKind members are compared by identity only; no code reads their numbers",
+        "DUPLICATE = 5",
+    ): "ReportKind values stay distinct; members are compared by identity, numbers unread",
     # issue 18, found by exhaustive site runs over scheduler, kernels and policies
     (
         "statecore/scheduler.py",
@@ -162,11 +151,6 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ): "skip is only read through max(cursor, skip) with cursor >= 0: -1 behaves as 0",
     (
         "statecore/scheduler.py",
-        "core/ReplaceComparisonOperator_IsNot_NotEq",
-        "if type(rid) is not str:",
-    ): "type objects compare by identity: != and `is not` agree",
-    (
-        "statecore/scheduler.py",
         "core/NumberReplacer",
         "self._stale_threshold = 0",
         "self._stale_threshold = -1",
@@ -176,11 +160,6 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "core/NumberReplacer",
         "key=lambda g: -(self._window[g] or 0),",
     ): "only sliding groups are sorted and their window is never None: the fallback never runs",
-    (
-        "statecore/scheduler.py",
-        "core/ReplaceComparisonOperator_Is_Eq",
-        "rec = self._reqs.get(req_id) if type(req_id) is str else None",
-    ): "type(x) == str and type(x) is str agree (type objects compare by identity)",
     (
         "statecore/scheduler.py",
         "core/NumberReplacer",

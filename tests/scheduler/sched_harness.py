@@ -252,3 +252,28 @@ def admit_with_load(h: Harness, rid: str, tokens: list[int], hits: int) -> int:
     assert h.admit(rid) == (hits, True)
     (load,) = h.step().load_jobs
     return load
+
+
+def impostor(real: object) -> object:
+    """A value equal to (and hashed as) ``real`` whose class even compares equal to
+    ``type(real)`` (a metaclass ``__eq__``): only an identity check of its type sees that it
+    is not a ``type(real)``."""
+    claimed = type(real)
+
+    class _Claims(type):
+        def __eq__(cls, other: object) -> bool:
+            return other is claimed or type.__eq__(cls, other)
+
+        __hash__ = type.__hash__
+
+    class Impostor(metaclass=_Claims):
+        def __eq__(self, other: object) -> bool:
+            return bool(other == real)
+
+        def __hash__(self) -> int:
+            return hash(real)
+
+        def __repr__(self) -> str:
+            return f"impostor({real!r})"
+
+    return Impostor()

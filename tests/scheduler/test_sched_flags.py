@@ -201,6 +201,22 @@ def test_transfer_params_are_checked_at_the_first_sighting_only(kind: str) -> No
     assert h.sched.get_num_new_matched_tokens(a, 0) == (0, False)
 
 
+def test_on_new_request_checks_transfer_params_at_the_first_sighting_only(kind: str) -> None:
+    """on_new_request refuses a new request with malformed kv_transfer_params (nothing is
+    tracked, the manager hears nothing); for a request already tracked it reads them no more."""
+    manager = make_manager(kind)
+    h = Harness(manager, config())
+    bad = Request("b", num_prompt_tokens=8, num_tokens=8, kv_transfer_params=5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidMetadataError, match="kv_transfer_params"):
+        h.sched.on_new_request(bad)
+    assert "b" not in h.sched.requests
+    assert h.sched.counters.invalid_transfer_params == 0
+    a = h.add("a", list(range(8)))
+    a.kv_transfer_params = 5  # type: ignore[assignment]
+    h.sched.on_new_request(a)  # a repeated sighting: the params are not read again
+    assert h.sched.request_state("a") == "no_transfer"
+
+
 def test_request_finished_checks_transfer_params_of_an_untracked_request_only(kind: str) -> None:
     """request_finished is the first sighting of a request never tracked: its malformed
     kv_transfer_params are refused (the manager hears nothing); a tracked request's are not

@@ -42,7 +42,10 @@ H, P, M, R = kernels.HIT, kernels.HIT_PENDING, kernels.MISS, kernels.RETRY
 def test_classify_report_at_every_boundary(
     job_id: int, threshold: int, next_id: int, live: bool, stalled: bool, kind: ReportKind
 ) -> None:
-    assert kernels.classify_report(job_id, threshold, next_id, live, stalled) is kind
+    result = kernels.classify_report(job_id, threshold, next_id, live, stalled)
+    assert result is kind
+    # the contract's posts: LIVE exactly for a live job, STALLED exactly for a stalled one
+    assert (result is ReportKind.LIVE, result is ReportKind.STALLED) == (live, stalled)
 
 
 # -- quorum arithmetic (INV-QUORUM) --------------------------------------------------------------
@@ -57,6 +60,7 @@ def test_classify_report_at_every_boundary(
         (1, 2, 1, (0, 0, 1, 2)),  # the failure is accepted first
         (5, 0, 2, (3, 0, 2, 0)),
         (2, 0, 3, (0, 0, 2, 1)),
+        (4, 3, 1, (0, 3, 1, 0)),  # the successes fill what the failure left: 4 - 1
         (0, 1, 0, (0, 0, 0, 1)),
         (0, 0, 0, (0, 0, 0, 0)),
     ],
@@ -69,7 +73,14 @@ def test_apply_report_accepts_failures_first_and_counts_the_excess(
 
 @pytest.mark.parametrize(
     ("pending", "ok", "bad", "over"),
-    [(2, 1, 1, False), (2, 2, 0, False), (2, 2, 1, True), (2, 0, 3, True), (0, 0, 0, False)],
+    [
+        (2, 1, 1, False),
+        (2, 2, 0, False),
+        (2, 2, 1, True),
+        (2, 0, 3, True),
+        (0, 0, 0, False),
+        (1, 1, 1, True),  # one success and one failure: two reports
+    ],
 )
 def test_over_report_is_strictly_more_than_outstanding(
     pending: int, ok: int, bad: int, over: bool

@@ -11,6 +11,7 @@ from sched_harness import (
     admit_with_load,
     config,
     finished_order,
+    impostor,
     make_manager,
     offloaded,
     prefill,
@@ -497,6 +498,24 @@ def test_a_first_sighting_checks_every_block_hash_from_the_first(kind: str, call
     assert h.sched.counters.untracked_finishes == 0
 
 
+def test_a_request_id_that_is_not_a_str_is_refused_however_it_compares(kind: str) -> None:
+    """Request ids must be str by type: an id equal to a tracked one whose class even compares
+    equal to str is refused by the allocation hook and unknown to request_state."""
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(8)))
+    fake_id = impostor("a")
+    assert fake_id == "a" and type(fake_id) == str  # noqa: E721
+    twin = Request("a", 8, 8)
+    twin.request_id = fake_id  # type: ignore[assignment]
+    with pytest.raises(InvalidMetadataError, match="request_id"):
+        h.sched.update_state_after_alloc(twin, [[1, 2]], 0)
+    with pytest.raises(UnknownRequestError):
+        h.sched.request_state(fake_id)  # type: ignore[arg-type]
+    with pytest.raises(UnknownRequestError):
+        h.sched.request_keys(fake_id)  # type: ignore[arg-type]
+    assert h.sched.request_state("a") == "no_transfer"
+
+
 def test_an_allocation_for_a_load_needs_both_the_blocks_and_the_keys(kind: str) -> None:
     """The cached tokens need enough GPU blocks and enough chunk keys: either one short is a
     typed error that creates no load; the allocation that holds them creates one."""
@@ -513,36 +532,15 @@ def test_an_allocation_for_a_load_needs_both_the_blocks_and_the_keys(kind: str) 
     assert len(h.step().load_jobs) == 1
 
 
-class _ClaimsToBeInt(type):
-    """A metaclass whose classes say they equal ``int``: only an identity check sees through."""
-
-    def __eq__(cls, other: object) -> bool:
-        return other is int or type.__eq__(cls, other)
-
-    __hash__ = type.__hash__
-
-
-class _ImpostorJobId(metaclass=_ClaimsToBeInt):
-    """Equal to (and hashed as) a real job id, but not an int."""
-
-    def __init__(self, value: int) -> None:
-        self.value = value
-
-    def __eq__(self, other: object) -> bool:
-        return other == self.value
-
-    def __hash__(self) -> int:
-        return hash(self.value)
-
-
 def test_a_report_for_a_job_id_that_is_not_an_int_is_absorbed(kind: str) -> None:
     """Job ids in a report must be ints by type, not merely compare equal to one: an impostor
     id completes nothing and is counted."""
     h = Harness(make_manager(kind), config())
     h.add("a", list(range(8)))
     (job_id,) = prefill(h, "a")
-    assert _ImpostorJobId(job_id) == job_id and type(_ImpostorJobId(job_id)) == int  # noqa: E721
-    h.sched.update_connector_output(WorkerMetadata(completed={_ImpostorJobId(job_id): 1}))  # type: ignore[dict-item]
+    fake_id = impostor(job_id)
+    assert fake_id == job_id and type(fake_id) == int  # noqa: E721
+    h.sched.update_connector_output(WorkerMetadata(completed={fake_id: 1}))  # type: ignore[dict-item]
     assert h.sched.jobs[job_id].pending == 1
     assert (h.sched.counters.invalid_report_counts, h.sched.counters.jobs_completed) == (1, 0)
 
