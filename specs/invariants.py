@@ -181,6 +181,15 @@ def _cursor(s: OffloadingScheduler) -> Iterator[str]:
                     f"request {rid!r} group {g}: store cursor {gs.cursor} beyond "
                     f"{len(gs.keys)} keys or {len(gs.block_ids) // bpc} whole chunks of blocks"
                 )
+    # a dormant request's steps are skipped: it must be one that can store no chunk
+    for rid in s._dormant:
+        held = s.requests.get(rid)
+        if held is None or held.admitted is not None or not held.store_cap < held.store_floor:
+            state = "untracked" if held is None else f"store floor {held.store_floor}"
+            yield (
+                f"request {rid!r} ({state}) is dormant (its decode steps are skipped) but "
+                "could still store a chunk"
+            )
 
 
 def _src_valid(s: OffloadingScheduler) -> Iterator[str]:

@@ -48,8 +48,8 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from itertools import chain, repeat
-from operator import attrgetter
+from itertools import chain, compress, repeat
+from operator import attrgetter, is_not, not_, or_
 from typing import Any, cast
 
 from statecore import kernels, validate
@@ -411,6 +411,11 @@ class OffloadingScheduler:
         )
         self._batch = _StepBatch()
         self._awaiting_signal: dict[str, RequestRecord] = {}
+        # Requests whose store cap is below their store floor (no chunk can become storable,
+        # e.g. a prompt-only request whose prompt is stored): their columnar entries without
+        # new blocks are skipped. Left when the floor is reset (allocation, preemption,
+        # resumption, reset) or the request is released (INV-CURSOR checks it).
+        self._dormant: set[str] = set()
         self._finished_loads: set[str] = set()
         self._invalid_blocks: set[int] = set()
         self._last_stall_check = clock()
@@ -836,6 +841,7 @@ class OffloadingScheduler:
             allocated.update(ids)
         allocated.discard(0)  # the null block is never handed to an owner
         rec.admitted = admitted
+        self._dormant.discard(rec.req_id)
 
     def _new_job(
         self,
@@ -953,22 +959,37 @@ class OffloadingScheduler:
         allocated = self._batch.allocated
         scheduled: list[RequestRecord] = []
         get = self._reqs.get
+        dormant_add = self._dormant.add
         sliding = self._sliding if self._any_sliding else None
         window_new: list[tuple[int, GroupState, int]] = []
         entries: Iterable[tuple[str, Any, int, bool]] = map(_ENTRY, output.scheduled)
         cols = output.columns
         if cols is not None:
             resumed = cols.resumed_req_ids
-            entries = chain(
-                entries,
-                zip(
-                    cols.req_ids,
-                    cols.new_block_ids,
-                    cols.num_scheduled_tokens,
-                    map(resumed.__contains__, cols.req_ids),
-                    strict=True,
-                ),
+            rids = cols.req_ids
+            blocks = cols.new_block_ids
+            dormant = self._dormant
+            if resumed:
+                dormant.difference_update(resumed)  # (their block lists start over below)
+            col_entries: Iterable[tuple[str, Any, int, bool]] = zip(
+                rids,
+                blocks,
+                cols.num_scheduled_tokens,
+                map(resumed.__contains__, rids),
+                strict=True,
             )
+            if dormant:
+                # an entry of a dormant request with no new blocks changes nothing: dropped at
+                # C speed (in a large decode batch, most entries)
+                col_entries = compress(
+                    col_entries,
+                    map(
+                        or_,
+                        map(is_not, blocks, repeat(None)),
+                        map(not_, map(dormant.__contains__, rids)),
+                    ),
+                )
+            entries = chain(entries, col_entries)
         for rid, new_ids, n, resumed_now in entries:
             rec = get(rid)
             if rec is None:
@@ -992,6 +1013,7 @@ class OffloadingScheduler:
             floor = rec.store_floor
             if floor:
                 if rec.store_cap < floor:
+                    dormant_add(rid)  # no chunk can become storable: skipped from now on
                     continue
                 nc = rec.request.num_computed_tokens
                 if type(nc) is int and nc + n < floor:
@@ -1494,6 +1516,7 @@ class OffloadingScheduler:
     def _clear_block_lists(self, req: RequestRecord) -> None:
         self._unindex_window_positions(req)
         req.store_floor = 0
+        self._dormant.discard(req.req_id)
         for gs in req.groups:
             gs.block_ids.clear()
             gs.cursor = 0
@@ -1533,10 +1556,12 @@ class OffloadingScheduler:
         self._reqs.pop(req.req_id, None)
         self._awaiting_signal.pop(req.req_id, None)
         self._unindex_window_positions(req)
+        self._dormant.discard(req.req_id)
 
     def rewind_request(self, req: RequestRecord) -> None:
         """After a reset: rewind the request's store cursors (its carried load stays)."""
         req.store_floor = 0
+        self._dormant.discard(req.req_id)
         for gs in req.groups:
             gs.cursor = 0
             gs.skip = 0

@@ -125,3 +125,86 @@ def test_columns_follow_scheduled_entries_and_resume() -> None:
     meta = h.sched.build_connector_meta(SchedulerOutput(columns=cols))
     (job,) = meta.store_jobs.values()
     assert set(job.src.block_ids) <= set(resumed.new_block_ids[0])
+
+
+# -- dormant requests: decode entries skipped once no chunk can become storable ------------------
+
+
+def _decode(h: Harness, *rids: str, blocks: dict[str, Any] | None = None) -> Any:
+    """One columnar step: one token each, no new blocks unless ``blocks`` gives them."""
+    blocks = blocks or {}
+    meta = h.sched.build_connector_meta(
+        SchedulerOutput(
+            columns=ScheduledColumns(list(rids), [blocks.get(r) for r in rids], [1] * len(rids))
+        )
+    )
+    for r in rids:
+        h.reqs[r].num_computed_tokens += 1
+        h.reqs[r].num_tokens += 1
+    return meta
+
+
+def _prompt_only_harness() -> tuple[Harness, dict[int, object]]:
+    from sched_harness import prefill
+
+    h = Harness(make_manager("cpu"), config(offload_prompt_only=True))
+    h.add("a", list(range(16)))
+    jobs = prefill(h, "a")
+    h.report(list(jobs))
+    return h, jobs
+
+
+def test_a_dormant_request_stores_again_after_a_reset() -> None:
+    """A prompt-only request whose prompt is stored has nothing left to store: its decode
+    entries are skipped (dormant). A reset rewinds its cursors, so its next decode entry,
+    without new blocks, stores the prompt again into the reset tier."""
+    h, jobs = _prompt_only_harness()
+    assert len(jobs) == 1
+    for _ in range(3):
+        assert not _decode(h, "a").store_jobs  # dormant: nothing to store
+    h.sched.reset_cache()
+    meta = _decode(h, "a")
+    assert len(meta.store_jobs) == 1
+    (job,) = meta.store_jobs
+    assert len(h.sched.jobs[job].keys) == 4  # the whole prompt again
+
+
+def test_a_dormant_request_resumed_or_reallocated_is_followed_again() -> None:
+    """Preemption clears a dormant request's blocks; its resumed entry brings new ones and
+    is applied (block lists, fences) although the request was dormant; an allocation
+    (update_state_after_alloc) too."""
+    h, _ = _prompt_only_harness()
+    _decode(h, "a")
+    h.step(preempted=["a"])
+    rec = h.sched.requests["a"]
+    assert rec.groups[0].block_ids == []
+    resumed = SchedulerOutput(
+        columns=ScheduledColumns(["a"], [((70, 71, 72, 73, 74),)], [17], frozenset({"a"}))
+    )
+    h.sched.build_connector_meta(resumed)
+    assert rec.groups[0].block_ids == [70, 71, 72, 73, 74]
+    _decode(h, "a")
+    _decode(h, "a", blocks={"a": ((75,),)})  # a new block of a dormant request is recorded
+    assert rec.groups[0].block_ids[-1] == 75
+    h.sched.update_state_after_alloc(h.reqs["a"], [[80, 81, 82, 83, 84, 85]], 0)
+    _decode(h, "a")  # the allocation's lists are applied: the entry was not skipped
+    assert rec.groups[0].block_ids == [80, 81, 82, 83, 84, 85]
+
+
+def test_checked_mode_catches_a_dormant_request_that_can_still_store() -> None:
+    from statecore import InvariantViolation
+
+    h, _ = _prompt_only_harness()
+    _decode(h, "a")
+    h.sched.requests["a"].store_floor = 0  # e.g. a rewind that forgot the dormant set
+    with pytest.raises(InvariantViolation, match="INV-CURSOR"):
+        h.sched.check_invariants()
+
+
+def test_a_resumed_entry_of_a_dormant_request_clears_its_blocks_even_without_new_ones() -> None:
+    h, _ = _prompt_only_harness()
+    _decode(h, "a")
+    h.sched.build_connector_meta(
+        SchedulerOutput(columns=ScheduledColumns(["a"], [None], [1], frozenset({"a"})))
+    )
+    assert h.sched.requests["a"].groups[0].block_ids == []
