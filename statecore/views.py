@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
-from operator import is_not
+from itertools import chain, compress
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["Request", "RequestLike", "ScheduledColumns", "ScheduledRequest", "SchedulerOutput"]
@@ -77,6 +76,10 @@ _SEQ = (list, tuple)
 _NO_NEW_BLOCK = ((),)
 _SETS = (frozenset, set)
 _STR = {str}
+_INT = {int}
+_ONE = {1}
+_NO_GROUPS: frozenset[int] = frozenset()
+_ONE_GROUP = frozenset(_ONE)
 
 
 def _ids_ok(ids: Any) -> bool:
@@ -197,49 +200,65 @@ class ScheduledColumns:
         blocks: Any = self.new_block_ids
         counts: Any = self.num_scheduled_tokens
         resumed: Any = self.resumed_req_ids
-        n = len(rids) if type(rids) in _SEQ else -1
         if (
-            n >= 0
+            type(rids) in _SEQ
             and type(blocks) in _SEQ
             and type(counts) in _SEQ
-            and len(blocks) == n
-            and len(counts) == n
+            and len(blocks) == len(rids) == len(counts)
             and type(resumed) in _SETS
-            and (not n or (set(map(type, rids)) == _STR and set(map(type, counts)) == _INT))
-            and (not n or min(counts) >= 0)
-            and all(type(r) is str for r in resumed)
+            and (not counts or (set(map(type, counts)) == _INT and min(counts) >= 0))
         ):
-            norm = _columns_blocks(blocks)
+            try:  # ids: str or str subclasses (as the diagnosis accepts), at C speed
+                "".join(rids)
+                if resumed:
+                    "".join(resumed)
+            except TypeError:
+                norm = None
+            else:
+                norm = _columns_blocks(blocks)
             if norm is not None:
                 out, group_counts = norm
-                object.__setattr__(self, "req_ids", tuple(rids))
-                object.__setattr__(self, "new_block_ids", out)
-                object.__setattr__(self, "num_scheduled_tokens", tuple(counts))
-                object.__setattr__(self, "resumed_req_ids", frozenset(resumed))
-                object.__setattr__(self, "group_counts", group_counts)
+                setattr_ = object.__setattr__
+                setattr_(self, "req_ids", tuple(rids))
+                setattr_(self, "new_block_ids", out)
+                setattr_(self, "num_scheduled_tokens", tuple(counts))
+                if type(resumed) is not frozenset:
+                    setattr_(self, "resumed_req_ids", frozenset(resumed))
+                if group_counts:
+                    setattr_(self, "group_counts", group_counts)
                 return
         from statecore.validate import scheduled_columns
 
         scheduled_columns(self, "ScheduledColumns")
 
 
-_INT = {int}
-
-
 def _columns_blocks(
     blocks: Sequence[Any],
 ) -> tuple[tuple[tuple[tuple[int, ...], ...] | None, ...], frozenset[int]] | None:
-    """The block column with every present entry as a tuple of tuples, and its group counts;
-    None when an entry is malformed (the caller diagnoses). Entries of None are skipped at C
-    speed (most entries of a decode batch); a one-group entry costs no call per group."""
+    """The block column with every present entry as a tuple of tuples and every absent one as
+    None, and its group counts; None when an entry is malformed (the caller diagnoses).
+
+    No call per absent entry (most entries of a decode batch): the present entries are the
+    truthy ones (``compress``), the absent ones those equal to None (``count``); when the two
+    do not add up (an empty or falsy entry) or a test raises, every entry is looked at. An
+    entry that compares equal to None is stored as None. A one-group entry costs no call per
+    group."""
     n = len(blocks)
-    if blocks.count(None) == n:
-        return tuple(blocks), frozenset()
-    out: list[Any] = list(blocks)
+    try:
+        nones = blocks.count(None)
+        if nones == n:
+            return (None,) * n, _NO_GROUPS
+        present = list(compress(range(n), blocks))
+        bulk = len(present) + nones == n  # else an empty or falsy entry
+    except Exception:  # an entry whose comparison or truth test raises (an array)
+        bulk = False
+    if not bulk:  # the entry-by-entry path
+        present = [i for i in range(n) if blocks[i] is not None]
+    out: list[Any] = [None] * n
     counts: set[int] = set()
     try:
-        for i in compress(range(n), map(is_not, out, repeat(None))):
-            ids = out[i]
+        for i in present:
+            ids = blocks[i]
             if type(ids) not in _SEQ:
                 return None
             if len(ids) == 1:
@@ -258,7 +277,7 @@ def _columns_blocks(
             out[i] = tuple(g if type(g) is tuple else tuple(g) for g in ids)
     except TypeError:  # a block id that is not a number (None, a str)
         return None
-    return tuple(out), frozenset(counts)
+    return tuple(out), _ONE_GROUP if counts == _ONE else frozenset(counts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,37 +308,51 @@ class SchedulerOutput:
     """How many block lists the entries carry (one value when they agree); computed."""
 
     def __post_init__(self) -> None:
-        # Happy path, one pass: the entries' group counts, -1 for an entry that is not a
-        # ScheduledRequest (each entry validated its own fields when it was built)
+        # Happy path, in this frame: the sets' types, their items at C speed (``join`` raises
+        # on an id that is not a str; a sum of ints is an int), then the entries' group counts
+        # (each entry checked its own fields when it was built)
         scheduled: Any = self.scheduled
         if type(scheduled) is list:
             scheduled = tuple(scheduled)
             object.__setattr__(self, "scheduled", scheduled)
+        new: Any = self.new_req_ids
+        finished: Any = self.finished_req_ids
+        preempted: Any = self.preempted_req_ids
+        extra: Any = self.extra_allocated_block_ids
         columns = self.columns
         if (
             type(scheduled) is tuple
-            and _sets_ok(self)
+            and type(new) in _SETS
+            and type(finished) in _SETS
+            and type(preempted) in _SETS
+            and type(extra) in _SETS
             and (columns is None or type(columns) is ScheduledColumns)
         ):
-            entry = ScheduledRequest
-            counts = {len(s.new_block_ids) if type(s) is entry else -1 for s in scheduled}
-            if -1 not in counts:
-                if columns is not None:
-                    counts.update(columns.group_counts)
-                object.__setattr__(self, "group_counts", frozenset(counts))
-                return
+            try:
+                if new or finished or preempted:
+                    "".join(chain(new, finished, preempted))
+                ok = not extra or (type(sum(extra)) is int and min(extra) >= 0)
+            except TypeError:
+                ok = False
+            if ok:
+                if not scheduled:
+                    if columns is not None:
+                        object.__setattr__(self, "group_counts", columns.group_counts)
+                    return
+                entry = ScheduledRequest
+                counts: set[int] = set()
+                add = counts.add
+                for s in scheduled:
+                    if type(s) is not entry:
+                        break
+                    add(len(s.new_block_ids))
+                else:
+                    if columns is not None:
+                        counts.update(columns.group_counts)
+                    object.__setattr__(
+                        self, "group_counts", _ONE_GROUP if counts == _ONE else frozenset(counts)
+                    )
+                    return
         from statecore.validate import scheduler_output_fields
 
         scheduler_output_fields(self)
-
-
-def _sets_ok(output: Any) -> bool:
-    for value in (output.new_req_ids, output.finished_req_ids, output.preempted_req_ids):
-        if type(value) not in _SETS:
-            return False
-        if value and set(map(type, value)) != _STR:
-            return False
-    extra = output.extra_allocated_block_ids
-    if type(extra) not in _SETS:
-        return False
-    return _ids_ok(tuple(extra))

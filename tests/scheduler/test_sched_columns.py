@@ -208,3 +208,78 @@ def test_a_resumed_entry_of_a_dormant_request_clears_its_blocks_even_without_new
         SchedulerOutput(columns=ScheduledColumns(["a"], [None], [1], frozenset({"a"})))
     )
     assert h.sched.requests["a"].groups[0].block_ids == []
+
+
+class _Id(str):
+    """A str subclass: accepted as a request id (the diagnosis checks isinstance)."""
+
+
+def test_fast_checks_accept_what_the_diagnosis_accepts_and_freeze_it() -> None:
+    """The C-speed checks (``join`` over the ids) and the entry-by-entry diagnosis agree:
+    str subclasses are ids; a mutable id set is stored frozen; one group count is kept."""
+    resumed = {"b"}
+    c = ScheduledColumns([_Id("a"), "b"], [([1],), None], [1, 2], resumed)  # type: ignore[arg-type]
+    resumed.add("c")
+    assert type(c.resumed_req_ids) is frozenset and c.resumed_req_ids == {"b"}
+    assert c.req_ids == ("a", "b") and c.group_counts == frozenset({1})
+    two = ScheduledColumns(["a"], [([1], [2])], [1])
+    assert two.group_counts == frozenset({2})
+    out = SchedulerOutput(finished_req_ids=frozenset({_Id("x")}), columns=two)
+    assert out.group_counts == frozenset({2})
+    mixed = SchedulerOutput(scheduled=[ScheduledRequest("a", ((1,),), 1)], columns=two)
+    assert mixed.group_counts == frozenset({1, 2})
+
+
+@pytest.mark.parametrize("name", ["new_req_ids", "finished_req_ids", "preempted_req_ids"])
+def test_each_id_set_of_the_output_is_checked(name: str) -> None:
+    with pytest.raises(InvalidMetadataError, match=name):
+        SchedulerOutput(**{name: frozenset({"a", 2})})
+    with pytest.raises(InvalidMetadataError, match=name):
+        SchedulerOutput(**{name: ["a"]})
+
+
+def test_extra_blocks_of_the_output_are_checked() -> None:
+    assert SchedulerOutput(extra_allocated_block_ids=frozenset({0, 7})).group_counts == set()
+    with pytest.raises(InvalidMetadataError, match="extra_allocated_block_ids"):
+        SchedulerOutput(extra_allocated_block_ids=frozenset({1, -1}))
+    with pytest.raises(InvalidMetadataError, match="extra_allocated_block_ids"):
+        SchedulerOutput(extra_allocated_block_ids=frozenset({1, "2"}))  # type: ignore[arg-type]
+
+
+class _NoneLike:
+    """Falsy and equal to None: an absent entry in disguise."""
+
+    def __eq__(self, other: object) -> bool:
+        return other is None
+
+    def __bool__(self) -> bool:
+        return False
+
+    __hash__ = object.__hash__
+
+
+class _Ambiguous:
+    """Its truth test and its comparisons raise (as an array's do)."""
+
+    def __eq__(self, other: object) -> bool:
+        raise ValueError("ambiguous")
+
+    def __bool__(self) -> bool:
+        raise ValueError("ambiguous")
+
+    __hash__ = object.__hash__
+
+
+def test_block_column_holds_only_none_or_tuples() -> None:
+    """Absent entries are found without a call each (a truth test and a count of None); an
+    entry that passes for None is stored as None, an empty entry is kept (zero groups, refused
+    by the scheduler), and an entry whose tests raise still gets the typed error."""
+    for blocks in ([None, _NoneLike()], [([1],), _NoneLike()], [_NoneLike(), ([2],)]):
+        c = ScheduledColumns(["a", "b"], blocks, [1, 1])
+        assert all(e is None or type(e) is tuple for e in c.new_block_ids)
+        assert sum(e is None for e in c.new_block_ids) == 1 + (blocks[0] is None)
+    empty = ScheduledColumns(["a", "b"], [([1],), ()], [1, 1])
+    assert empty.new_block_ids == (((1,),), ()) and empty.group_counts == frozenset({0, 1})
+    for blocks in ([None, _Ambiguous()], [([1],), _Ambiguous()], [([1],), 0], [([1],), ""]):
+        with pytest.raises(InvalidMetadataError, match=r"new_block_ids\[1\]"):
+            ScheduledColumns(["a", "b"], blocks, [1, 1])
