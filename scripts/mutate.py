@@ -407,7 +407,7 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     (
         "statecore/managers/cpu.py",
         "core/ReplaceTrueWithFalse",
-        "entries.update(zip(to_store, zip(repeat(-1), slots), strict=True))  # write-pending",
+        "entries.update(zip(to_store, slots, strict=True))  # write-pending: the slot itself",
     ): "slots always holds len(to_store) ids: both allocation paths return exactly n",
     (
         "statecore/managers/cpu.py",

@@ -1121,7 +1121,7 @@ class World:
         m = self.manager
         ends = m._schedule_ends
         mgr_key = (
-            tuple([(k, *e) for k, e in m._entries.items()]),
+            tuple(m._entries.items()),
             tuple(m.policy.evictable_blocks),  # type: ignore[attr-defined]
             tuple(m._free),
             m._high_water,

@@ -28,8 +28,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from itertools import filterfalse, repeat
-from operator import itemgetter
+from itertools import filterfalse
 from typing import Any
 
 from statecore import validate
@@ -100,18 +99,38 @@ class CPUManagerCounters:
 
 
 _BYTES_ONLY = {bytes}
-_WRITE_PENDING_ONLY = {-1}
-_REF = itemgetter(0)
-_SLOT = itemgetter(1)
+
+_Entry = int
+"""A present key's reference count and slot in one int: ``(ref + 1) * _ONE + slot``.
+
+The reference count is -1 (write-pending: the entry is the slot itself), 0 (idle: ``_ONE``
+plus the slot) or n (pinned n times). An int, replaced when the count changes: the cyclic
+garbage collector does not track ints, so neither a tier of a million keys (a full
+collection's traversal) nor a store job's new keys (the allocations that trigger young
+collections, inside the connector's hooks) cost it anything. An object per key, then a
+tuple per key, did; those pauses were the tail of the connector's per-step cost."""
+
+_SHIFT = 40
+_ONE = 1 << _SHIFT
+"""One reference in an entry."""
+_MASK = _ONE - 1
+MAX_SLOTS = _ONE
+"""The most slots a CPU tier may have (slot ids fit under the reference count)."""
 
 
-_Entry = tuple[int, int]
-"""A present key's (reference count, slot): -1 write-pending, 0 idle, n pinned n times.
+def _entry(ref: int, slot: int) -> _Entry:
+    """The entry of a key with reference count ``ref`` in ``slot``."""
+    return (ref + 1) * _ONE + slot
 
-A tuple of two ints, replaced (not mutated) when the count changes: the cyclic garbage
-collector untracks such tuples, so a tier of a million keys adds nothing to a full
-collection's traversal (an object per key did, and those pauses were the tail of the
-connector's per-step cost)."""
+
+def _ref(entry: _Entry) -> int:
+    """An entry's reference count."""
+    return (entry >> _SHIFT) - 1
+
+
+def _slot(entry: _Entry) -> int:
+    """An entry's slot."""
+    return entry & _MASK
 
 
 def _resolve_policy(policy: str | CachePolicy, capacity: int) -> CachePolicy:
@@ -167,6 +186,12 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> None:
         owner = "CPUOffloadingManager"
         validate.config_int(owner, "num_slots", num_slots, 0)
+        if num_slots > MAX_SLOTS:
+            raise ConfigError(
+                f"{owner}.num_slots must be at most {MAX_SLOTS}, got {num_slots}",
+                f"{owner}.num_slots",
+                num_slots,
+            )
         validate.config_bool(owner, "enable_events", enable_events)
         validate.config_int(owner, "store_threshold", store_threshold, 0)
         validate.config_int(owner, "max_tracker_size", max_tracker_size, 1)
@@ -175,7 +200,7 @@ class CPUOffloadingManager(OffloadingManager):
         self.enable_events = enable_events
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
-        self._entries: dict[OffloadKey, _Entry] = {}  # key -> (ref, slot)
+        self._entries: dict[OffloadKey, _Entry] = {}  # key -> _entry(ref, slot)
         self._high_water = 0
         self._free: list[int] = []
         self._evictable = 0
@@ -206,22 +231,22 @@ class CPUOffloadingManager(OffloadingManager):
         entry = self._entries.get(key)
         if entry is None:
             return LookupResult.MISS
-        return LookupResult.HIT if entry[0] >= 0 else LookupResult.HIT_PENDING
+        return LookupResult.HIT if entry >= _ONE else LookupResult.HIT_PENDING
 
     def slot_of(self, key: OffloadKey) -> int | None:
         """The slot holding ``key``, or ``None`` when absent."""
         entry = self._entries.get(key)
-        return None if entry is None else entry[1]
+        return None if entry is None else entry & _MASK
 
     def ref_count(self, key: OffloadKey) -> int | None:
         """``key``'s reference count (-1 write-pending, 0 idle, n pinned), ``None`` if absent."""
         entry = self._entries.get(key)
-        return None if entry is None else entry[0]
+        return None if entry is None else _ref(entry)
 
     def is_ready(self, key: OffloadKey) -> bool:
         """Whether ``key`` is present and readable."""
         entry = self._entries.get(key)
-        return entry is not None and entry[0] >= 0
+        return entry is not None and entry >= _ONE
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -267,7 +292,7 @@ class CPUOffloadingManager(OffloadingManager):
 
         O(capacity): for tests and checked mode, not for the hot path.
         """
-        refs = [e[0] for e in self._entries.values()]
+        refs = [_ref(e) for e in self._entries.values()]
         if any(r < -1 for r in refs):
             raise InvariantViolation("INV-PIN", "a reference count is below -1")
         idle = sum(1 for r in refs if r == 0)
@@ -280,7 +305,7 @@ class CPUOffloadingManager(OffloadingManager):
             raise InvariantViolation(
                 "INV-PIN", f"write-pending counter {self._write_pending} but {pending} keys"
             )
-        used = [e[1] for e in self._entries.values()]
+        used = [_slot(e) for e in self._entries.values()]
         everything = used + self._free
         if len(set(everything)) != len(everything):
             raise InvariantViolation("INV-EVICT", "a slot is both used and free, or used twice")
@@ -303,7 +328,7 @@ class CPUOffloadingManager(OffloadingManager):
         evictable_keys = getattr(self.policy, "evictable_keys", None)
         if callable(evictable_keys):
             listed = set(evictable_keys())
-            want = {k for k, e in self._entries.items() if e[0] == 0}
+            want = {k for k, e in self._entries.items() if _ref(e) == 0}
             if listed != want:
                 raise InvariantViolation(
                     "INV-EVICT", "the policy's evictable keys differ from the idle keys"
@@ -326,9 +351,9 @@ class CPUOffloadingManager(OffloadingManager):
                 if entry is None:
                     validate.offload_keys(keys, call)
                     raise UnknownKeyError(key, call)
-                if entry[0] < 0:
+                if entry < _ONE:
                     raise KeyNotReadyError(key, call)
-                slots.append(entry[1])
+                slots.append(entry & _MASK)
         except TypeError as exc:
             if isinstance(exc, StatecoreError):
                 raise
@@ -347,11 +372,11 @@ class CPUOffloadingManager(OffloadingManager):
         policy = self.policy
         evictable = self._evictable
         for key, slot in zip(keys, slots, strict=True):
-            ref = entries[key][0]  # (read again: a key listed twice is pinned twice)
+            ref = _ref(entries[key])  # (read again: a key listed twice is pinned twice)
             if ref == 0:
                 policy.mark_non_evictable(key)
             ref, evictable = pin_counts(ref, evictable)
-            entries[key] = (ref, slot)
+            entries[key] = _entry(ref, slot)
         self._evictable = evictable
         return CPULoadStoreSpec(tuple(slots))
 
@@ -370,9 +395,9 @@ class CPUOffloadingManager(OffloadingManager):
                 if entry is None:
                     validate.offload_keys(keys, call)
                     raise UnknownKeyError(key, call)
-                if entry[0] == -1:
+                if entry < _ONE:
                     raise WritePendingPinError(key, call)
-                if entry[0] == 0:
+                if entry < 2 * _ONE:
                     raise PinUnderflowError(key, call)
         except TypeError as exc:
             if isinstance(exc, StatecoreError):
@@ -381,14 +406,14 @@ class CPUOffloadingManager(OffloadingManager):
             raise
         if len(set(keys)) != len(keys):
             for key, n in Counter(keys).items():
-                if entries[key][0] < n:
+                if _ref(entries[key]) < n:
                     raise PinUnderflowError(key, call)
         policy = self.policy
         evictable = self._evictable
         for key in keys:
-            ref, slot = entries[key]  # (read again: a key listed twice is unpinned twice)
-            ref, evictable = unpin_counts(ref, evictable)
-            entries[key] = (ref, slot)
+            entry = entries[key]  # (read again: a key listed twice is unpinned twice)
+            ref, evictable = unpin_counts(_ref(entry), evictable)
+            entries[key] = _entry(ref, entry & _MASK)
             if ref == 0:
                 policy.mark_evictable(key)
         self._evictable = evictable
@@ -463,7 +488,7 @@ class CPUOffloadingManager(OffloadingManager):
             victims = chosen
             free = self._free
             for key in victims:
-                free.append(entries.pop(key)[1])
+                free.append(entries.pop(key) & _MASK)
             self._evictable -= len(victims)
             if self.enable_events:
                 self._events.append(OffloadingEvent(tuple(victims), Medium.CPU, removed=True))
@@ -480,7 +505,7 @@ class CPUOffloadingManager(OffloadingManager):
                 # Reused by a store the workers order after the flush: the mark is moot.
                 for slot in slots:
                     quarantine.pop(slot, None)
-        entries.update(zip(to_store, zip(repeat(-1), slots), strict=True))  # write-pending
+        entries.update(zip(to_store, slots, strict=True))  # write-pending: the slot itself
         self.policy.insert_many(to_store)
         self._write_pending += n
         self._alloc_sizes.append(float(n))
@@ -554,23 +579,25 @@ class CPUOffloadingManager(OffloadingManager):
         got: list[Any] = list(map(get, keys))
         if (
             success
+            and got
             and None not in got
-            and set(map(_REF, got)) == _WRITE_PENDING_ONLY
+            and min(got) >= 0
+            and max(got) < _ONE
             and len(set(keys)) == len(got)
         ):  # the usual case: a store job's own keys, all write-pending, each listed once
             changed = list(keys)
-            entries.update(zip(changed, zip(repeat(0), map(_SLOT, got)), strict=True))
+            entries.update(zip(changed, map(_ONE.__add__, got), strict=True))  # ref -1 -> 0
             policy.mark_evictable_many(changed)
         else:
             changed = []
             for key in keys:
                 entry = get(key)  # (read again: a key listed twice changes once)
-                if entry is None or entry[0] != -1:
+                if entry is None or not 0 <= entry < _ONE:  # not write-pending
                     continue
                 changed.append(key)
-                slot = entry[1]
+                slot = entry
                 if success:
-                    entries[key] = (0, slot)
+                    entries[key] = _ONE + slot
                 else:
                     del entries[key]
                     policy.remove(key)
@@ -601,13 +628,13 @@ class CPUOffloadingManager(OffloadingManager):
         describe traffic, not cache content).
         """
         if self.enable_events:
-            ready = tuple(k for k, e in self._entries.items() if e[0] >= 0)
+            ready = tuple(k for k, e in self._entries.items() if e >= _ONE)
             if ready:
                 self._events.append(OffloadingEvent(ready, Medium.CPU, removed=True))
         if self._evictable != len(self._entries):
-            for ref, slot in self._entries.values():
-                if ref != 0:  # write-pending or pinned: a transfer may be in flight
-                    self._quarantine_slot(slot)
+            for entry in self._entries.values():
+                if _ref(entry) != 0:  # write-pending or pinned: a transfer may be in flight
+                    self._quarantine_slot(_slot(entry))
         self._entries.clear()
         self.policy.clear()
         self._free.clear()

@@ -14,6 +14,7 @@ from statecore.errors import (
     InvalidKeyError,
     InvariantViolation,
     ManagerStateError,
+    PinUnderflowError,
 )
 from statecore.keys import OffloadKey, make_offload_key
 from statecore.manager import (
@@ -24,7 +25,7 @@ from statecore.manager import (
     ReqContext,
 )
 from statecore.managers import CPUOffloadingManager, MemoryTier, TieringOffloadingManager
-from statecore.managers.cpu import CPUManagerCounters
+from statecore.managers.cpu import MAX_SLOTS, CPUManagerCounters, _entry
 from statecore.pool import CPUPool
 
 CTX = ReqContext("r")
@@ -114,7 +115,8 @@ def test_check_invariants_holds_with_many_write_pending_keys() -> None:
 def test_check_invariants_catches_a_ref_below_minus_one() -> None:
     m = CPUOffloadingManager(4)
     assert m.prepare_store([k(1)], CTX) is not None
-    m._entries[k(1)] = (-2, m._entries[k(1)][1])
+    m._entries[k(1)] = _entry(-2, m.slot_of(k(1)) or 0)
+    assert m.ref_count(k(1)) == -2 and m.slot_of(k(1)) == 0
     m._write_pending = 0
     with pytest.raises(InvariantViolation, match="INV-PIN"):
         m.check_invariants()
@@ -225,3 +227,31 @@ def test_tiering_remembers_exactly_the_last_finalized_memory_request_ids() -> No
     with pytest.raises(ManagerStateError, match="already finished"):
         m.on_request_finished(ReqContext("r1"))  # still among the last n
     assert n == 65_536  # upstream-sized: a step's finished requests never come close
+
+
+def test_a_key_pinned_many_times_in_a_high_slot_keeps_its_count_and_slot() -> None:
+    """Entries pack the reference count above the slot id: neither leaks into the other, at
+    the highest slot a tier may have and with counts far above 1."""
+    m = CPUOffloadingManager(MAX_SLOTS)
+    m._high_water = MAX_SLOTS - 2  # (no list of 2**40 slots: the next ones handed out)
+    out = m.prepare_store([k(1), k(2)], CTX)
+    assert out is not None and out.store_spec == CPULoadStoreSpec((MAX_SLOTS - 2, MAX_SLOTS - 1))
+    assert m.ref_count(k(2)) == -1 and m.slot_of(k(2)) == MAX_SLOTS - 1
+    assert m.lookup(k(2), CTX) is LookupResult.HIT_PENDING
+    m.complete_store([k(1), k(2)], CTX)
+    assert m.ref_count(k(2)) == 0 and m.slot_of(k(2)) == MAX_SLOTS - 1 and m.is_ready(k(2))
+    for _ in range(300):
+        assert m.prepare_load([k(2)], CTX) == CPULoadStoreSpec((MAX_SLOTS - 1,))
+    assert m.ref_count(k(2)) == 300 and m.counters().pinned == 1
+    for _ in range(300):
+        m.complete_load([k(2)], CTX)
+    assert m.ref_count(k(2)) == 0 and m.slot_of(k(2)) == MAX_SLOTS - 1
+    assert m.counters().evictable == 2
+    with pytest.raises(PinUnderflowError):
+        m.complete_load([k(2)], CTX)
+
+
+def test_a_tier_larger_than_the_slot_ids_allow_is_refused() -> None:
+    assert CPUOffloadingManager(MAX_SLOTS).capacity == MAX_SLOTS
+    with pytest.raises(ConfigError, match="num_slots"):
+        CPUOffloadingManager(MAX_SLOTS + 1)
