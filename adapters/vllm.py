@@ -192,7 +192,7 @@ def to_scheduler_output(so: VllmSchedulerOutput, num_groups: int) -> SchedulerOu
         columns = ScheduledColumns(
             rids,
             cached.new_block_ids,
-            list(map(nst.get, rids, repeat(0, len(rids)))),
+            tuple(map(nst.get, rids, repeat(0, len(rids)))),  # a tuple: kept as it is
             frozenset(cached.resumed_req_ids),
         )
     return SchedulerOutput(

@@ -339,14 +339,9 @@ class SchedulerOutput:
                     if columns is not None:
                         object.__setattr__(self, "group_counts", columns.group_counts)
                     return
-                entry = ScheduledRequest
-                counts: set[int] = set()
-                add = counts.add
-                for s in scheduled:
-                    if type(s) is not entry:
-                        break
-                    add(len(s.new_block_ids))
-                else:
+                entry = ScheduledRequest  # -1: an entry that is not a ScheduledRequest
+                counts = {len(s.new_block_ids) if type(s) is entry else -1 for s in scheduled}
+                if -1 not in counts:
                     if columns is not None:
                         counts.update(columns.group_counts)
                     object.__setattr__(
