@@ -1121,13 +1121,12 @@ class OffloadingScheduler:
             storable.append(n)
             first = max(gs.cursor, gs.skip) if chunk_level else gs.cursor
             # null or stale (zeroed) blocks are never stored (INV-SRC-VALID)
-            if bpc == 1:
-                chunks = [c for c in range(first, n) if block_ids[c]]
+            if bpc == 1:  # (C speed: a prompt's chunks at once)
+                chunks = list(compress(range(first, n), block_ids[first:n]))
             else:
                 chunks = [c for c in range(first, n) if 0 not in block_ids[c * bpc : (c + 1) * bpc]]
             per_group.append(chunks)
-            keys_g = gs.keys
-            offer.extend([keys_g[c] for c in chunks])
+            offer.extend(map(gs.keys.__getitem__, chunks))
         if not offer:
             self._advance(rec, storable)
             return
@@ -1150,13 +1149,14 @@ class OffloadingScheduler:
         for g, chunks in enumerate(per_group):
             gs = rec.groups[g]
             if accepted is not None:
-                keys_g = gs.keys
-                chunks = [c for c in chunks if keys_g[c] in accepted]
+                chunks = list(
+                    compress(chunks, map(accepted.__contains__, map(gs.keys.__getitem__, chunks)))
+                )
             if not chunks:
                 continue
             block_ids = gs.block_ids
             if bpc == 1:
-                blocks = [block_ids[c] for c in chunks]
+                blocks = list(map(block_ids.__getitem__, chunks))
             else:
                 blocks = [b for c in chunks for b in block_ids[c * bpc : (c + 1) * bpc]]
             starts[g] = chunks[0] * bpc
@@ -1164,8 +1164,7 @@ class OffloadingScheduler:
             src.extend(blocks)
             (fenced if self._sliding[g] else deferred).extend(blocks)
             if accepted is not None:
-                keys_g = gs.keys
-                keys.extend([keys_g[c] for c in chunks])
+                keys.extend(map(gs.keys.__getitem__, chunks))
         if accepted is None:
             keys = list(kept)
         job = self._new_job(rec, True, tuple(keys), tuple(src), tuple(fenced), tuple(deferred))
