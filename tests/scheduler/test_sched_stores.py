@@ -408,6 +408,24 @@ def test_chunk_level_policy_never_offers_the_loaded_chunks_again() -> None:
     assert offered == [(h.sched.request_keys("b")[0][2],)]  # chunk 2 only, never 0 and 1
 
 
+def test_a_load_of_part_of_a_chunk_into_null_window_blocks_loads_no_window_key(
+    kind: str,
+) -> None:
+    """Two blocks a chunk, 12 of a 16-token hit taken (the engine may take less than the
+    hit): the full-attention group loads its two chunks; the sliding-window group, whose
+    three blocks are all null, loads nothing, not even the key of its half chunk."""
+    h = Harness(make_manager(kind), config(tokens_per_block=4, blocks_per_chunk=2, sliding=8))
+    h.add("a", list(range(16)))
+    h.report(list(prefill(h, "a")))
+    b = h.add("b", list(range(16)) + [5, 5, 5, 5])
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (16, True)
+    full = h.alloc(3)
+    h.sched.update_state_after_alloc(b, [full, [0, 0, 0]], 12)
+    ((job, load),) = h.step().load_jobs.items()
+    assert h.sched.jobs[job].keys == tuple(h.sched.request_keys("b")[0][:2])
+    assert list(load.dst.block_ids) == full  # type: ignore[attr-defined]
+
+
 def test_load_into_an_all_null_sliding_window_list_writes_no_sliding_block(kind: str) -> None:
     h = Harness(make_manager(kind), config(sliding=8))
     h.add("a", list(range(32)))

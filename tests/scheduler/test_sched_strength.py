@@ -482,6 +482,20 @@ def test_view_turned_bad_in_a_step_under_the_store_floor_is_counted(kind: str) -
     assert h.sched.counters.invalid_request_views == 1
 
 
+def test_a_step_under_the_store_floor_does_not_read_the_rest_of_the_view(kind: str) -> None:
+    """A decode step that cannot complete a chunk costs a few comparisons: the view's other
+    fields are not read then, so a bad one is not counted until a step could store."""
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(32)))
+    h.admit("a")
+    (store,) = h.step([h.schedule("a", 16)], new=["a"]).store_jobs
+    h.report([store])
+    sched = h.schedule("a", 1)
+    h.reqs["a"].num_tokens = None  # type: ignore[assignment]  # turned bad, not read here
+    assert not h.step([sched]).store_jobs
+    assert h.sched.counters.invalid_request_views == 0
+
+
 def test_lookup_with_more_computed_than_loadable_answers_zero(kind: str) -> None:
     """A sliding-window request computed to its last token locally: nothing is loadable
     (the last token must be computed), so the lookup answers 0 without deferring."""
