@@ -495,6 +495,38 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ): "private bookkeeping classes (_TierJob, _PendingPromotion, _RequestState) that never leave "
     "the module and are only assigned their declared fields: slots change memory, not behaviour",
     (
+        "statecore/managers/cpu.py",
+        "core/ReplaceComparisonOperator_IsNot_NotEq",
+        "if type(flag) is not bool:",
+    ): "types compare by identity: `!=` and `is not` agree",
+    (
+        "statecore/managers/cpu.py",
+        "core/ReplaceTrueWithFalse",
+        "entries.update(zip(changed, map(_ONE.__add__, got), strict=True))  # ref -1 -> 0",
+    ): "changed is list(keys) and got is one entry per key: equal lengths by construction",
+    (
+        "statecore/managers/policies.py",
+        "core/ReplaceAndWithOr",
+        "if ghosts and not ghosts.keys().isdisjoint(keys):",
+    ): "a shortcut: popping keys a ghost list does not hold (or from an empty one) changes nothing",
+    (
+        "statecore/managers/tiering.py",
+        "core/ReplaceComparisonOperator_Gt_NotEq",
+        "if state is not None and state.pending_primary_stores > 0:",
+    ): "the pending primary-store count is only decremented when > 0 (or reset to 0): never "
+    "negative, so `!= 0` is `> 0`",
+    (
+        "statecore/worker.py",
+        "core/ReplaceTrueWithFalse",
+        "for g, (n, idx) in enumerate(zip(group_sizes, block_indices, strict=True)):",
+    ): "the lengths were compared two lines above (SpecError): zip never sees unequal lists",
+    (
+        "statecore/worker.py",
+        "core/NumberReplacer",
+        "last = max((i for i, (j, _) in enumerate(q) if j in wanted), default=-1)",
+        "last = max((i for i, (j, _) in enumerate(q) if j in wanted), default=- 2)",
+    ): "range(last + 1) is empty for a default of -1 or -2: no job runs either way",
+    (
         "statecore/managers/tiering.py",
         "core/NumberReplacer",
         "self._next_job_id = 0",

@@ -255,3 +255,29 @@ def test_a_tier_larger_than_the_slot_ids_allow_is_refused() -> None:
     assert CPUOffloadingManager(MAX_SLOTS).capacity == MAX_SLOTS
     with pytest.raises(ConfigError, match="num_slots"):
         CPUOffloadingManager(MAX_SLOTS + 1)
+
+
+# -- exploratory sample seed 7101: readiness of pinned keys, completing ready keys ---------------
+
+
+def test_a_pinned_key_is_ready() -> None:
+    m = CPUOffloadingManager(4)
+    assert m.prepare_store([k(1)], CTX) is not None
+    m.complete_store([k(1)], CTX)
+    m.prepare_load([k(1)], CTX)
+    assert m.ref_count(k(1)) == 1 and m.is_ready(k(1))
+
+
+def test_completing_keys_that_are_already_ready_changes_nothing() -> None:
+    m = CPUOffloadingManager(4)
+    for i in (1, 2):
+        assert m.prepare_store([k(i)], CTX) is not None
+        m.complete_store([k(i)], CTX)
+    before = m.counters()
+    m.take_events()
+    assert m.complete_write([k(1)], CTX) == []  # a second report of the same store
+    assert m.counters() == before and m.take_events() == []
+    # k1 stays the least recent idle key: the repeat did not refresh it
+    assert m.prepare_store([k(3), k(4), k(5)], CTX) is not None
+    assert k(1) not in m and k(2) in m
+    m.check_invariants()

@@ -188,3 +188,19 @@ def test_batch_hooks_equal_the_single_key_hooks_in_order(
         for key in keys:
             b.insert(key)
     assert _policy_state(a) == _policy_state(b)
+
+
+def test_arc_insert_many_drops_the_ghosts_of_the_keys_it_inserts() -> None:
+    p = ready_arc(2, 1, 2)
+    p.evict(2, frozenset())  # k1 and k2 become B1 ghosts
+    assert list(p.b1) == [k(1), k(2)]
+    p.insert_many([k(3), k(1)])
+    assert list(p.b1) == [k(2)] and list(p.t1) == [k(3), k(1)]
+
+
+def test_arc_evicts_exactly_n_of_many_idle_keys() -> None:
+    # counts above the small-int cache: the victim loop stops at n by value, not identity
+    p = ready_arc(400, *range(400))
+    victims = p.evict(300, frozenset())
+    assert victims == [k(i) for i in range(300)]
+    assert p.evictable_keys() == [k(i) for i in range(300, 400)]

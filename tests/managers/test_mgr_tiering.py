@@ -438,3 +438,36 @@ def test_reset_quarantines_pinned_slots_and_failed_promotions_do_not_quarantine(
     assert primary.ref_count(k(7)) is None
     assert not primary.is_quarantined(1) and primary.counters().quarantined == 0
     primary.check_invariants()
+
+
+def test_request_level_tier_does_not_cascade_a_key_another_request_is_writing() -> None:
+    whole = MemoryTier(name="whole", policy=OffloadPolicy.REQUEST_LEVEL)
+    m, primary = stack(4, whole)
+    first, second = ReqContext("first"), ReqContext("second")
+    m.on_new_request(first)
+    m.on_new_request(second)
+    assert m.prepare_store([k(1)], first) is not None  # k1 write-pending for "first"
+    out = m.prepare_store([k(1), k(2)], second)
+    assert out is not None and out.keys_to_store == (k(2),)
+    assert primary.ref_count(k(1)) == -1 and m.in_flight_jobs() == 0  # nothing cascaded
+
+
+class _CountingTier(MemoryTier):
+    polls = 0
+
+    def get_finished(self) -> list[JobResult]:
+        self.polls += 1
+        return super().get_finished()
+
+
+def test_reset_lets_the_next_call_of_the_step_poll_the_tiers_again() -> None:
+    tier = _CountingTier()
+    m, _ = stack(4, tier)
+    ctx = ReqContext("r")
+    m.lookup(k(1), ctx)
+    m.lookup(k(1), ctx)
+    assert tier.polls == 1  # once per step
+    m.reset_cache()  # drains and collects (a forced poll) ...
+    assert tier.polls == 2
+    m.lookup(k(1), ctx)  # ... and the step's next call polls again
+    assert tier.polls == 3

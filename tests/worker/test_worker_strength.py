@@ -4,6 +4,7 @@ submitted twice, shutdown with jobs still running, what the memory backend repor
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 
 import pytest
@@ -15,11 +16,13 @@ from statecore.pool import CPUPool
 from statecore.wire import ConnectorMetadata, TransferJob, WorkerMetadata
 from statecore.worker import (
     FaultyBackend,
+    GroupSpan,
     MemoryBackend,
     OffloadingWorker,
     TransferResult,
     aggregate,
     job_specs,
+    plan_spans,
     validate_ids,
 )
 
@@ -183,3 +186,41 @@ def test_aggregate_refuses_a_report_with_a_count_that_is_not_an_int(at: int) -> 
     reports.insert(at, WorkerMetadata(completed={2: "1"}))  # type: ignore[dict-item]
     with pytest.raises(InvalidMetadataError, match=r"aggregate.*meta\.completed\[2\]"):
         aggregate(reports)
+
+
+# -- exploratory sample seed 7101 ------------------------------------------------------------------
+
+
+def test_plan_spans_refuses_a_negative_chunk_size_and_takes_many_groups() -> None:
+    with pytest.raises(SpecError, match=r"blocks_per_chunk must be > 0, got -1"):
+        plan_spans((1,), (0,), 1, 1, -1)
+    spans = plan_spans((1,) * 300, (0,) * 300, 300, 300, 1)  # lengths above the small-int cache
+    assert len(spans) == 300 and spans[-1] == GroupSpan(299, 299, 1, 299, 0, 1)
+    assert len({*spans}) == 300  # frozen spans: hashable values
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spans[0].num_blocks = 2  # type: ignore[misc]
+
+
+def test_range_errors_list_at_most_eight_bad_ids() -> None:
+    with pytest.raises(SpecError, match=r"GPU block ids \[10, 11, 12, 13, 14, 15, 16, 17\] out"):
+        validate_ids(list(range(10, 20)), [0], 10, 4)
+
+
+class _EchoingBackend(MemoryBackend):
+    """A backend that also reports a job this worker never submitted, first."""
+
+    def poll(self) -> list[TransferResult]:
+        return [TransferResult(999, True, 0, 0.0, False), *super().poll()]
+
+
+def test_a_result_for_an_unknown_job_is_counted_and_the_rest_are_still_taken() -> None:
+    w = OffloadingWorker(_backend(cls=_EchoingBackend))
+    w.start_step(_meta(loads={1: simple_mapping([1], [1], 2).load()}))
+    assert w.build_worker_metadata().completed == {1: 1}
+    assert w.ignored_results == 1 and w.in_flight == frozenset()
+
+
+def test_memory_backend_refuses_fewer_cpu_regions_than_tensors() -> None:
+    pool = CPUPool(8, [PAGE])
+    with pytest.raises(SpecError, match="2 GPU tensors but 1 CPU regions"):
+        MemoryBackend([PAGE, PAGE], 16, [pool.region(0)], 1)
