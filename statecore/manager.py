@@ -192,6 +192,25 @@ class OffloadingManager(ABC):
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         """Probe one key. Never changes readiness; may start asynchronous work (a promotion)."""
 
+    def lookup_many(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, until_miss: bool = False
+    ) -> list[LookupResult]:
+        """:meth:`lookup` of each key in order, in one call (a prompt's chunks).
+
+        With ``until_miss`` the keys after the first ``MISS`` are not looked up: the answer
+        ends with that ``MISS``. The default calls :meth:`lookup` per key; an implementation
+        may answer in bulk but must leave exactly the effects of those calls (reuse-filter
+        counts, promotions started) and raise what they would.
+        """
+        out: list[LookupResult] = []
+        lookup = self.lookup
+        for key in keys:
+            r = lookup(key, ctx)
+            out.append(r)
+            if until_miss and r == LookupResult.MISS:
+                break
+        return out
+
     @abstractmethod
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
         """Pin ``keys`` (all present and ready) for reading; return their location in order.

@@ -72,7 +72,6 @@ from statecore.lifecycle import (
     REQUEST,
 )
 from statecore.manager import (
-    LookupResult,
     OffloadingEvent,
     OffloadingManager,
     OffloadPolicy,
@@ -93,7 +92,6 @@ __all__ = [
 
 Clock = Callable[[], float]
 
-_MISS = int(LookupResult.MISS)
 _BYTES_ONLY = {bytes}
 
 
@@ -687,7 +685,7 @@ class OffloadingScheduler:
         if rec.max_load_tokens is not None:
             max_hit = min(max_hit, num_computed + rec.max_load_tokens)
         budget_tokens = self.config.max_recompute_pending_tokens
-        lookup = self.manager.lookup
+        lookup_many = self.manager.lookup_many
         ctx = rec.ctx
         defer = False
         changed = True
@@ -701,17 +699,12 @@ class OffloadingScheduler:
                 end = cap // tpc
                 if end <= start:  # (start + 1) * tpc > num_computed: nothing loadable
                     return 0
-                results: list[int] = []
                 window = self._window[g]
-                if window is None:
-                    for idx in range(start, end):
-                        r = int(lookup(keys[idx], ctx))
-                        results.append(r)
-                        if r == _MISS:
-                            break
+                if window is None:  # (up to and with the first miss)
+                    results = lookup_many(keys[start:end], ctx, True)
                     hits = kernels.prefix_hits(results, budget_tokens // tpc)
                 else:
-                    results = [int(lookup(keys[idx], ctx)) for idx in range(start, end)]
+                    results = lookup_many(keys[start:end], ctx)
                     hits = kernels.window_hits(results, window)
                 if hits is None:
                     defer = True

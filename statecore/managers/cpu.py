@@ -99,6 +99,8 @@ class CPUManagerCounters:
 
 
 _BYTES_ONLY = {bytes}
+_SEQ = (list, tuple)
+_MISS, _HIT, _PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 
 _Entry = int
 """A present key's reference count and slot in one int: ``(ref + 1) * _ONE + slot``.
@@ -232,6 +234,24 @@ class CPUOffloadingManager(OffloadingManager):
         if entry is None:
             return LookupResult.MISS
         return LookupResult.HIT if entry >= _ONE else LookupResult.HIT_PENDING
+
+    def lookup_many(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, until_miss: bool = False
+    ) -> list[LookupResult]:
+        """:meth:`lookup` of each key in order (see the contract); in bulk unless the reuse
+        filter counts lookups or a key needs the argument check."""
+        if (
+            self._tracker is not None
+            or type(keys) not in _SEQ
+            or not keys
+            or set(map(type, keys)) != _BYTES_ONLY
+            or min(map(len, keys)) < 4
+        ):
+            return super().lookup_many(keys, ctx, until_miss)
+        got = list(map(self._entries.get, keys))
+        if until_miss and None in got:
+            del got[got.index(None) + 1 :]
+        return [_MISS if e is None else _HIT if e >= _ONE else _PENDING for e in got]
 
     def slot_of(self, key: OffloadKey) -> int | None:
         """The slot holding ``key``, or ``None`` when absent."""

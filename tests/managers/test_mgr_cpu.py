@@ -6,6 +6,7 @@ import pytest
 
 from statecore.errors import (
     ConfigError,
+    InvalidKeyError,
     InvariantViolation,
     KeyNotReadyError,
     PinUnderflowError,
@@ -386,3 +387,40 @@ def test_check_invariants_catches_quarantine_corruption() -> None:
     m._quarantine[1] = 0  # expired but still listed
     with pytest.raises(InvariantViolation):
         m.check_invariants()
+
+
+@pytest.mark.parametrize("threshold", [0, 2])
+@pytest.mark.parametrize("until_miss", [False, True])
+def test_lookup_many_answers_as_lookups_in_order(threshold: int, until_miss: bool) -> None:
+    """Ready, write-pending and absent keys; with until_miss nothing after the first miss is
+    looked up (the reuse filter counts exactly the keys looked up)."""
+    ms = [CPUOffloadingManager(8, store_threshold=threshold) for _ in range(2)]
+    for m in ms:
+        for _ in range(2):  # reuse filter: two lookups admit a key
+            for i in (1, 2):
+                m.lookup(k(i), CTX)
+        stored(m, 1)
+        assert m.prepare_store([k(2)], CTX) is not None
+    keys = [k(1), k(2), k(9), k(1), k(3)]
+    bulk = ms[0].lookup_many(keys, CTX, until_miss)
+    one: list[LookupResult] = []
+    for key in keys:
+        one.append(ms[1].lookup(key, CTX))
+        if until_miss and one[-1] is LookupResult.MISS:
+            break
+    assert bulk == one
+    assert all(type(r) is LookupResult for r in bulk)
+    H, P, M = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
+    assert bulk == ([H, P, M] if until_miss else [H, P, M, H, M])
+    if threshold:  # the tracker saw the same lookups: k(9) counted once, k(3) only without stop
+        assert ms[0]._tracker == ms[1]._tracker
+        assert (k(3) in ms[0]._tracker) is not until_miss  # type: ignore[operator]
+    assert ms[0].lookup_many([], CTX) == []
+
+
+def test_lookup_many_refuses_a_bad_key_as_lookup_does() -> None:
+    m = CPUOffloadingManager(2)
+    with pytest.raises(InvalidKeyError):
+        m.lookup_many([k(1), b"x"], CTX)  # type: ignore[list-item]
+    with pytest.raises(InvalidKeyError):
+        m.lookup(b"x", CTX)  # type: ignore[arg-type]
