@@ -4,6 +4,7 @@ the same decisions, and the bench-only switch is undone afterwards (no timing is
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 
@@ -52,3 +53,30 @@ def test_the_switch_turns_checks_off_inside_only() -> None:
         ScheduledRequest("r", None, 1)  # type: ignore[arg-type]  # unchecked in copy B
     with pytest.raises(InvalidMetadataError, match="new_block_ids"):
         ScheduledRequest("r", None, 1)  # type: ignore[arg-type]
+
+
+def test_control_run_stubs_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--validation-control``: B's turns switch in the original checks (an A/A run), so a
+    malformed view built during B's turn is still refused, and the switch is undone after."""
+    import statecore.bench.validation_share as vs
+
+    before = _patched_names()
+    seen: list[object] = []
+    real_end = vs._Copy.step_ends
+
+    def probe(self: Any, timer: Any) -> None:
+        if self.stubbed and not seen:
+            seen.append(ScheduledRequest.__post_init__)
+            with pytest.raises(InvalidMetadataError):
+                ScheduledRequest("r", None, 1)  # type: ignore[arg-type]
+        real_end(self, timer)
+
+    vs._Copy.step_ends = probe  # type: ignore[method-assign]
+    try:
+        argv = ["bench", "scheduler", "--validation-share", "1", "--validation-control"]
+        assert main([*argv, "--clock", "thread", "--concurrency", "8", "--steps", "30"]) == 0
+    finally:
+        vs._Copy.step_ends = real_end  # type: ignore[method-assign]
+    assert "A/A CONTROL" in capsys.readouterr().out
+    assert seen == [before[6]]  # B ran with the original ScheduledRequest check
+    assert all(a is b for a, b in zip(before, _patched_names(), strict=True))

@@ -1216,6 +1216,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "steps pooled); standalone engine, or vLLM's with --engine vllm",
     )
     p.add_argument(
+        "--validation-control",
+        action="store_true",
+        help="with --validation-share: an A/A control run (B switches in the original checks, "
+        "nothing is stubbed): the method's own bias, expected near 0",
+    )
+    p.add_argument(
         "--json", metavar="FILE", type=output_file, help="write every run's summary here"
     )
     a = p.parse_args(list(argv) if argv is not None else None)

@@ -85,8 +85,8 @@ _STUBS: tuple[tuple[Any, str, Any], ...] = (
 )
 
 
-def _set_stubbed(on: bool, saved: list[Any]) -> None:
-    for (owner, name, stub), orig in zip(_STUBS, saved, strict=True):
+def _set_stubbed(on: bool, saved: list[Any], stubs: Sequence[tuple[Any, str, Any]] = ()) -> None:
+    for (owner, name, stub), orig in zip(stubs or _STUBS, saved, strict=True):
         setattr(owner, name, stub if on else orig)
 
 
@@ -202,7 +202,9 @@ def _end_step(timer: bench.HookTimer, scheduled_tokens: int) -> None:
 _ORIG_END_STEP = bench.HookTimer.end_step
 
 
-def run_share(sc: bench.Scenario, engine: str = "standalone", b_first: bool = False) -> ShareResult:
+def run_share(
+    sc: bench.Scenario, engine: str = "standalone", b_first: bool = False, control: bool = False
+) -> ShareResult:
     """Run copies A (as shipped) and B (validation stubbed) of ``sc`` in lockstep, on the
     ``standalone`` engine loop or on vLLM's engine scheduler (``vllm``).
 
@@ -210,10 +212,15 @@ def run_share(sc: bench.Scenario, engine: str = "standalone", b_first: bool = Fa
     the first turn): with identical copies (nothing stubbed) the first one measures about 1 %
     slower on the loaded development machine, so repeated pairs alternate the roles and the
     pooled figure cancels that bias.
+
+    ``control`` makes it an A/A run: B's turns switch in the original checks instead of the
+    pass-throughs (the same switching work, nothing stubbed), so its figure is the method's
+    own bias, expected near 0.
     """
     a, b = _Copy(sc, False, engine), _Copy(sc, True, engine)
     first, second = (b, a) if b_first else (a, b)
     saved = [getattr(owner, name) for owner, name, _ in _STUBS]
+    stubs = [(o, n, orig) for (o, n, _), orig in zip(_STUBS, saved, strict=True)] if control else []
     # the engine loop's SchedulerOutput and the timer's step end, for the run (bench only)
     patches: tuple[tuple[Any, str, Any], ...] = (
         (bench, "SchedulerOutput", _recording_output),
@@ -230,7 +237,7 @@ def run_share(sc: bench.Scenario, engine: str = "standalone", b_first: bool = Fa
             for copy in (first, second) if k % 2 == 0 else (second, first):
                 if copy.finished:
                     continue
-                _set_stubbed(copy.stubbed, saved)
+                _set_stubbed(copy.stubbed, saved, stubs)
                 copy.go.set()
                 copy.done.wait()
                 copy.done.clear()
@@ -347,6 +354,9 @@ def format_share(groups: Sequence[Sequence[ShareResult]], engine: str = "standal
 def main_share(a: Any, shape: dict[str, Any], ns: list[int], engine: str) -> int:
     """``statecore bench scheduler --validation-share [R]``: R lockstep pairs per N."""
     repeat = a.validation_share
+    control = bool(getattr(a, "validation_control", False))
+    if control:
+        print("A/A CONTROL: copy B switches in the original checks (nothing is stubbed).")
     print(
         f"validation share ({engine} engine): copies A (as shipped) and B (validation checks "
         "stubbed) of the same\nseeded run in lockstep, one process, turns alternating every "
@@ -361,6 +371,8 @@ def main_share(a: Any, shape: dict[str, Any], ns: list[int], engine: str) -> int
         sc = bench.Scenario(
             concurrency=n, steps=a.steps, num_workers=a.workers, seed=a.seed, **shape
         )
-        groups.append([run_share(sc, engine, b_first=i % 2 == 1) for i in range(repeat)])
+        groups.append(
+            [run_share(sc, engine, b_first=i % 2 == 1, control=control) for i in range(repeat)]
+        )
     print(format_share(groups, engine))
     return 0 if all(merge(g).same_counters for g in groups) else 1
