@@ -128,37 +128,45 @@ class VllmRequestView:
     __slots__ = ("_req",)
 
     def __init__(self, request: Request) -> None:
-        self._req = request
+        # typed Any: the properties return vLLM's fields as they are, without a cast() call
+        # each (they are read many times a step; statecore validates them where it reads them)
+        self._req: Any = request
 
     @property
     def request_id(self) -> str:
         """The request id."""
-        return cast(str, self._req.request_id)
+        value: str = self._req.request_id
+        return value
 
     @property
     def num_tokens(self) -> int:
         """Prompt plus output tokens so far."""
-        return cast(int, self._req.num_tokens)
+        value: int = self._req.num_tokens
+        return value
 
     @property
     def num_prompt_tokens(self) -> int:
         """Prompt tokens."""
-        return cast(int, self._req.num_prompt_tokens)
+        value: int = self._req.num_prompt_tokens
+        return value
 
     @property
     def num_computed_tokens(self) -> int:
         """Tokens whose KV is computed or loaded."""
-        return cast(int, self._req.num_computed_tokens)
+        value: int = self._req.num_computed_tokens
+        return value
 
     @property
     def block_hashes(self) -> Sequence[bytes]:
         """vLLM's block hashes (bytes), one per ``tokens_per_hash`` tokens."""
-        return cast(Sequence[bytes], self._req.block_hashes)
+        value: Sequence[bytes] = self._req.block_hashes
+        return value
 
     @property
     def kv_transfer_params(self) -> Mapping[str, Any] | None:
         """Per-request connector parameters."""
-        return cast("Mapping[str, Any] | None", self._req.kv_transfer_params)
+        value: Mapping[str, Any] | None = self._req.kv_transfer_params
+        return value
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
