@@ -281,3 +281,29 @@ def test_completing_keys_that_are_already_ready_changes_nothing() -> None:
     assert m.prepare_store([k(3), k(4), k(5)], CTX) is not None
     assert k(1) not in m and k(2) in m
     m.check_invariants()
+
+
+# -- exploratory sample seed 7202: the slot bound, key checks of prepare_store, quarantine ids ----
+
+
+def test_the_slot_bound_is_two_to_the_fortieth() -> None:
+    assert CPUOffloadingManager(2**40).capacity == 2**40
+    with pytest.raises(ConfigError, match="num_slots"):
+        CPUOffloadingManager(2**40 + 1)
+
+
+@pytest.mark.parametrize(
+    "bad", [None, [[b"abcd"]], [b"abc"]], ids=["none", "unhashable-key", "3-byte-key"]
+)
+def test_prepare_store_refuses_bad_keys_with_a_typed_error(bad: object) -> None:
+    m = CPUOffloadingManager(4)
+    with pytest.raises(InvalidKeyError) as err:
+        m.prepare_store(bad, CTX)  # type: ignore[arg-type]
+    assert err.value.call == "prepare_store" and m.counters().keys == 0
+
+
+def test_check_invariants_catches_a_quarantined_slot_below_zero() -> None:
+    m = CPUOffloadingManager(4)
+    m._quarantine[-1] = 2
+    with pytest.raises(InvariantViolation, match="quarantined slot -1"):
+        m.check_invariants()
