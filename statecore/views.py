@@ -77,9 +77,6 @@ _NO_NEW_BLOCK = ((),)
 _SETS = (frozenset, set)
 _STR = {str}
 _INT = {int}
-_ONE = {1}
-_NO_GROUPS: frozenset[int] = frozenset()
-_ONE_GROUP = frozenset(_ONE)
 
 
 def _ids_ok(ids: Any) -> bool:
@@ -210,8 +207,7 @@ class ScheduledColumns:
         ):
             try:  # ids: str or str subclasses (as the diagnosis accepts), at C speed
                 "".join(rids)
-                if resumed:
-                    "".join(resumed)
+                "".join(resumed)
             except TypeError:
                 norm = None
             else:
@@ -222,10 +218,8 @@ class ScheduledColumns:
                 setattr_(self, "req_ids", tuple(rids))
                 setattr_(self, "new_block_ids", out)
                 setattr_(self, "num_scheduled_tokens", tuple(counts))
-                if type(resumed) is not frozenset:
-                    setattr_(self, "resumed_req_ids", frozenset(resumed))
-                if group_counts:
-                    setattr_(self, "group_counts", group_counts)
+                setattr_(self, "resumed_req_ids", frozenset(resumed))  # (no copy if frozen)
+                setattr_(self, "group_counts", group_counts)
                 return
         from statecore.validate import scheduled_columns
 
@@ -246,8 +240,6 @@ def _columns_blocks(
     n = len(blocks)
     try:
         nones = blocks.count(None)
-        if nones == n:
-            return (None,) * n, _NO_GROUPS
         present = list(compress(range(n), blocks))
         bulk = len(present) + nones == n  # else an empty or falsy entry
     except Exception:  # an entry whose comparison or truth test raises (an array)
@@ -277,7 +269,7 @@ def _columns_blocks(
             out[i] = tuple(g if type(g) is tuple else tuple(g) for g in ids)
     except TypeError:  # a block id that is not a number (None, a str)
         return None
-    return tuple(out), _ONE_GROUP if counts == _ONE else frozenset(counts)
+    return tuple(out), frozenset(counts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,24 +321,17 @@ class SchedulerOutput:
             and (columns is None or type(columns) is ScheduledColumns)
         ):
             try:
-                if new or finished or preempted:
-                    "".join(chain(new, finished, preempted))
+                "".join(chain(new, finished, preempted))
                 ok = not extra or (type(sum(extra)) is int and min(extra) >= 0)
             except TypeError:
                 ok = False
             if ok:
-                if not scheduled:
-                    if columns is not None:
-                        object.__setattr__(self, "group_counts", columns.group_counts)
-                    return
                 entry = ScheduledRequest  # -1: an entry that is not a ScheduledRequest
                 counts = {len(s.new_block_ids) if type(s) is entry else -1 for s in scheduled}
                 if -1 not in counts:
                     if columns is not None:
                         counts.update(columns.group_counts)
-                    object.__setattr__(
-                        self, "group_counts", _ONE_GROUP if counts == _ONE else frozenset(counts)
-                    )
+                    object.__setattr__(self, "group_counts", frozenset(counts))
                     return
         from statecore.validate import scheduler_output_fields
 
