@@ -307,3 +307,15 @@ def test_check_invariants_catches_a_quarantined_slot_below_zero() -> None:
     m._quarantine[-1] = 2
     with pytest.raises(InvariantViolation, match="quarantined slot -1"):
         m.check_invariants()
+
+
+# -- final sample seed 7309 ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", [b"abc", b""], ids=["3-bytes", "empty"])
+def test_lookup_refuses_a_bytes_key_shorter_than_four(key: bytes) -> None:
+    m = CPUOffloadingManager(4)
+    with pytest.raises(InvalidKeyError) as err:
+        m.lookup(key, CTX)  # type: ignore[arg-type]
+    assert err.value.call == "lookup"
+    assert m.lookup(b"abcd", CTX) is LookupResult.MISS  # 4 bytes is the shortest key
