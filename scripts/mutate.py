@@ -527,6 +527,13 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "last = max((i for i, (j, _) in enumerate(q) if j in wanted), default=- 2)",
     ): "range(last + 1) is empty for a default of -1 or -2: no job runs either way",
     (
+        "statecore/managers/cpu.py",
+        "core/ReplaceComparisonOperator_GtE_Eq",
+        "if count == 0 and len(tracker) >= self.max_tracker_size:",
+        "if count == 0 and len(tracker) == self.max_tracker_size:",
+    ): "the reuse tracker never exceeds its configured bound (the oldest key goes before each new "
+    "one at the bound), so `>=` is `==`",
+    (
         "statecore/managers/tiering.py",
         "core/NumberReplacer",
         "self._next_job_id = 0",
