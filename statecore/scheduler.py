@@ -1158,9 +1158,18 @@ class OffloadingScheduler:
             (fenced if self._sliding[g] else deferred).extend(blocks)
             if accepted is not None:
                 keys.extend(map(gs.keys.__getitem__, chunks))
-        if accepted is None:
-            keys = list(kept)
-        job = self._new_job(rec, True, tuple(keys), tuple(src), tuple(fenced), tuple(deferred))
+        # one tuple for the source blocks, shared by the job, its fences and its transfer (each
+        # object of a step's jobs lives until the workers took the metadata: fewer of them,
+        # fewer garbage collections triggered inside the hooks)
+        blocks_t = tuple(src)
+        job = self._new_job(
+            rec,
+            True,
+            (kept if type(kept) is tuple else tuple(kept)) if accepted is None else tuple(keys),
+            blocks_t,
+            blocks_t if len(fenced) == len(blocks_t) else tuple(fenced),
+            blocks_t if len(deferred) == len(blocks_t) else tuple(deferred),
+        )
         if job.fenced:
             kernels.fence_add(self._fence, job.job_id, job.fenced)
         REQUEST.fire(rec, RE_STORE_CREATED)
@@ -1172,7 +1181,7 @@ class OffloadingScheduler:
         self._advance(rec, storable)
         store_jobs[job.job_id] = TransferJob(
             rec.req_id,
-            GPULoadStoreSpec(tuple(src), tuple(sizes), tuple(starts)),
+            GPULoadStoreSpec(blocks_t, tuple(sizes), tuple(starts)),
             out.store_spec,
         )
 
