@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, compress
+from itertools import chain, compress, filterfalse
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["Request", "RequestLike", "ScheduledColumns", "ScheduledRequest", "SchedulerOutput"]
@@ -77,6 +77,7 @@ _NO_NEW_BLOCK = ((),)
 _SETS = (frozenset, set)
 _STR = {str}
 _INT = {int}
+_NONE = {None}
 
 
 def _ids_ok(ids: Any) -> bool:
@@ -233,16 +234,15 @@ def _columns_blocks(
     None, and its group counts; None when an entry is malformed (the caller diagnoses).
 
     No call per absent entry (most entries of a decode batch): the present entries are the
-    truthy ones (``compress``), the absent ones those equal to None (``count``); when the two
-    do not add up (an empty or falsy entry) or a test raises, every entry is looked at. An
-    entry that compares equal to None is stored as None. A one-group entry costs no call per
-    group."""
+    truthy ones (``compress``) and every other one must be None (the set of the false ones is
+    ``{None}``); when it is not (an empty or false entry) or a test raises, every entry is
+    looked at, and anything but None and a sequence of groups is refused. A one-group entry
+    costs no call per group."""
     n = len(blocks)
     try:
-        nones = blocks.count(None)
         present = list(compress(range(n), blocks))
-        bulk = len(present) + nones == n  # else an empty or falsy entry
-    except Exception:  # an entry whose comparison or truth test raises (an array)
+        bulk = set(filterfalse(None, blocks)) <= _NONE  # else an empty or falsy entry
+    except Exception:  # an entry whose truth test or hash raises (an array, a list)
         bulk = False
     if not bulk:  # the entry-by-entry path
         present = [i for i in range(n) if blocks[i] is not None]

@@ -247,7 +247,7 @@ def test_extra_blocks_of_the_output_are_checked() -> None:
 
 
 class _NoneLike:
-    """Falsy and equal to None: an absent entry in disguise."""
+    """False and equal to None, but not None: an absent entry in disguise."""
 
     def __eq__(self, other: object) -> bool:
         return other is None
@@ -271,15 +271,23 @@ class _Ambiguous:
 
 
 def test_block_column_holds_only_none_or_tuples() -> None:
-    """Absent entries are found without a call each (a truth test and a count of None); an
-    entry that passes for None is stored as None, an empty entry is kept (zero groups, refused
-    by the scheduler), and an entry whose tests raise still gets the typed error."""
-    for blocks in ([None, _NoneLike()], [([1],), _NoneLike()], [_NoneLike(), ([2],)]):
-        c = ScheduledColumns(["a", "b"], blocks, [1, 1])
-        assert all(e is None or type(e) is tuple for e in c.new_block_ids)
-        assert sum(e is None for e in c.new_block_ids) == 1 + (blocks[0] is None)
+    """Absent entries are found without a call each (the entries' truth, then the set of the
+    false ones must be {None}); anything else false is looked at entry by entry: an empty entry
+    is kept (zero groups, refused by the scheduler), an object posing as None and an entry
+    whose tests raise get the typed error."""
+    c = ScheduledColumns(["a", "b", "c"], [None, ([1],), None], [1, 1, 1])
+    assert c.new_block_ids == (None, ((1,),), None) and c.group_counts == frozenset({1})
     empty = ScheduledColumns(["a", "b"], [([1],), ()], [1, 1])
     assert empty.new_block_ids == (((1,),), ()) and empty.group_counts == frozenset({0, 1})
-    for blocks in ([None, _Ambiguous()], [([1],), _Ambiguous()], [([1],), 0], [([1],), ""]):
+    assert ScheduledColumns(["a", "b"], [None, []], [1, 1]).new_block_ids == (None, ())
+    bad: list[list[Any]] = [
+        [None, _NoneLike()],
+        [([1],), _NoneLike()],
+        [None, _Ambiguous()],
+        [([1],), _Ambiguous()],
+        [([1],), 0],
+        [([1],), ""],
+    ]
+    for blocks in bad:
         with pytest.raises(InvalidMetadataError, match=r"new_block_ids\[1\]"):
             ScheduledColumns(["a", "b"], blocks, [1, 1])
