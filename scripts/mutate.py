@@ -534,6 +534,13 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ): "the reuse tracker never exceeds its configured bound (the oldest key goes before each new "
     "one at the bound), so `>=` is `==`",
     (
+        "statecore/managers/cpu.py",
+        "core/ReplaceComparisonOperator_Lt_NotEq",
+        "while len(slots) < n:",
+        "while len(slots) != n:",
+    ): "the loop is entered with len(slots) < n and adds at most one slot a pass: it stops at n "
+    "either way",
+    (
         "statecore/managers/tiering.py",
         "core/NumberReplacer",
         "self._next_job_id = 0",
