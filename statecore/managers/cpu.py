@@ -28,7 +28,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from itertools import filterfalse
+from functools import partial
+from itertools import filterfalse, takewhile
+from operator import is_not
 from typing import Any
 
 from statecore import validate
@@ -100,6 +102,7 @@ class CPUManagerCounters:
 
 _BYTES_ONLY = {bytes}
 _SEQ = (list, tuple)
+_PRESENT = partial(is_not, None)
 _MISS, _HIT, _PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 
 _Entry = int
@@ -240,18 +243,23 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> list[LookupResult]:
         """:meth:`lookup` of each key in order (see the contract); in bulk unless the reuse
         filter counts lookups or a key needs the argument check."""
-        if (
-            self._tracker is not None
-            or type(keys) not in _SEQ
-            or not keys
-            or set(map(type, keys)) != _BYTES_ONLY
-            or min(map(len, keys)) < 4
-        ):
+        if self._tracker is not None or type(keys) not in _SEQ:
             return super().lookup_many(keys, ctx, until_miss)
-        got = list(map(self._entries.get, keys))
-        if until_miss and None in got:
-            del got[got.index(None) + 1 :]
-        return [_MISS if e is None else _HIT if e >= _ONE else _PENDING for e in got]
+        try:  # (an unhashable key: the per-key path raises what lookup raises)
+            if until_miss:  # the hits up to the first miss, and only those keys are looked at
+                got: list[Any] = list(takewhile(_PRESENT, map(self._entries.get, keys)))
+                looked = keys[: len(got) + 1]
+            else:
+                got = list(map(self._entries.get, keys))
+                looked = keys
+        except TypeError:
+            return super().lookup_many(keys, ctx, until_miss)
+        if looked and (set(map(type, looked)) != _BYTES_ONLY or min(map(len, looked)) < 4):
+            return super().lookup_many(keys, ctx, until_miss)
+        out = [_MISS if e is None else _HIT if e >= _ONE else _PENDING for e in got]
+        if until_miss and len(got) < len(keys):
+            out.append(_MISS)
+        return out
 
     def slot_of(self, key: OffloadKey) -> int | None:
         """The slot holding ``key``, or ``None`` when absent."""

@@ -424,3 +424,17 @@ def test_lookup_many_refuses_a_bad_key_as_lookup_does() -> None:
         m.lookup_many([k(1), b"x"], CTX)  # type: ignore[list-item]
     with pytest.raises(InvalidKeyError):
         m.lookup(b"x", CTX)  # type: ignore[arg-type]
+
+
+def test_lookup_many_until_miss_looks_at_nothing_after_the_miss() -> None:
+    """A key after the first miss is never looked up, so never checked (as per-key lookups
+    that stop there); a bad key at or before the miss raises."""
+    m = CPUOffloadingManager(4)
+    stored(m, 1)
+    H, M = LookupResult.HIT, LookupResult.MISS
+    assert m.lookup_many([k(1), k(9), b"x"], CTX, until_miss=True) == [H, M]  # type: ignore[list-item]
+    assert m.lookup_many([k(1), k(1)], CTX, until_miss=True) == [H, H]
+    with pytest.raises(InvalidKeyError):
+        m.lookup_many([k(1), b"x", k(9)], CTX, until_miss=True)  # type: ignore[list-item]
+    with pytest.raises(InvalidKeyError):
+        m.lookup_many([k(1), [1], k(9)], CTX, until_miss=True)  # type: ignore[list-item]
