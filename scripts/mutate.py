@@ -541,6 +541,11 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ): "the loop is entered with len(slots) < n and adds at most one slot a pass: it stops at n "
     "either way",
     (
+        "statecore/managers/cpu.py",
+        "core/ReplaceBinaryOperator_Sub_Add",
+        "bad = bool(set(map(type, keys)) - _BYTES_ONLY) or (",
+    ): "set + set raises TypeError, caught as `bad`: the full check runs and accepts good keys",
+    (
         "statecore/managers/tiering.py",
         "core/NumberReplacer",
         "self._next_job_id = 0",

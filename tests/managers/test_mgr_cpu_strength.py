@@ -23,6 +23,7 @@ from statecore.manager import (
     Medium,
     OffloadingEvent,
     ReqContext,
+    ScheduleEndContext,
 )
 from statecore.managers import CPUOffloadingManager, MemoryTier, TieringOffloadingManager
 from statecore.managers.cpu import MAX_SLOTS, CPUManagerCounters, _entry
@@ -319,3 +320,19 @@ def test_lookup_refuses_a_bytes_key_shorter_than_four(key: bytes) -> None:
         m.lookup(key, CTX)  # type: ignore[arg-type]
     assert err.value.call == "lookup"
     assert m.lookup(b"abcd", CTX) is LookupResult.MISS  # 4 bytes is the shortest key
+
+
+def test_quarantine_marks_expire_one_by_one_after_many_schedule_ends() -> None:
+    # schedule-end counts above the small-int cache: expiry compares them by value
+    m = CPUOffloadingManager(4)
+    end = ScheduleEndContext()
+    for _ in range(300):
+        m.on_schedule_end(end)
+    assert m.prepare_store([k(1), k(2)], CTX) is not None
+    m.complete_store([k(1)], CTX, success=False)  # slot 0: quarantined until end 302
+    m.on_schedule_end(end)
+    m.complete_store([k(2)], CTX, success=False)  # slot 1: until end 303
+    m.on_schedule_end(end)
+    assert not m.is_quarantined(0) and m.is_quarantined(1)
+    assert m.counters().quarantined == 1
+    m.check_invariants()
