@@ -211,7 +211,10 @@ class CPUOffloadingManager(OffloadingManager):
         self._evictable = 0
         self._write_pending = 0
         self._events: list[OffloadingEvent] = []
-        self._alloc_sizes: list[float] = []
+        # allocation size -> how many stores allocated that many slots since the last
+        # get_stats: bounded by the distinct sizes, not by the stores (an engine that never
+        # asks for stats must not make the manager grow with every job)
+        self._alloc_sizes: dict[int, int] = {}
         self._stores_skipped = 0
         # Quarantined free slots -> the schedule-end count from which promotions may take
         # them. Insertion order is release order (every mark is "now + 2").
@@ -536,7 +539,8 @@ class CPUOffloadingManager(OffloadingManager):
         entries.update(zip(to_store, slots, strict=True))  # write-pending: the slot itself
         self.policy.insert_many(to_store)
         self._write_pending += n
-        self._alloc_sizes.append(float(n))
+        sizes = self._alloc_sizes
+        sizes[n] = sizes.get(n, 0) + 1
         self._stores_skipped += skipped
         return PrepareStoreOutput(tuple(to_store), CPULoadStoreSpec(tuple(slots)), tuple(victims))
 
@@ -696,17 +700,21 @@ class CPUOffloadingManager(OffloadingManager):
 
     def get_stats(self) -> dict[str, float | int | list[float]]:
         """Gauges ``cpu_cache_usage_perc`` (pinned + write-pending, as a fraction),
-        ``write_usage``, ``read_usage``; ``allocation_sizes`` since the last call; and
-        ``stores_skipped`` since the last call when the reuse filter is on."""
+        ``write_usage``, ``read_usage``; ``allocation_sizes`` since the last call (one entry
+        per store that allocated, grouped by size in first-seen order: kept as a count per
+        size, so a caller that never asks costs no memory per store); and ``stores_skipped``
+        since the last call when the reuse filter is on."""
         busy = len(self._entries) - self._evictable
         usage, write, read = usage_gauges(self.capacity, busy, self._write_pending)
         stats: dict[str, float | int | list[float]] = {
             "cpu_cache_usage_perc": usage,
             "write_usage": write,
             "read_usage": read,
-            "allocation_sizes": self._alloc_sizes,
+            "allocation_sizes": [
+                float(n) for n, count in self._alloc_sizes.items() for _ in range(count)
+            ],
         }
-        self._alloc_sizes = []
+        self._alloc_sizes = {}
         if self._tracker is not None:
             stats["stores_skipped"] = self._stores_skipped
             self._stores_skipped = 0
