@@ -471,3 +471,19 @@ def test_reset_lets_the_next_call_of_the_step_poll_the_tiers_again() -> None:
     assert tier.polls == 2
     m.lookup(k(1), ctx)  # ... and the step's next call polls again
     assert tier.polls == 3
+
+
+def test_a_late_store_report_after_a_reset_does_not_hide_a_later_pending_store() -> None:
+    m, _ = stack(4, MemoryTier())
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    assert m.prepare_store([k(1)], ctx) is not None
+    m.reset_cache()  # the request's pending primary stores are forgotten
+    m.complete_store([k(1)], ctx)  # the reset store's late report: nothing left to count down
+    later = m.prepare_store([k(2)], ctx)
+    assert later is not None and later.keys_to_store == (k(2),)
+    m.on_request_finished(ctx)
+    assert "r" in m.tracked_requests()  # its store is still pending: not finalised yet
+    m.complete_store(later.keys_to_store, ctx)
+    settle(m)
+    assert "r" not in m.tracked_requests()
