@@ -195,6 +195,13 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     (
         "statecore/scheduler.py",
         "core/NumberReplacer",
+        "if hits == 0:",
+        "if hits == -1:",
+    ): "hits is never -1; a 0 let through lowers max_hit to tpc * start <= num_computed, so the "
+    "next group (or the next pass) returns 0 before any lookup",
+    (
+        "statecore/scheduler.py",
+        "core/NumberReplacer",
         "self.store_floor = 0",
         "self.store_floor = 1",
     ): "a floor of 1 only skips steps with no offloadable token, where nothing is storable",
