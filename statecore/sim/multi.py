@@ -17,8 +17,10 @@ instance stored them.
 
 **Server restart.** With ``restart=True`` (and a server this module started), the server is
 stopped once half the requests have been issued and started again, empty, ``down_steps``
-rounds later: promotions and stores fail, lookups answer MISS, requests recompute; the run must
-still end with no violation and no data error.
+rounds later or, when no tier job has failed by then, as soon as one has (at most 20 times
+``down_steps`` rounds): whether a job meets the down server depends on when the tier's
+threads run it, so the outage lasts until it has been felt. Promotions and stores fail,
+lookups answer MISS, requests recompute; the run must still end with no violation and no data error.
 
 **Comparison.** :func:`compare` runs the same workload three times: on one instance, on N
 instances sharing the tier, and on N instances with private tiers (a namespace each, same
@@ -246,7 +248,8 @@ def run_instances(
         server: the :class:`~statecore.redisserver.LocalRedis` behind ``url``, needed to
             restart it.
         restart: stop the server once half the requests were issued, start it
-            ``down_steps`` rounds later.
+            ``down_steps`` rounds later, or later once a tier job has failed (at most
+            ``20 * down_steps`` rounds).
     """
     cfg = dataclasses.replace(cfg, tiering=True)
     root = random.Random(cfg.seed)
@@ -283,6 +286,7 @@ def run_instances(
             stacks.append(stack)
             engines.append(engine)
         restart_at: int | None = None
+        failed_before = 0
         half = cfg.workload.num_requests // 2
         step = 0
         while step < cfg.steps and not all(e.workload.exhausted and not e.by_id for e in engines):
@@ -290,7 +294,16 @@ def run_instances(
                 if restart_at is None and router.workload.issued >= half and server.running:
                     server.stop()
                     restart_at = step + down_steps
-                elif restart_at is not None and step >= restart_at and not server.running:
+                    failed_before = attribution.failed_jobs
+                elif (
+                    restart_at is not None
+                    and not server.running
+                    and step >= restart_at
+                    and (
+                        attribution.failed_jobs > failed_before
+                        or step >= restart_at + 19 * down_steps
+                    )
+                ):
                     server.start()
                     restarts += 1
             for e in engines:
