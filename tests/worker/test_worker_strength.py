@@ -22,6 +22,7 @@ from statecore.worker import (
     TransferResult,
     aggregate,
     job_specs,
+    plan_block_copies,
     plan_spans,
     validate_ids,
 )
@@ -132,6 +133,18 @@ def test_range_errors_name_the_last_valid_id_for_even_counts_too() -> None:
         validate_ids([10], [0], 10, 4)
     with pytest.raises(SpecError, match=r"CPU slots \[6\] out of range 0\.\.5$"):
         validate_ids([0], [6], 10, 6)
+
+
+def test_a_range_error_names_at_most_eight_bad_ids() -> None:
+    with pytest.raises(SpecError, match=r"CPU slots \[10, 11, 12, 13, 14, 15, 16, 17\] out of"):
+        validate_ids([0], list(range(10, 20)), 10, 4)
+
+
+def test_a_plan_of_many_distinct_slots_is_not_a_repeated_slot() -> None:
+    """300 slots, each once (counts past CPython's small-int cache): a valid plan."""
+    n = 300
+    plan = plan_block_copies(tuple(range(n)), (n,), (0,), tuple(range(1000, 1000 + n)), 1)
+    assert [(c[1], c[2]) for c in plan] == [(b, 1000 + b) for b in range(n)]
 
 
 def test_memory_backend_progress_counts_the_jobs_it_ran_and_auto_progress_is_default() -> None:
