@@ -262,26 +262,13 @@ def test_request_finished_never_delays_freeing_the_blocks(kind: str) -> None:
     assert h.sched.request_finished(ghost) == (False, None)  # never tracked
 
 
-def test_reset_rewinds_a_running_request_to_chunk_0() -> None:
+@pytest.mark.parametrize("policy", [OffloadPolicy.CHUNK_LEVEL, OffloadPolicy.REQUEST_LEVEL])
+def test_reset_rewinds_a_running_request_to_chunk_0(policy: OffloadPolicy) -> None:
     """The reset manager forgot every chunk: a request that keeps running offers its chunks
-    again from chunk 0 (seed 004), the ones stored before the reset included."""
-    fake = RecordingManager()
-    h = Harness(fake, config())
-    h.add("a", list(range(16)))
-    h.admit("a")
-    h.report(list(h.step([h.schedule("a", 8)], new=["a"]).store_jobs))
-    h.sched.reset_cache()
-    h.report()
-    h.step([h.schedule("a", 8)])
-    keys = h.sched.request_keys("a")[0]
-    offered = [c.keys for c in fake.methods("prepare_store")]
-    assert offered == [tuple(keys[:2]), tuple(keys[:4])]
-
-
-def test_reset_rewinds_a_running_request_level_request_to_chunk_0() -> None:
-    """With the request-level policy a rewound request offers every chunk again from chunk 0:
-    the stores after a reset hold each key once, in chunk order (none from past the end)."""
-    fake = RecordingManager(policy=OffloadPolicy.REQUEST_LEVEL)
+    again from chunk 0 (seed 004), the ones stored before the reset included. Under either
+    policy the stores after the reset hold each key once, in chunk order (none from past the
+    end)."""
+    fake = RecordingManager(policy=policy)
     h = Harness(fake, config())
     h.add("a", list(range(16)))
     h.admit("a")
