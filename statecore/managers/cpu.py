@@ -214,7 +214,7 @@ class CPUOffloadingManager(OffloadingManager):
         # allocation size -> how many stores allocated that many slots since the last
         # get_stats: bounded by the distinct sizes, not by the stores (an engine that never
         # asks for stats must not make the manager grow with every job)
-        self._alloc_sizes: dict[int, int] = {}
+        self._alloc_sizes: Counter[int] = Counter()
         self._stores_skipped = 0
         # Quarantined free slots -> the schedule-end count from which promotions may take
         # them. Insertion order is release order (every mark is "now + 2").
@@ -539,8 +539,7 @@ class CPUOffloadingManager(OffloadingManager):
         entries.update(zip(to_store, slots, strict=True))  # write-pending: the slot itself
         self.policy.insert_many(to_store)
         self._write_pending += n
-        sizes = self._alloc_sizes
-        sizes[n] = sizes.get(n, 0) + 1
+        self._alloc_sizes[n] += 1
         self._stores_skipped += skipped
         return PrepareStoreOutput(tuple(to_store), CPULoadStoreSpec(tuple(slots)), tuple(victims))
 
@@ -710,11 +709,9 @@ class CPUOffloadingManager(OffloadingManager):
             "cpu_cache_usage_perc": usage,
             "write_usage": write,
             "read_usage": read,
-            "allocation_sizes": [
-                float(n) for n, count in self._alloc_sizes.items() for _ in range(count)
-            ],
+            "allocation_sizes": list(map(float, self._alloc_sizes.elements())),
         }
-        self._alloc_sizes = {}
+        self._alloc_sizes = Counter()
         if self._tracker is not None:
             stats["stores_skipped"] = self._stores_skipped
             self._stores_skipped = 0
