@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import gc
 import re
 
 import pytest
 
+from statecore.bench.scheduler import (
+    HOOKS,
+    Collection,
+    GCRecorder,
+    HookTimer,
+    gc_line,
+    gc_summary,
+)
 from statecore.cli import main
 
 
@@ -76,3 +85,76 @@ def test_bench_scheduler_soak_prints_a_memory_curve_and_stops_at_the_job_target(
     jobs = [int(r[2]) for r in rows]
     assert jobs == sorted(jobs) and jobs[-1] >= 30  # stopped at the target, not the clock
     assert all(float(r[3]) > 0 for r in rows)  # RSS read
+
+
+def test_bench_scheduler_gc_stats_prints_a_gc_line_after_each_row(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "scheduler", "--engine", "standalone", "--clock", "thread", "--gc-stats"]
+    assert main([*argv, "--concurrency", "8", "--concurrency", "16", "--steps", "40"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    for n in (8, 16):
+        i = next(k for k, line in enumerate(lines) if line.startswith(f"N={n} "))
+        assert lines[i + 1].startswith("  gc: "), out
+        assert "without them median" in lines[i + 1]
+
+
+class _Hooks:
+    """Four hooks; ``build_connector_meta`` runs a collection of the given generation."""
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+
+    def get_num_new_matched_tokens(self) -> None:
+        pass
+
+    def update_state_after_alloc(self) -> None:
+        pass
+
+    def build_connector_meta(self) -> None:
+        gc.collect(self.generation)
+
+    def update_connector_output(self) -> None:
+        pass
+
+
+def test_gc_recorder_attributes_a_collection_to_the_hook_and_step_it_started_in() -> None:
+    hooks = _Hooks(1)
+    timer = HookTimer(hooks, lambda n, a, r: None, "thread", track=True)
+    with GCRecorder(timer) as rec:
+        timer.end_step(0)  # step 0: nothing
+        hooks.get_num_new_matched_tokens()
+        hooks.build_connector_meta()
+        timer.end_step(16)  # step 1: one collection inside build_connector_meta
+        gc.collect(0)  # outside any hook, in step 2
+        timer.end_step(16)
+    assert rec._callback not in gc.callbacks
+    mine = [(c.step, c.generation, c.hook) for c in rec.collections]
+    assert (1, 1, "build_connector_meta") in mine
+    assert (2, 0, None) in mine
+    assert timer.current is None
+    summary = gc_summary(rec.collections, timer.steps, 0, 3)
+    assert summary["steps"] == 2  # step 0 scheduled no tokens
+    assert summary["generations"]["1"]["in_hooks"] >= 1
+    assert summary["generations"]["0"]["count"] >= 1
+
+
+def test_gc_summary_subtracts_in_hook_pauses_and_counts_tail_steps() -> None:
+    ns = dict.fromkeys(HOOKS, 0)
+    steps = [(1, {**ns, "build_connector_meta": t * 1000}) for t in (100,) * 98 + (1100,) * 2]
+    events = [
+        Collection(98, 0, "update_connector_output", 1_000_000),  # the slow steps: 1 ms pauses
+        Collection(99, 1, "build_connector_meta", 1_000_000),
+        Collection(5, 0, None, 50_000),  # in the engine: not subtracted
+        Collection(200, 0, "build_connector_meta", 10),  # not a counted step
+    ]
+    g = gc_summary(events, steps, 0, 100)
+    assert g["steps"] == 100
+    assert g["generations"] == {
+        "1": {"count": 1, "in_hooks": 1, "hook_pauses_ms": [1.0]},
+        "0": {"count": 2, "in_hooks": 1, "hook_pauses_ms": [1.0]},
+    }
+    assert g["p99_us"] == 1100 and g["net_p99_us"] == 100
+    assert g["tail_steps"] == 2 and g["tail_steps_with_gc"] == 2
+    assert "gen1 1 (1 in hooks, 1.0-1.0 ms)" in gc_line(g)

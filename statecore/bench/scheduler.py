@@ -25,6 +25,7 @@ of the job records. This is a command, not a test: nothing here asserts timings.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import json
@@ -51,9 +52,13 @@ from statecore.worker import OffloadingWorker, TransferResult
 
 __all__ = [
     "HOOKS",
+    "Collection",
+    "GCRecorder",
     "Scenario",
     "StepDelayBackend",
     "Workload",
+    "gc_line",
+    "gc_summary",
     "main",
     "run_standalone",
     "run_vllm",
@@ -109,6 +114,10 @@ class Scenario:
     """Standalone engine: at most this many requests scheduled per step (0: no cap). The
     others stay in flight, tracked by the connector, idle; running ones are served
     round-robin and waiting ones get a share of the slots (the change-proportional mode)."""
+    gc_stats: bool = False
+    """Record the cyclic garbage collector's collections during the timed steps (generation,
+    pause, whether it started inside a hook) and the per-step cost without the in-hook pauses
+    (:class:`GCRecorder`). The collector itself runs as it would without this."""
     bulk: bool = False
     """Standalone engine, for soaks: prompt tokens drawn in bulk (``randbytes``, another
     stream than the default's) and running requests handed over as
@@ -225,19 +234,24 @@ class StepDelayBackend:
 
 
 class HookTimer:
-    """Wraps the four hooks of a connector instance; accumulates ns per step."""
+    """Wraps the four hooks of a connector instance; accumulates ns per step. With ``track``,
+    :attr:`current` names the hook running (for :class:`GCRecorder`)."""
 
     def __init__(
         self,
         target: Any,
         on_call: Callable[[str, tuple[Any, ...], Any], None],
         clock: str = "perf",
+        track: bool = False,
     ) -> None:
         self.ns: dict[str, int] = dict.fromkeys(HOOKS, 0)
         self.steps: list[tuple[int, dict[str, int]]] = []
         self.target = target
+        self.current: str | None = None
+        """The hook running now (kept only with ``track``), for :class:`GCRecorder`."""
         # thread CPU time: ratios between runs hold on a loaded machine (no preemption noise)
         pc = time.thread_time_ns if clock == "thread" else time.perf_counter_ns
+        self.clock = pc
         for name in HOOKS:
             orig = getattr(target, name)
 
@@ -248,12 +262,131 @@ class HookTimer:
                 on_call(_n, args, res)
                 return res
 
-            setattr(target, name, timed)
+            def tracked(*args: Any, _o: Any = orig, _n: str = name) -> Any:
+                self.current = _n
+                t0 = pc()
+                try:
+                    res = _o(*args)
+                finally:
+                    self.current = None
+                self.ns[_n] += pc() - t0
+                on_call(_n, args, res)
+                return res
+
+            setattr(target, name, tracked if track else timed)
 
     def end_step(self, scheduled_tokens: int) -> None:
         """Close the step."""
         self.steps.append((scheduled_tokens, self.ns))
         self.ns = dict.fromkeys(HOOKS, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Collection:
+    """One collection of the cyclic garbage collector during a run."""
+
+    step: int
+    """Index of the engine step it happened in (as :attr:`HookTimer.steps` counts them)."""
+    generation: int
+    hook: str | None
+    """The connector hook it started in, or None (the engine's own code)."""
+    pause_ns: int
+    """Its duration on the hooks' clock."""
+
+
+class GCRecorder:
+    """Records the cyclic GC's collections while a run's steps are timed (``gc.callbacks``).
+
+    Each collection is attributed to the step it happened in and to the hook it started in
+    (:attr:`HookTimer.current`), so that a hook's time can be told apart from the collector's
+    pauses that landed in it. Nothing about the collector is changed: a collection starts
+    wherever the allocation count crosses its threshold, with or without this recorder.
+    Use as a context manager around the timed loop."""
+
+    def __init__(self, timer: HookTimer) -> None:
+        self.timer = timer
+        self.collections: list[Collection] = []
+        self._start: tuple[int, str | None] | None = None
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        t = self.timer
+        if phase == "start":
+            self._start = (t.clock(), t.current)
+        elif self._start is not None:
+            t0, hook = self._start
+            self._start = None
+            self.collections.append(
+                Collection(len(t.steps), int(info["generation"]), hook, t.clock() - t0)
+            )
+
+    def __enter__(self) -> GCRecorder:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def gc_summary(
+    collections: Sequence[Collection],
+    steps: Sequence[tuple[int, dict[str, int]]],
+    warmup: int,
+    last: int,
+) -> dict[str, Any]:
+    """The collections of the steps :func:`summarize` counts (``warmup..last``, tokens > 0):
+    per generation, how many, how many started in a hook and their pauses (ms); and the
+    per-step cost (sum of the four hooks) with the in-hook pauses subtracted (median, p99 µs),
+    next to how many of the steps at or above the plain p99 had an in-hook pause."""
+    counted = {i for i in range(warmup, min(last, len(steps))) if steps[i][0] > 0}
+    in_hooks: dict[int, int] = {}
+    gens: dict[str, dict[str, Any]] = {}
+    for c in collections:
+        if c.step not in counted:
+            continue
+        g = gens.setdefault(str(c.generation), {"count": 0, "in_hooks": 0, "hook_pauses_ms": []})
+        g["count"] += 1
+        if c.hook is not None:
+            g["in_hooks"] += 1
+            g["hook_pauses_ms"].append(round(c.pause_ns / 1e6, 3))
+            in_hooks[c.step] = in_hooks.get(c.step, 0) + c.pause_ns
+    totals = {i: sum(steps[i][1].values()) for i in sorted(counted)}
+    plain = [ns / 1e3 for ns in totals.values()]
+    net = [(ns - in_hooks.get(i, 0)) / 1e3 for i, ns in totals.items()]
+    out: dict[str, Any] = {"generations": gens, "steps": len(plain)}
+    if plain:
+        p99 = _pct(plain, 99)
+        out.update(
+            median_us=statistics.median(plain),
+            p99_us=p99,
+            net_median_us=statistics.median(net),
+            net_p99_us=_pct(net, 99),
+            tail_steps=sum(1 for x in plain if x >= p99),
+            tail_steps_with_gc=sum(
+                1 for i, ns in totals.items() if ns / 1e3 >= p99 and i in in_hooks
+            ),
+            hook_pause_share=sum(in_hooks.values()) / max(sum(totals.values()), 1),
+        )
+    return out
+
+
+def gc_line(g: dict[str, Any]) -> str:
+    """One line of :func:`gc_summary` for the table."""
+    if not g.get("steps"):
+        return "  gc: no timed steps"
+    parts = []
+    for gen in sorted(g["generations"]):
+        d = g["generations"][gen]
+        pauses = d["hook_pauses_ms"]
+        span = f", {min(pauses):.1f}-{max(pauses):.1f} ms" if pauses else ""
+        parts.append(f"gen{gen} {d['count']} ({d['in_hooks']} in hooks{span})")
+    return (
+        f"  gc: {'; '.join(parts) or 'no collections'}; in-hook pauses "
+        f"{100 * g['hook_pause_share']:.1f}% of hook time; tail steps (>= p99) with one: "
+        f"{g['tail_steps_with_gc']}/{g['tail_steps']}; without them median "
+        f"{g['net_median_us']:.1f} p99 {g['net_p99_us']:.1f} (p99/median "
+        f"{g['net_p99_us'] / max(g['net_median_us'], 1e-9):.2f}; with them "
+        f"{g['p99_us'] / max(g['median_us'], 1e-9):.2f})"
+    )
 
 
 def _pct(xs: Sequence[float], p: float) -> float:
@@ -306,6 +439,8 @@ class RunResult:
     """statecore's connector: every ``get_kv_connector_stats`` payload, aggregated."""
     events: list[tuple[Any, ...]] = field(default_factory=list)
     """The connector's KV events in order, as comparable tuples (engine step first)."""
+    gc: dict[str, Any] = field(default_factory=dict)
+    """With ``Scenario.gc_stats``: :func:`gc_summary` of the run."""
 
     def as_json(self) -> dict[str, Any]:
         """The JSON-able form."""
@@ -358,7 +493,7 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
     ]
     workers = [OffloadingWorker(b, rank=i) for i, b in enumerate(backends)]
     res = RunResult("standalone", "statecore", sc, {})
-    timer = HookTimer(sched, lambda n, a, r: None, sc.clock)
+    timer = HookTimer(sched, lambda n, a, r: None, sc.clock, sc.gc_stats)
     pool = BlockPool(sc.num_gpu_blocks())
     wl = Workload(sc)
     waiting: list[_Req] = []
@@ -381,200 +516,207 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
         r.blocks = []
         r.cached = 0
 
-    t0 = time.perf_counter()
-    step = 0
-    while True:
-        if step >= sc.steps and not live and not sched.has_pending_push_work():
-            break
-        if step > 10 * sc.steps + 1000:
-            raise RuntimeError("standalone engine did not drain")
-        due = sc.reset_at is not None and step >= sc.reset_at and "resets" not in c
-        if due and (not sc.reset_with_loads or any(not j.is_store for j in sched.jobs.values())):
-            c["resets"] = 1
-            sched.reset_cache()
-        if step < sc.steps:
-            while len(live) < sc.concurrency:
-                arrive()
-        budget = sc.max_num_batched_tokens
-        scheduled: list[tuple[_Req, int]] = []
-        new_ids: set[str] = set()
-        preempted: set[str] = set()
-        # running requests first (as vLLM): chunked prefill or one decode token; with
-        # ``active``, at most that many requests a step, waiting ones keeping a share
-        cap = sc.active or len(running) + len(waiting) + 1
-        run_cap = max(cap - len(waiting), cap // 2)
-        i = 0
-        while i < len(running) and budget > 0 and i < run_cap:
-            r = running[i]
-            v = r.view
-            n = min(v.num_tokens - v.num_computed_tokens, budget)
-            need = -(-(v.num_computed_tokens + n) // BLOCK) - len(r.blocks)
-            while need > 0:
-                got = pool.allocate(need)
-                if got is not None:
-                    r.blocks += got
-                    r.new_blocks += got
-                    break
-                victim = running.pop()
-                free(victim)
-                victim.view.num_computed_tokens = 0
-                victim.resumed = True
-                victim.new_blocks = []
-                preempted.add(victim.view.request_id)
-                waiting.insert(0, victim)
-                c["preemptions"] = c.get("preemptions", 0) + 1
-                if victim is r:
-                    break
-            if v.request_id in preempted:  # it was the victim (O(1): soak sizes)
-                continue
-            scheduled.append((r, n))
-            budget -= n
-            i += 1
-        if sc.active:  # round-robin: the next step starts after the last one served
-            running = running[i:] + running[:i]
-        # waiting requests
-        still: list[_Req] = []
-        blocked = False  # FCFS, as vLLM: the first request that does not fit stops admission
-        for r in waiting:
-            v = r.view
-            full = len(running) >= sc.concurrency or len(scheduled) >= cap
-            if blocked or r.loading or budget <= 0 or full:
-                still.append(r)
-                continue
-            if r.blocks:  # its load ended: schedule the rest
+    with GCRecorder(timer) if sc.gc_stats else contextlib.nullcontext() as recorder:
+        t0 = time.perf_counter()
+        step = 0
+        while True:
+            if step >= sc.steps and not live and not sched.has_pending_push_work():
+                break
+            if step > 10 * sc.steps + 1000:
+                raise RuntimeError("standalone engine did not drain")
+            due = sc.reset_at is not None and step >= sc.reset_at and "resets" not in c
+            if due and (
+                not sc.reset_with_loads or any(not j.is_store for j in sched.jobs.values())
+            ):
+                c["resets"] = 1
+                sched.reset_cache()
+            if step < sc.steps:
+                while len(live) < sc.concurrency:
+                    arrive()
+            budget = sc.max_num_batched_tokens
+            scheduled: list[tuple[_Req, int]] = []
+            new_ids: set[str] = set()
+            preempted: set[str] = set()
+            # running requests first (as vLLM): chunked prefill or one decode token; with
+            # ``active``, at most that many requests a step, waiting ones keeping a share
+            cap = sc.active or len(running) + len(waiting) + 1
+            run_cap = max(cap - len(waiting), cap // 2)
+            i = 0
+            while i < len(running) and budget > 0 and i < run_cap:
+                r = running[i]
+                v = r.view
                 n = min(v.num_tokens - v.num_computed_tokens, budget)
                 need = -(-(v.num_computed_tokens + n) // BLOCK) - len(r.blocks)
-                got = pool.allocate(need) if need > 0 else []
-                if got is None:
+                while need > 0:
+                    got = pool.allocate(need)
+                    if got is not None:
+                        r.blocks += got
+                        r.new_blocks += got
+                        break
+                    victim = running.pop()
+                    free(victim)
+                    victim.view.num_computed_tokens = 0
+                    victim.resumed = True
+                    victim.new_blocks = []
+                    preempted.add(victim.view.request_id)
+                    waiting.insert(0, victim)
+                    c["preemptions"] = c.get("preemptions", 0) + 1
+                    if victim is r:
+                        break
+                if v.request_id in preempted:  # it was the victim (O(1): soak sizes)
+                    continue
+                scheduled.append((r, n))
+                budget -= n
+                i += 1
+            if sc.active:  # round-robin: the next step starts after the last one served
+                running = running[i:] + running[:i]
+            # waiting requests
+            still: list[_Req] = []
+            blocked = False  # FCFS, as vLLM: the first request that does not fit stops admission
+            for r in waiting:
+                v = r.view
+                full = len(running) >= sc.concurrency or len(scheduled) >= cap
+                if blocked or r.loading or budget <= 0 or full:
+                    still.append(r)
+                    continue
+                if r.blocks:  # its load ended: schedule the rest
+                    n = min(v.num_tokens - v.num_computed_tokens, budget)
+                    need = -(-(v.num_computed_tokens + n) // BLOCK) - len(r.blocks)
+                    got = pool.allocate(need) if need > 0 else []
+                    if got is None:
+                        still.append(r)
+                        blocked = True
+                        continue
+                    r.blocks += got
+                    r.new_blocks = list(r.blocks)
+                    scheduled.append((r, n))
+                    new_ids.add(v.request_id)
+                    running.append(r)
+                    budget -= n
+                    continue
+                hit = pool.computed_blocks(v.block_hashes, (v.num_tokens - 1) // BLOCK)
+                local = len(hit) * BLOCK
+                ext, is_async = sched.get_num_new_matched_tokens(v, local)
+                if ext is None:
+                    still.append(r)
+                    continue
+                total = local + ext
+                n = 0 if is_async else min(v.num_tokens - total, budget)
+                need = -(-(total + n) // BLOCK) - len(hit)
+                free_hits = sum(1 for b in hit if pool.ref[b] == 0)  # touching takes them
+                if need + free_hits > pool.num_free:
                     still.append(r)
                     blocked = True
                     continue
-                r.blocks += got
+                pool.touch(hit)
+                got = pool.allocate(need) or []
+                r.blocks = hit + got
+                r.cached = 0
                 r.new_blocks = list(r.blocks)
+                v.num_computed_tokens = local
+                sched.update_state_after_alloc(v, (r.blocks,), ext)
+                if is_async:
+                    r.loading = True
+                    v.num_computed_tokens = total
+                    still.append(r)
+                    continue
+                v.num_computed_tokens = total
                 scheduled.append((r, n))
                 new_ids.add(v.request_id)
                 running.append(r)
                 budget -= n
-                continue
-            hit = pool.computed_blocks(v.block_hashes, (v.num_tokens - 1) // BLOCK)
-            local = len(hit) * BLOCK
-            ext, is_async = sched.get_num_new_matched_tokens(v, local)
-            if ext is None:
-                still.append(r)
-                continue
-            total = local + ext
-            n = 0 if is_async else min(v.num_tokens - total, budget)
-            need = -(-(total + n) // BLOCK) - len(hit)
-            free_hits = sum(1 for b in hit if pool.ref[b] == 0)  # touching takes them
-            if need + free_hits > pool.num_free:
-                still.append(r)
-                blocked = True
-                continue
-            pool.touch(hit)
-            got = pool.allocate(need) or []
-            r.blocks = hit + got
-            r.cached = 0
-            r.new_blocks = list(r.blocks)
-            v.num_computed_tokens = local
-            sched.update_state_after_alloc(v, (r.blocks,), ext)
-            if is_async:
-                r.loading = True
-                v.num_computed_tokens = total
-                still.append(r)
-                continue
-            v.num_computed_tokens = total
-            scheduled.append((r, n))
-            new_ids.add(v.request_id)
-            running.append(r)
-            budget -= n
-        waiting = still
-        if sc.bulk:  # running requests in columnar form, as the vLLM adapter hands them
-            listed = [(r, n) for r, n in scheduled if r.view.request_id in new_ids]
-            rest = [(r, n) for r, n in scheduled if r.view.request_id not in new_ids]
-            columns = ScheduledColumns(
-                [r.view.request_id for r, _ in rest],
-                [(r.new_blocks,) if r.new_blocks else None for r, _ in rest],
-                [n for _, n in rest],
-                frozenset(r.view.request_id for r, _ in rest if r.resumed),
-            )
-        else:
-            listed, columns = scheduled, None
-        out = SchedulerOutput(
-            scheduled=tuple(
-                ScheduledRequest(
-                    r.view.request_id,
-                    (tuple(r.new_blocks),),
-                    n,
-                    r.resumed and r.view.request_id not in new_ids,
+            waiting = still
+            if sc.bulk:  # running requests in columnar form, as the vLLM adapter hands them
+                listed = [(r, n) for r, n in scheduled if r.view.request_id in new_ids]
+                rest = [(r, n) for r, n in scheduled if r.view.request_id not in new_ids]
+                columns = ScheduledColumns(
+                    [r.view.request_id for r, _ in rest],
+                    [(r.new_blocks,) if r.new_blocks else None for r, _ in rest],
+                    [n for _, n in rest],
+                    frozenset(r.view.request_id for r, _ in rest if r.resumed),
                 )
-                for r, n in listed
-            ),
-            new_req_ids=frozenset(new_ids),
-            finished_req_ids=frozenset(finished_ids),
-            preempted_req_ids=frozenset(preempted),
-            columns=columns,
-        )
-        finished_ids = set()
-        meta = sched.build_connector_meta(out)
-        for r, _ in scheduled:
-            r.new_blocks = []
-            r.resumed = False
-        for w in workers:
-            w.start_step(meta)
-            w.end_step(meta)
-        report = WorkerMetadata()
-        for w in workers:
-            report = report.aggregate(w.build_worker_metadata())
-        result = sched.update_connector_output(report)
-        # compute: advance tokens, sample, cache full blocks
-        done: list[_Req] = []
-        for r, n in scheduled:
-            v = r.view
-            v.num_computed_tokens += n
-            # register the full computed blocks; a block registered earlier stays registered
-            # while the request holds it, so only the ones after the first unregistered one
-            # are (re)tried: the same effect as trying every full block each step
-            blocks, hashes = r.blocks, v.block_hashes
-            upto = min(len(hashes), len(blocks), v.num_computed_tokens // BLOCK)
-            first = upto
-            for b in range(r.cached, upto):
-                blk = blocks[b]
-                pool.cache(blk, hashes[b])
-                if first == upto and pool.hash_of[blk] is None:
-                    first = b
-            if upto > r.cached:
-                r.cached = first
-            if v.num_computed_tokens >= v.num_tokens:
-                r.tokens.append(wl.rng.randrange(3, 50000))
-                v.num_tokens += 1
-                extend_block_hashes(v.block_hashes, r.tokens, BLOCK)
-                if v.num_tokens - v.num_prompt_tokens >= r.max_out:
-                    done.append(r)
-        for rid in result.finished_loads:
-            lr = live.get(rid)
-            if lr is None:
-                continue
-            lr.loading = False
-            lr.view.num_computed_tokens = min(lr.view.num_computed_tokens, lr.view.num_tokens - 1)
-            if result.invalid_block_ids:
-                lr.view.num_computed_tokens = 0
-        if done:  # one pass, not a remove per request (O(N) a step at soak sizes)
-            ended = set(map(id, done))
-            running = [r for r in running if id(r) not in ended]
-        for r in done:
-            sched.request_finished(r.view)
-            free(r)
-            del live[r.view.request_id]
-            finished_ids.add(r.view.request_id)
-            res.outputs[r.view.request_id] = r.view.num_tokens - r.view.num_prompt_tokens
-            wl.finished(list(r.tokens))
-        timer.end_step(sum(n for _, n in scheduled))
-        step += 1
-        clock[0] += 1
-        if probe is not None and probe(step, timer, res, backends[0].submitted):
-            break
+            else:
+                listed, columns = scheduled, None
+            out = SchedulerOutput(
+                scheduled=tuple(
+                    ScheduledRequest(
+                        r.view.request_id,
+                        (tuple(r.new_blocks),),
+                        n,
+                        r.resumed and r.view.request_id not in new_ids,
+                    )
+                    for r, n in listed
+                ),
+                new_req_ids=frozenset(new_ids),
+                finished_req_ids=frozenset(finished_ids),
+                preempted_req_ids=frozenset(preempted),
+                columns=columns,
+            )
+            finished_ids = set()
+            meta = sched.build_connector_meta(out)
+            for r, _ in scheduled:
+                r.new_blocks = []
+                r.resumed = False
+            for w in workers:
+                w.start_step(meta)
+                w.end_step(meta)
+            report = WorkerMetadata()
+            for w in workers:
+                report = report.aggregate(w.build_worker_metadata())
+            result = sched.update_connector_output(report)
+            # compute: advance tokens, sample, cache full blocks
+            done: list[_Req] = []
+            for r, n in scheduled:
+                v = r.view
+                v.num_computed_tokens += n
+                # register the full computed blocks; a block registered earlier stays registered
+                # while the request holds it, so only the ones after the first unregistered one
+                # are (re)tried: the same effect as trying every full block each step
+                blocks, hashes = r.blocks, v.block_hashes
+                upto = min(len(hashes), len(blocks), v.num_computed_tokens // BLOCK)
+                first = upto
+                for b in range(r.cached, upto):
+                    blk = blocks[b]
+                    pool.cache(blk, hashes[b])
+                    if first == upto and pool.hash_of[blk] is None:
+                        first = b
+                if upto > r.cached:
+                    r.cached = first
+                if v.num_computed_tokens >= v.num_tokens:
+                    r.tokens.append(wl.rng.randrange(3, 50000))
+                    v.num_tokens += 1
+                    extend_block_hashes(v.block_hashes, r.tokens, BLOCK)
+                    if v.num_tokens - v.num_prompt_tokens >= r.max_out:
+                        done.append(r)
+            for rid in result.finished_loads:
+                lr = live.get(rid)
+                if lr is None:
+                    continue
+                lr.loading = False
+                lr.view.num_computed_tokens = min(
+                    lr.view.num_computed_tokens, lr.view.num_tokens - 1
+                )
+                if result.invalid_block_ids:
+                    lr.view.num_computed_tokens = 0
+            if done:  # one pass, not a remove per request (O(N) a step at soak sizes)
+                ended = set(map(id, done))
+                running = [r for r in running if id(r) not in ended]
+            for r in done:
+                sched.request_finished(r.view)
+                free(r)
+                del live[r.view.request_id]
+                finished_ids.add(r.view.request_id)
+                res.outputs[r.view.request_id] = r.view.num_tokens - r.view.num_prompt_tokens
+                wl.finished(list(r.tokens))
+            timer.end_step(sum(n for _, n in scheduled))
+            step += 1
+            clock[0] += 1
+            if probe is not None and probe(step, timer, res, backends[0].submitted):
+                break
     res.wall_s = time.perf_counter() - t0
     res.summary = summarize(timer.steps, sc.warmup_steps, sc.steps)
+    if recorder is not None:
+        res.gc = gc_summary(recorder.collections, timer.steps, sc.warmup_steps, sc.steps)
     res.counters.update(
         {k: v for k, v in sched.counters.as_dict().items() if isinstance(v, int) and v}
     )
@@ -965,7 +1107,7 @@ def run_vllm(sc: Scenario, connector: str) -> RunResult:
             return st
 
         conn.get_kv_connector_stats = stats_hook
-    timer = HookTimer(conn, on_call, sc.clock)
+    timer = HookTimer(conn, on_call, sc.clock, sc.gc_stats)
     if sc.kv_events:
         publish = engine.kv_event_publisher.publish
 
@@ -981,93 +1123,96 @@ def run_vllm(sc: Scenario, connector: str) -> RunResult:
     live: dict[str, Any] = {}
     gc.collect()
     gc.freeze()
-    t0 = time.perf_counter()
-    step = 0
-    while True:
-        if step >= sc.steps and not (engine.has_requests()):
-            break
-        if step > 10 * sc.steps + 1000:
-            raise RuntimeError(f"vLLM engine with {connector} connector did not drain")
-        due = sc.reset_at is not None and step >= sc.reset_at and "resets" not in c
-        # with reset_with_loads: only once the last step sent a load (still in flight)
-        if due and (not sc.reset_with_loads or last_loads[0]):
-            c["resets"] = 1
-            c["loads_in_flight_at_reset"] = last_loads[0]
-            engine.reset_connector_cache()
-        if step < sc.steps:
-            while len(live) < sc.concurrency:
-                rid, prompt, out_len = wl.new()
-                sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
-                sp.update_from_generation_config({}, None)
-                req = VRequest(
-                    request_id=rid,
-                    prompt_token_ids=prompt,
-                    sampling_params=sp,
-                    pooling_params=None,
-                    block_hasher=hasher,
-                )
-                engine.add_request(req)
-                live[rid] = req
-        so = engine.schedule()
-        if so.preempted_req_ids:
-            c["preempted"] = c.get("preempted", 0) + len(so.preempted_req_ids)
-        meta = so.kv_connector_metadata
-        ids = list(so.num_scheduled_tokens)
-        outs: list[Any] = []
-        for rank, w in enumerate(workers):
-            wmeta = meta
-            if connector == "vllm":
-                wmeta = type(meta)(
-                    load_jobs=dict(meta.load_jobs),
-                    store_jobs=dict(meta.store_jobs),
-                    jobs_to_flush=set(meta.jobs_to_flush) if meta.jobs_to_flush else None,
-                )
-            w.handle_preemptions(wmeta)
-            w.bind_connector_metadata(wmeta)
-            w.start_load_kv(None)
-            w.wait_for_save()
-            tr = w.get_transfer_results(so.finished_req_ids)
-            kvo = outputs_mod.KVConnectorOutput(
-                finished_sending=tr.finished_sending or None,
-                finished_recving=tr.finished_recving or None,
-                failed_recving=tr.failed_recving,
-                invalid_block_ids=w.get_block_ids_with_load_errors(),
-                kv_connector_worker_meta=w.build_connector_worker_meta(),
-            )
-            w.clear_connector_metadata()
-            if rank == 0:
-                sampled: list[list[int]] = []
-                for rid in ids:
-                    r = engine.requests[rid]
-                    done = r.num_computed_tokens >= r.num_tokens
-                    sampled.append([token_rng.randrange(3, 50000)] if done else [])
-                outs.append(
-                    outputs_mod.ModelRunnerOutput(
-                        req_ids=ids,
-                        req_id_to_index={r: i for i, r in enumerate(ids)},
-                        sampled_token_ids=sampled,
-                        kv_connector_output=kvo,
+    with GCRecorder(timer) if sc.gc_stats else contextlib.nullcontext() as recorder:
+        t0 = time.perf_counter()
+        step = 0
+        while True:
+            if step >= sc.steps and not (engine.has_requests()):
+                break
+            if step > 10 * sc.steps + 1000:
+                raise RuntimeError(f"vLLM engine with {connector} connector did not drain")
+            due = sc.reset_at is not None and step >= sc.reset_at and "resets" not in c
+            # with reset_with_loads: only once the last step sent a load (still in flight)
+            if due and (not sc.reset_with_loads or last_loads[0]):
+                c["resets"] = 1
+                c["loads_in_flight_at_reset"] = last_loads[0]
+                engine.reset_connector_cache()
+            if step < sc.steps:
+                while len(live) < sc.concurrency:
+                    rid, prompt, out_len = wl.new()
+                    sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
+                    sp.update_from_generation_config({}, None)
+                    req = VRequest(
+                        request_id=rid,
+                        prompt_token_ids=prompt,
+                        sampling_params=sp,
+                        pooling_params=None,
+                        block_hasher=hasher,
                     )
-                )
-            else:
-                outs.append(
-                    outputs_mod.ModelRunnerOutput(
-                        req_ids=[], req_id_to_index={}, kv_connector_output=kvo
+                    engine.add_request(req)
+                    live[rid] = req
+            so = engine.schedule()
+            if so.preempted_req_ids:
+                c["preempted"] = c.get("preempted", 0) + len(so.preempted_req_ids)
+            meta = so.kv_connector_metadata
+            ids = list(so.num_scheduled_tokens)
+            outs: list[Any] = []
+            for rank, w in enumerate(workers):
+                wmeta = meta
+                if connector == "vllm":
+                    wmeta = type(meta)(
+                        load_jobs=dict(meta.load_jobs),
+                        store_jobs=dict(meta.store_jobs),
+                        jobs_to_flush=set(meta.jobs_to_flush) if meta.jobs_to_flush else None,
                     )
+                w.handle_preemptions(wmeta)
+                w.bind_connector_metadata(wmeta)
+                w.start_load_kv(None)
+                w.wait_for_save()
+                tr = w.get_transfer_results(so.finished_req_ids)
+                kvo = outputs_mod.KVConnectorOutput(
+                    finished_sending=tr.finished_sending or None,
+                    finished_recving=tr.finished_recving or None,
+                    failed_recving=tr.failed_recving,
+                    invalid_block_ids=w.get_block_ids_with_load_errors(),
+                    kv_connector_worker_meta=w.build_connector_worker_meta(),
                 )
-        engine.update_from_output(so, aggregator.aggregate(outs, output_rank=0))
-        for rid in [r for r, q in live.items() if q.is_finished()]:
-            q = live.pop(rid)
-            res.outputs[rid] = int(q.num_output_tokens)
-            if q.status.name == "FINISHED_ERROR":
-                res.errors.append(rid)
-            wl.finished(list(q.all_token_ids))
-        timer.end_step(int(so.total_num_scheduled_tokens))
-        step += 1
-        clock[0] += 1
+                w.clear_connector_metadata()
+                if rank == 0:
+                    sampled: list[list[int]] = []
+                    for rid in ids:
+                        r = engine.requests[rid]
+                        done = r.num_computed_tokens >= r.num_tokens
+                        sampled.append([token_rng.randrange(3, 50000)] if done else [])
+                    outs.append(
+                        outputs_mod.ModelRunnerOutput(
+                            req_ids=ids,
+                            req_id_to_index={r: i for i, r in enumerate(ids)},
+                            sampled_token_ids=sampled,
+                            kv_connector_output=kvo,
+                        )
+                    )
+                else:
+                    outs.append(
+                        outputs_mod.ModelRunnerOutput(
+                            req_ids=[], req_id_to_index={}, kv_connector_output=kvo
+                        )
+                    )
+            engine.update_from_output(so, aggregator.aggregate(outs, output_rank=0))
+            for rid in [r for r, q in live.items() if q.is_finished()]:
+                q = live.pop(rid)
+                res.outputs[rid] = int(q.num_output_tokens)
+                if q.status.name == "FINISHED_ERROR":
+                    res.errors.append(rid)
+                wl.finished(list(q.all_token_ids))
+            timer.end_step(int(so.total_num_scheduled_tokens))
+            step += 1
+            clock[0] += 1
     res.wall_s = time.perf_counter() - t0
     gc.unfreeze()
     res.summary = summarize(timer.steps, sc.warmup_steps, sc.steps)
+    if recorder is not None:
+        res.gc = gc_summary(recorder.collections, timer.steps, sc.warmup_steps, sc.steps)
     res.counters["requests"] = wl.next_id
     pending = sum(e.pending() for e in delayed)
     if connector == "vllm":
@@ -1222,6 +1367,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "nothing is stubbed): the method's own bias, expected near 0",
     )
     p.add_argument(
+        "--gc-stats",
+        action="store_true",
+        help="after each row: the cyclic GC's collections during the timed steps per generation "
+        "(how many started inside a hook, their pauses) and the per-step cost without the "
+        "in-hook pauses; the collector runs as it would without this option",
+    )
+    p.add_argument(
         "--json", metavar="FILE", type=output_file, help="write every run's summary here"
     )
     a = p.parse_args(list(argv) if argv is not None else None)
@@ -1252,25 +1404,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("standalone engine loop, statecore connector")
         print(_header())
         for n in ns:
-            sc = Scenario(concurrency=n, steps=a.steps, num_workers=a.workers, seed=a.seed, **shape)
+            sc = Scenario(
+                concurrency=n,
+                steps=a.steps,
+                num_workers=a.workers,
+                seed=a.seed,
+                **shape,
+                gc_stats=a.gc_stats,
+            )
             r = run_standalone(sc)
             runs.append(r)
             print(_row(f"N={n}", r.summary))
+            if r.gc:
+                print(gc_line(r.gc))
         if runs:
             print(f"memory per in-flight job: {runs[0].bytes_per_job:.0f} B (target <= 1024)")
     if use_vllm:
         print(f"\nvLLM {_m('vllm').__version__} engine Scheduler, same scenario, both connectors")
         print(_header() + f" {'ratio':>7}")
         for n in vns:
-            sc = Scenario(concurrency=n, steps=a.steps, num_workers=a.workers, seed=a.seed, **shape)
+            sc = Scenario(
+                concurrency=n,
+                steps=a.steps,
+                num_workers=a.workers,
+                seed=a.seed,
+                **shape,
+                gc_stats=a.gc_stats,
+            )
             rv = run_vllm(sc, "vllm")
             rs = run_vllm(sc, "statecore")
             runs += [rv, rs]
             print(_row(f"N={n} vLLM OffloadingConnector", rv.summary))
+            if rv.gc:
+                print(gc_line(rv.gc))
             ratio = rs.summary["sum of 4 hooks"]["median_us"] / max(
                 rv.summary["sum of 4 hooks"]["median_us"], 1e-9
             )
             print(_row(f"N={n} statecore", rs.summary) + f" {ratio:>7.2f}")
+            if rs.gc:
+                print(gc_line(rs.gc))
     if a.json:
         with open(a.json, "w") as f:
             json.dump([r.as_json() for r in runs], f, indent=1)
