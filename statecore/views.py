@@ -77,7 +77,7 @@ _NO_NEW_BLOCK = ((),)
 _SETS = (frozenset, set)
 _STR = {str}
 _INT = {int}
-_NONE = {None}
+_NONE_ID = {id(None)}
 
 
 def _ids_ok(ids: Any) -> bool:
@@ -234,14 +234,16 @@ def _columns_blocks(
     None, and its group counts; None when an entry is malformed (the caller diagnoses).
 
     No call per absent entry (most entries of a decode batch): the present entries are the
-    truthy ones (``compress``) and every other one must be None (the set of the false ones is
-    ``{None}``); when it is not (an empty or false entry) or a test raises, every entry is
-    looked at, and anything but None and a sequence of groups is refused. A one-group entry
-    costs no call per group."""
+    truthy ones (``compress``) and every other one must be None itself (the set of the false
+    ones' ids is ``{id(None)}``); when it is not (an empty or false entry) or a test raises,
+    every entry is looked at, and anything but None and a sequence of groups is refused. A
+    one-group entry costs no call per group."""
     n = len(blocks)
     try:
         present = list(compress(range(n), blocks))
-        bulk = set(filterfalse(None, blocks)) <= _NONE  # else an empty or falsy entry
+        # every false entry is None itself (by identity: an object equal to None and hashed
+        # as None is not None); else an empty or falsy entry
+        bulk = set(map(id, filterfalse(None, blocks))) <= _NONE_ID
     except Exception:  # an entry whose truth test or hash raises (an array, a list)
         bulk = False
     if not bulk:  # the entry-by-entry path

@@ -258,6 +258,13 @@ class _NoneLike:
     __hash__ = object.__hash__
 
 
+class _NoneHashed(_NoneLike):
+    """Posing as None in sets too: hashed as None."""
+
+    def __hash__(self) -> int:
+        return hash(None)
+
+
 class _Ambiguous:
     """Its truth test and its comparisons raise (as an array's do)."""
 
@@ -283,6 +290,8 @@ def test_block_column_holds_only_none_or_tuples() -> None:
     bad: list[list[Any]] = [
         [None, _NoneLike()],
         [([1],), _NoneLike()],
+        [None, _NoneHashed()],
+        [([1],), _NoneHashed()],
         [None, _Ambiguous()],
         [([1],), _Ambiguous()],
         [([1],), 0],
