@@ -12,16 +12,31 @@ built (the boundary where an engine's step enters statecore): a malformed field 
 stored as tuples, so a built output cannot be changed afterwards. ``build_connector_meta``
 then only checks what depends on the scheduler's configuration (the number of KV-cache
 groups), before applying any entry.
+
+Where the optional C extension ``statecore._viewcheck`` is built (the editable install and
+the wheel build it; :func:`view_checks_impl` says whether it is), a view's check first asks
+it: it accepts the plain forms an engine adapter hands over (exact lists, tuples, sets, str
+and int, ints >= 0, None for an absent block entry) and stores the normalised fields exactly
+as the Python check would; anything else it leaves to the Python check, which accepts what it
+accepts and names the fault of what it refuses. The same inputs are accepted and refused, with
+the same errors, with or without it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, filterfalse
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Request", "RequestLike", "ScheduledColumns", "ScheduledRequest", "SchedulerOutput"]
+__all__ = [
+    "Request",
+    "RequestLike",
+    "ScheduledColumns",
+    "ScheduledRequest",
+    "SchedulerOutput",
+    "view_checks_impl",
+]
 
 
 @runtime_checkable
@@ -72,6 +87,27 @@ class Request:
     is_aborted: bool = False
 
 
+_native_request: Callable[[ScheduledRequest, Any, Any, Any, Any], bool] | None
+_native_columns: Callable[[ScheduledColumns, Any, Any, Any, Any], bool] | None
+_native_output: Callable[..., bool] | None
+try:  # the accepting half of the checks below, at C speed (optional: built by the install)
+    from statecore._viewcheck import columns as _native_columns
+    from statecore._viewcheck import output as _native_output
+    from statecore._viewcheck import request as _native_request
+except ImportError:  # pragma: no cover - the extension is optional (no compiler at install)
+    _native_request = _native_columns = _native_output = None
+
+
+def view_checks_impl() -> str:
+    """``"native"`` when the views' checks accept well-formed steps in C (the optional
+    ``statecore._viewcheck`` extension is built), ``"python"`` otherwise. Either way the same
+    inputs are accepted, normalised the same way and refused with the same errors: the C
+    check only accepts, and whatever it does not accept the Python check rules on."""
+    if _native_request is None or _native_columns is None or _native_output is None:
+        return "python"
+    return "native"
+
+
 _SEQ = (list, tuple)
 _NO_NEW_BLOCK = ((),)
 _SETS = (frozenset, set)
@@ -120,6 +156,9 @@ class ScheduledRequest:
         # int: a float, None or a str makes it something else or raises, diagnosed below).
         ids: Any = self.new_block_ids
         n = self.num_scheduled_tokens
+        native = _native_request
+        if native is not None and native(self, self.req_id, ids, n, self.resumed_from_preemption):
+            return
         if (
             type(self.req_id) is str
             and type(n) is int
@@ -198,6 +237,9 @@ class ScheduledColumns:
         blocks: Any = self.new_block_ids
         counts: Any = self.num_scheduled_tokens
         resumed: Any = self.resumed_req_ids
+        native = _native_columns
+        if native is not None and native(self, rids, blocks, counts, resumed):
+            return
         if (
             type(rids) in _SEQ
             and type(blocks) in _SEQ
@@ -306,6 +348,19 @@ class SchedulerOutput:
         # on an id that is not a str; a sum of ints is an int), then the entries' group counts
         # (each entry checked its own fields when it was built)
         scheduled: Any = self.scheduled
+        native = _native_output
+        if native is not None and native(
+            self,
+            scheduled,
+            self.new_req_ids,
+            self.finished_req_ids,
+            self.preempted_req_ids,
+            self.extra_allocated_block_ids,
+            self.columns,
+            ScheduledRequest,
+            ScheduledColumns,
+        ):
+            return
         if type(scheduled) is list:
             scheduled = tuple(scheduled)
             object.__setattr__(self, "scheduled", scheduled)

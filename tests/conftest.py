@@ -9,6 +9,10 @@ itself when the ``CI`` environment variable is set, and which is never redefined
 Select one with ``STATECORE_HYPOTHESIS_PROFILE=dev|fuzz|ci`` (or pytest's own
 ``--hypothesis-profile``, which wins). Without either, Hypothesis's choice stands under CI,
 and ``dev`` is loaded otherwise. No profile has a deadline: timing is never a test outcome.
+
+Fixture ``view_checks``: runs a test twice, with the views' C accepting checks
+(``statecore._viewcheck``) and with the pure-Python checks alone, so that what a test pins
+about the views holds for both paths.
 """
 
 from __future__ import annotations
@@ -35,6 +39,21 @@ if _requested:
     settings.load_profile(_requested)  # an unknown name raises InvalidArgument: intended
 elif settings.get_current_profile_name() != "ci":
     settings.load_profile("dev")
+
+
+@pytest.fixture(params=["native", "python"])
+def view_checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``"native"``: the views' checks as installed (skipped where the C extension is not
+    built); ``"python"``: its functions switched off, so that every view is checked by the
+    pure-Python path alone (the fallback where the extension cannot be compiled)."""
+    import statecore.views as views
+
+    if request.param == "python":
+        for name in ("_native_request", "_native_columns", "_native_output"):
+            monkeypatch.setattr(views, name, None)
+    elif views.view_checks_impl() != "native":
+        pytest.skip("statecore._viewcheck is not built (no C compiler at install)")
+    return str(request.param)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

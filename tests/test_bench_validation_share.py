@@ -55,6 +55,28 @@ def test_the_switch_turns_checks_off_inside_only() -> None:
         ScheduledRequest("r", None, 1)  # type: ignore[arg-type]
 
 
+def test_the_switch_also_stubs_the_native_view_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The views' C checks (``statecore._viewcheck``) run inside the stubbed ``__post_init__``:
+    copy B does not run them either, so A - B keeps counting them."""
+    import statecore.views as views
+
+    calls: list[str] = []
+    for name in ("_native_request", "_native_columns", "_native_output"):
+        monkeypatch.setattr(views, name, lambda *a, _n=name: bool(calls.append(_n)))
+
+    def build() -> None:
+        SchedulerOutput(
+            scheduled=[ScheduledRequest("r", ((1,),), 1)],
+            columns=ScheduledColumns(["c"], [None], [1]),
+        )
+
+    with stubbed_validation():
+        build()
+    assert calls == []
+    build()
+    assert calls == ["_native_request", "_native_columns", "_native_output"]
+
+
 def test_control_run_stubs_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     """``--validation-control``: B's turns switch in the original checks (an A/A run), so a
     malformed view built during B's turn is still refused, and the switch is undone after."""

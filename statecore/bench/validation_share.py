@@ -27,7 +27,9 @@ context and flag checks), the scheduler's argument check of ``update_state_after
 (``_admitted_lists``, reduced to its tuple conversion) and the views' ``__post_init__``
 checks (:class:`~statecore.views.ScheduledRequest`, the columnar
 :class:`~statecore.views.ScheduledColumns` the vLLM adapter builds for running requests,
-:class:`~statecore.views.SchedulerOutput`). What stays in both copies (so it is not
+:class:`~statecore.views.SchedulerOutput`; their C accepting checks,
+``statecore._viewcheck``, are called from those ``__post_init__`` and are stubbed with them).
+What stays in both copies (so it is not
 counted): a handful of inline ``type(x) is int`` tests in the hooks and the CPU manager's
 C-speed key checks (``set(map(type, keys))``) on stores.
 """

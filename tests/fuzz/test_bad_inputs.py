@@ -12,6 +12,7 @@ from statecore.specs.bad_inputs import CASES, Case, run_case
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.entry}: {c.given}" for c in CASES])
+@pytest.mark.usefixtures("view_checks")  # with and without the views' C checks
 def test_bad_input_outcome(case: Case) -> None:
     out = run_case(case)
     assert out.escaped is None, f"untyped exception escaped: {out.escaped}"

@@ -381,9 +381,11 @@ def _profile_settings() -> settings:
     )
 
 
+@pytest.mark.usefixtures("view_checks")  # with and without the views' C checks
 def test_garbage_fuzzing() -> None:
     """Valid traffic and garbage interleaved: typed errors only, rejections change nothing,
-    every invariant holds, the run drains clean."""
+    every invariant holds, the run drains clean (the views checked with their C accepting
+    checks, and by the pure-Python path alone)."""
     GarbageMachine.calls = {"rejected": 0, "tolerated": 0}
     run_state_machine_as_test(GarbageMachine, settings=_profile_settings())
     print(f"garbage calls: {GarbageMachine.calls}")

@@ -56,6 +56,7 @@ def test_columnar_steps_do_what_per_entry_steps_do(
     assert plain.counters["preemptions"] > 0
 
 
+@pytest.mark.usefixtures("view_checks")
 def test_columns_normalise_block_lists_to_tuples() -> None:
     c = ScheduledColumns(["a", "b"], [None, ([1, 2],)], [1, 3])
     assert c.req_ids == ("a", "b")
@@ -84,11 +85,13 @@ def test_columns_normalise_block_lists_to_tuples() -> None:
         ((["a"], [None], [1], ["a"]), "resumed_req_ids"),
     ],
 )
+@pytest.mark.usefixtures("view_checks")
 def test_malformed_columns_raise_naming_the_field(args: tuple[Any, ...], named: str) -> None:
     with pytest.raises(InvalidMetadataError, match=named.replace("[", r"\[").replace("]", r"\]")):
         ScheduledColumns(*args)
 
 
+@pytest.mark.usefixtures("view_checks")
 def test_columns_not_a_columns_object_raise() -> None:
     with pytest.raises(InvalidMetadataError, match="columns"):
         SchedulerOutput(columns=[("a", None, 1)])  # type: ignore[arg-type]
@@ -214,6 +217,7 @@ class _Id(str):
     """A str subclass: accepted as a request id (the diagnosis checks isinstance)."""
 
 
+@pytest.mark.usefixtures("view_checks")
 def test_fast_checks_accept_what_the_diagnosis_accepts_and_freeze_it() -> None:
     """The C-speed checks (``join`` over the ids) and the entry-by-entry diagnosis agree:
     str subclasses are ids; a mutable id set is stored frozen; one group count is kept."""
@@ -231,6 +235,7 @@ def test_fast_checks_accept_what_the_diagnosis_accepts_and_freeze_it() -> None:
 
 
 @pytest.mark.parametrize("name", ["new_req_ids", "finished_req_ids", "preempted_req_ids"])
+@pytest.mark.usefixtures("view_checks")
 def test_each_id_set_of_the_output_is_checked(name: str) -> None:
     with pytest.raises(InvalidMetadataError, match=name):
         SchedulerOutput(**{name: frozenset({"a", 2})})
@@ -238,6 +243,7 @@ def test_each_id_set_of_the_output_is_checked(name: str) -> None:
         SchedulerOutput(**{name: ["a"]})
 
 
+@pytest.mark.usefixtures("view_checks")
 def test_extra_blocks_of_the_output_are_checked() -> None:
     assert SchedulerOutput(extra_allocated_block_ids=frozenset({0, 7})).group_counts == set()
     with pytest.raises(InvalidMetadataError, match="extra_allocated_block_ids"):
@@ -277,6 +283,7 @@ class _Ambiguous:
     __hash__ = object.__hash__
 
 
+@pytest.mark.usefixtures("view_checks")
 def test_block_column_holds_only_none_or_tuples() -> None:
     """Absent entries are found without a call each (the entries' truth, then the set of the
     false ones must be {None}); anything else false is looked at entry by entry: an empty entry
