@@ -943,9 +943,13 @@ def _chunk_count(spec: Any) -> int:
     return 0
 
 
-def run_vllm(sc: Scenario, connector: str) -> RunResult:
+def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> RunResult:
     """The scenario on vLLM's engine ``Scheduler`` with ``connector`` = ``"vllm"`` (vLLM's
-    OffloadingConnector) or ``"statecore"`` (:class:`StatecoreOffloadingConnector`)."""
+    OffloadingConnector) or ``"statecore"`` (:class:`StatecoreOffloadingConnector`).
+
+    ``probe`` is called after every step as in :func:`run_standalone` (the timer's target is
+    the scheduler-role connector; jobs submitted by the first worker); returning True ends
+    the loop at once (no drain)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -1206,6 +1210,10 @@ def run_vllm(sc: Scenario, connector: str) -> RunResult:
                     res.errors.append(rid)
                 wl.finished(list(q.all_token_ids))
             timer.end_step(int(so.total_num_scheduled_tokens))
+            if probe is not None and probe(
+                step, timer, res, int(getattr(delayed[0], "submitted", 0))
+            ):
+                break
             step += 1
             clock[0] += 1
     res.wall_s = time.perf_counter() - t0
