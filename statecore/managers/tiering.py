@@ -22,6 +22,9 @@ Principles:
   If no other room can be made, the lookup answers ``MISS``.
 * Secondary tiers are polled at most once per engine step, by the first of ``lookup``,
   ``prepare_load``, ``prepare_store`` or ``on_schedule_end``.
+* Events follow the primary's ``enable_events``: with it off, the tiers' stored/removed events
+  are dropped at every ``on_schedule_end`` (and by ``take_events``) instead of waiting for a
+  ``take_events`` that an engine without events never makes, so that memory stays flat.
 """
 
 from __future__ import annotations
@@ -398,6 +401,13 @@ class TieringOffloadingManager(OffloadingManager):
         self.primary.on_schedule_end(ctx)
         for tier in self.secondaries:
             tier.on_schedule_end(ctx)
+        if not self.primary.enable_events:
+            self._drop_tier_events()
+
+    def _drop_tier_events(self) -> None:
+        """Events are off (the primary's ``enable_events``): the tiers' are not kept."""
+        for tier in self.secondaries:
+            tier.take_events()
 
     def has_pending_work(self) -> bool:
         """Jobs in flight, promotions not yet submitted, or a tier with pending work."""
@@ -410,8 +420,12 @@ class TieringOffloadingManager(OffloadingManager):
     # -- housekeeping ---------------------------------------------------------------------------
 
     def take_events(self) -> list[OffloadingEvent]:
-        """The primary's events, then each secondary tier's."""
+        """The primary's events, then each secondary tier's (none with the primary's
+        ``enable_events`` off: the tiers' are dropped then)."""
         events = list(self.primary.take_events())
+        if not self.primary.enable_events:
+            self._drop_tier_events()
+            return events
         for tier in self.secondaries:
             events.extend(tier.take_events())
         return events
