@@ -71,7 +71,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from statecore.adapters.vllm_keys import validate_extra_config
-from statecore.adapters.vllm_metrics import GAUGES, OffloadPrometheus, stats_payload
+from statecore.adapters.vllm_metrics import GAUGES, OffloadPrometheus, TransferSizes, stats_payload
 
 from statecore.config import GroupConfig, SchedulerConfig
 from statecore.errors import ConfigError
@@ -753,8 +753,8 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self._tpc: list[int] = []
         # every role checks the extra config: a bad key fails every process at start-up
         self._extra = validate_extra_config(_extra(vllm_config))
-        self._load_sizes: list[int] = []
-        self._store_sizes: list[int] = []
+        self._load_sizes = TransferSizes()
+        self._store_sizes = TransferSizes()
         self._requests: dict[str, Request] = {}
         self._finished_reqs: list[str] = []
         self._storage_events = self._extra.storage_events or any(
@@ -970,8 +970,8 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         inner = wm.inner if isinstance(wm, StatecoreWorkerMetadata) else None
         res = self._sched().update_connector_output(inner)
         if inner is not None:
-            self._load_sizes.extend(inner.stats.load.sizes)
-            self._store_sizes.extend(inner.stats.store.sizes)
+            self._load_sizes.add(inner.stats.load.sizes)
+            self._store_sizes.add(inner.stats.store.sizes)
         if not res.finished_loads:
             return
         invalid = res.invalid_block_ids
@@ -1033,9 +1033,9 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         (scheduler role); see :mod:`statecore.adapters.vllm_metrics`."""
         if self.scheduler is None:
             return None
-        data = stats_payload(self.scheduler.get_stats(), self._load_sizes, self._store_sizes)
-        self._load_sizes.clear()
-        self._store_sizes.clear()
+        data = stats_payload(
+            self.scheduler.get_stats(), self._load_sizes.take(), self._store_sizes.take()
+        )
         return StatecoreConnectorStats(data=data)
 
     @classmethod

@@ -27,7 +27,8 @@ Every metric carries the engine's label names first (vLLM passes them), as vLLM'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "TRANSFER_SIZE_BUCKETS",
     "VLLM_METRICS",
     "OffloadPrometheus",
+    "TransferSizes",
     "stats_payload",
 ]
 
@@ -125,6 +127,30 @@ def stats_payload(
     out["load_sizes"] = list(load_sizes)
     out["store_sizes"] = list(store_sizes)
     return out
+
+
+class TransferSizes:
+    """The per-job transfer sizes (bytes) the workers reported since the last :meth:`take`.
+
+    Kept as a count per size, so that memory is bounded by the distinct sizes, not by the
+    jobs: an embedding that never asks for stats costs nothing per job (vLLM's engine asks
+    every step). :meth:`take` gives every size as often as it was added, grouped by size in
+    first-seen order: the same observations for a histogram, the same sum.
+    """
+
+    __slots__ = ("_counts",)
+
+    def __init__(self) -> None:
+        self._counts: Counter[int] = Counter()
+
+    def add(self, sizes: Iterable[int]) -> None:
+        """Record one size per finished job."""
+        self._counts.update(sizes)
+
+    def take(self) -> list[int]:
+        """Every size recorded since the last call (one per job), then forget them."""
+        counts, self._counts = self._counts, Counter()
+        return list(counts.elements())
 
 
 MetricFactory = Callable[..., Any]
