@@ -33,16 +33,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from statecore.adapters.vllm_metrics import TransferSizes
+
 from statecore import kernels
 from statecore.keys import OffloadKey
 from statecore.manager import ReqContext
 from statecore.managers import redistier
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.managers.policies import ARCCachePolicy, LRUCachePolicy
+from statecore.managers.tiering import TieringOffloadingManager
 from statecore.scheduler import OffloadingScheduler
 from statecore.wire import ConnectorMetadata
 
-__all__ = ["MUTANTS", "REDIS_MUTANTS", "Mutant", "patched"]
+__all__ = ["MUTANTS", "REDIS_MUTANTS", "RETAINED_MUTANTS", "Mutant", "patched"]
 
 
 @contextlib.contextmanager
@@ -405,3 +408,60 @@ REDIS_MUTANTS: dict[str, Mutant] = dict(
     ]
 )
 """The Redis tier's seeded mutants, by name (same interface as :data:`MUTANTS`)."""
+
+
+# -- retained state (caught by tests/test_retained_state.py's oracles) ---------------------------
+
+_real_prepare_store = CPUOffloadingManager.prepare_store
+
+
+def _prepare_store_logging_sizes(
+    self: CPUOffloadingManager, keys: Sequence[OffloadKey], ctx: ReqContext
+) -> Any:
+    out = _real_prepare_store(self, keys, ctx)
+    if out is not None and out.keys_to_store:  # the old list: one float per store, kept
+        self.__dict__.setdefault("_alloc_history", []).append(float(len(out.keys_to_store)))
+    return out
+
+
+def _sizes_add_listing(self: TransferSizes, sizes: Any) -> None:
+    if not isinstance(self._counts, list):  # the old list: one entry per job until asked
+        self._counts = list(self._counts.elements())  # type: ignore[assignment]
+    self._counts.extend(sizes)
+
+
+def _sizes_take_listing(self: TransferSizes) -> list[int]:
+    counts = self._counts
+    self._counts = []  # type: ignore[assignment]
+    return list(counts) if isinstance(counts, list) else list(counts.elements())
+
+
+RETAINED_MUTANTS: dict[str, Mutant] = dict(
+    [
+        _mutant(
+            "cpu_alloc_sizes_per_store",
+            "the CPU manager keeps one allocation size per store until get_stats",
+            "issue 19 goal 4 (memory flat): ~32 bytes per job retained by an engine that never "
+            "asks for stats (the 10^6-job soak's RSS slope)",
+            (CPUOffloadingManager, "prepare_store", _prepare_store_logging_sizes),
+        ),
+        _mutant(
+            "tier_events_kept_with_events_off",
+            "the tiering manager keeps its tiers' events with the primary's events off",
+            "issue 19 goal 4 (memory flat): one event per stored chunk batch retained by an "
+            "engine that never takes events",
+            (TieringOffloadingManager, "_drop_tier_events", lambda self: None),
+        ),
+        _mutant(
+            "adapter_sizes_per_job",
+            "the vLLM adapter keeps one transfer size per job until get_kv_connector_stats",
+            "issue 19 goal 4 (memory flat): two ints per job retained by an embedding that "
+            "never asks for stats",
+            (TransferSizes, "add", _sizes_add_listing),
+            (TransferSizes, "take", _sizes_take_listing),
+        ),
+    ]
+)
+"""Retained-state mutants, by name (same interface as :data:`MUTANTS`): each re-introduces a
+container that grows with the run's history; the memory oracles catch them, the simulator,
+fuzzer and model checker (which see states, not memory) are not asked to."""

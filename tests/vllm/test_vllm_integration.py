@@ -266,3 +266,48 @@ def test_loaded_through_kv_connector_module_path() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "statecore.adapters.vllm"
+
+
+def test_connector_state_stays_bounded_when_stats_are_never_asked() -> None:
+    """The retained-state oracle inside vLLM's engine: an embedding that never asks for the
+    connector's stats (vLLM's engine asks every step; here the call answers nothing and drains
+    nothing), 800 steps of short requests, then every container the scheduler-role connector
+    reaches (its scheduler, manager, per-job transfer sizes) is within the live bound (as
+    tests/test_retained_state.py's standalone oracle)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from retained import containers
+
+    sc = Scenario(
+        concurrency=16,
+        steps=10**9,
+        num_prefixes=8,
+        prefix_len=32,
+        suffix_len=(8, 48),
+        output_len=(2, 6),
+        followup_turn_len=16,
+        max_prompt_len=256,
+        cpu_cache_factor=0.5,
+    )
+    found: dict[str, Any] = {}
+
+    def probe(step: int, timer: Any, res: RunResult, submitted: int) -> bool:
+        conn = timer.target
+        if step == 0:
+            conn.get_kv_connector_stats = lambda: None  # never asked
+        timer.steps.clear()  # the benchmark's own records (not under test)
+        if step < 800:
+            return False
+        found["sizes"] = containers(conn, "connector")
+        found["submitted"] = submitted
+        found["bound"] = (
+            sc.num_cpu_chunks() + sc.num_gpu_blocks() + sc.concurrency + len(conn.scheduler.jobs)
+        )
+        return True
+
+    run_vllm(sc, "statecore", probe)
+    bound = found["bound"]
+    assert found["submitted"] > 4 * bound, found["submitted"]
+    sizes = found["sizes"]
+    assert "connector.scheduler.manager._entries" in sizes  # the walk reached the manager
+    grown = {where: n for where, n in sizes.items() if n > bound}
+    assert grown == {}, f"containers beyond the live bound {bound}: {grown}"
