@@ -495,7 +495,10 @@ class CPUOffloadingManager(OffloadingManager):
         else:
             candidates = keys
         try:
-            to_store = list(filterfalse(entries.__contains__, dict.fromkeys(candidates)))
+            # present keys first (the usual offer is a prompt whose shared prefix is present),
+            # then the new ones deduplicated in offered order: the same keys, in the same
+            # order, as deduplicating first, without a dictionary of every offered key
+            to_store = list(dict.fromkeys(filterfalse(entries.__contains__, candidates)))
         except TypeError:  # not iterable, or an unhashable key
             validate.offload_keys(keys, "prepare_store")
             raise
@@ -529,9 +532,10 @@ class CPUOffloadingManager(OffloadingManager):
             fresh, recycled = allocation_plan(self.capacity, self._high_water, len(self._free), n)
             slots = list(range(self._high_water, self._high_water + fresh))
             self._high_water += fresh
-            free = self._free
-            for _ in range(recycled):
-                slots.append(free.pop())
+            if recycled:  # last freed first: the free list's tail, reversed (as pops would)
+                free = self._free
+                slots.extend(reversed(free[-recycled:]))
+                del free[-recycled:]
             if quarantine:
                 # Reused by a store the workers order after the flush: the mark is moot.
                 for slot in slots:
