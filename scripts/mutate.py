@@ -386,13 +386,22 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ): "only picks which side of the intersection is iterated; both give the same blocks",
     (
         "statecore/scheduler.py",
-        "core/",
-        "accepted = None if len(kept) == len(offer) and list(kept) == offer else set(kept)",
+        "core/NumberReplacer",
+        "if cut < 0 or tuple(offer[cut:]) != kept_t:",
     ): (
-        "a shortcut: kept is an order-preserving subset of the offer, so the set path gives the"
-        " same keys in the same order, and no single change makes the None path run when"
-        " kept != offer"
+        "a shortcut's bound: with cut 0 the filter by key runs and gives the same chunks; a cut"
+        " of -1 never matches a kept tuple one longer than the offer, so the filter runs too"
     ),
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceComparisonOperator_Lt_LtE",
+        "if cut < 0 or tuple(offer[cut:]) != kept_t:",
+    ): "with cut 0 the filter by key runs instead of the shortcut and gives the same chunks",
+    (
+        "statecore/scheduler.py",
+        "core/ReplaceComparisonOperator_Gt_GtE",
+        "chunks = offered[skip:] if skip > 0 else offered",
+    ): "offered[0:] is offered",
     (
         "statecore/scheduler.py",
         "core/ReplaceComparisonOperator_LtE_Lt",

@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from itertools import chain, compress, repeat
-from operator import attrgetter, is_not, not_, or_
+from operator import attrgetter, is_not, le
 from typing import Any, cast
 
 from statecore import kernels, validate
@@ -968,19 +968,18 @@ class OffloadingScheduler:
                 rids,
                 blocks,
                 cols.num_scheduled_tokens,
-                map(resumed.__contains__, rids),
+                # (most steps resume nobody: no membership test per entry then)
+                map(resumed.__contains__, rids) if resumed else repeat(False, len(rids)),
                 strict=True,
             )
             if dormant:
                 # an entry of a dormant request with no new blocks changes nothing: dropped at
-                # C speed (in a large decode batch, most entries)
+                # C speed (in a large decode batch, most entries). Kept: not dormant, or with
+                # new blocks; as booleans, dormant <= has blocks (one call an entry fewer than
+                # `not dormant or has blocks`)
                 col_entries = compress(
                     col_entries,
-                    map(
-                        or_,
-                        map(is_not, blocks, repeat(None)),
-                        map(not_, map(dormant.__contains__, rids)),
-                    ),
+                    map(le, map(dormant.__contains__, rids), map(is_not, blocks, repeat(None))),
                 )
             entries = chain(entries, col_entries)
         for rid, new_ids, n, resumed_now in entries:
@@ -1093,9 +1092,16 @@ class OffloadingScheduler:
         self._update_keys(rec)  # keys of the blocks hashed since they were last needed
         self._store_chunks(rec, n_off, store_jobs, finished)
         chunk_level = rec.policy is OffloadPolicy.CHUNK_LEVEL
+        groups = rec.groups
+        if len(groups) == 1:  # (no generator for the usual single group)
+            gs = groups[0]
+            rec.store_floor = (
+                (max(gs.cursor, gs.skip) if chunk_level else gs.cursor) + 1
+            ) * self._tpc[0]
+            return
         rec.store_floor = min(
             ((max(gs.cursor, gs.skip) if chunk_level else gs.cursor) + 1) * self._tpc[g]
-            for g, gs in enumerate(rec.groups)
+            for g, gs in enumerate(groups)
         )
 
     def _store_chunks(
@@ -1104,7 +1110,8 @@ class OffloadingScheduler:
         bpc = self._bpc
         chunk_level = rec.policy is OffloadPolicy.CHUNK_LEVEL
         storable: list[int] = []
-        per_group: list[list[int]] = []  # offered chunk indices, per group
+        # offered chunk indices, per group: a range when none of them has a null block
+        per_group: list[Sequence[int]] = []
         offer: list[OffloadKey] = []
         for g, gs in enumerate(rec.groups):
             block_ids = gs.block_ids
@@ -1114,12 +1121,18 @@ class OffloadingScheduler:
             storable.append(n)
             first = max(gs.cursor, gs.skip) if chunk_level else gs.cursor
             # null or stale (zeroed) blocks are never stored (INV-SRC-VALID)
-            if bpc == 1:  # (C speed: a prompt's chunks at once)
-                chunks = list(compress(range(first, n), block_ids[first:n]))
+            head = block_ids[first * bpc : n * bpc]
+            if 0 not in head:  # the usual case: every chunk, its keys one slice (C speed)
+                per_group.append(range(first, n))
+                offer += gs.keys[first:n]
+                continue
+            valid: list[int]
+            if bpc == 1:
+                valid = list(compress(range(first, n), head))
             else:
-                chunks = [c for c in range(first, n) if 0 not in block_ids[c * bpc : (c + 1) * bpc]]
-            per_group.append(chunks)
-            offer.extend(map(gs.keys.__getitem__, chunks))
+                valid = [c for c in range(first, n) if 0 not in block_ids[c * bpc : (c + 1) * bpc]]
+            per_group.append(valid)
+            offer.extend(map(gs.keys.__getitem__, valid))
         if not offer:
             self._advance(rec, storable)
             return
@@ -1131,24 +1144,44 @@ class OffloadingScheduler:
         if not kept:
             self._advance(rec, storable)
             return
-        # the manager keeps the offered order; when it kept everything, no filtering is needed
-        accepted = None if len(kept) == len(offer) and list(kept) == offer else set(kept)
+        kept_t = kept if type(kept) is tuple else tuple(kept)
+        # The manager keeps the offered order. When what it kept is the offer's tail and no
+        # key before the tail is one of them (the present keys all come first: a prompt whose
+        # shared prefix is stored already, or an offer kept whole), the accepted chunks are
+        # the offer's tail, group by group, and the job's keys are what the manager kept: the
+        # chunks the filter by key below would accept, without a pass over every offered one.
+        cut = len(offer) - len(kept_t)
+        accepted: set[OffloadKey] | None = None
+        if cut < 0 or tuple(offer[cut:]) != kept_t:
+            accepted = set(kept_t)
+        elif cut:
+            accepted = set(kept_t)
+            if accepted.isdisjoint(offer[:cut]):
+                accepted = None
+        pos = 0  # the offer's index of the group's first offered chunk
         src: list[int] = []
         sizes = [0] * self._n_groups
         starts = [0] * self._n_groups
         fenced: list[int] = []
         deferred: list[int] = []
         keys: list[OffloadKey] = []
-        for g, chunks in enumerate(per_group):
+        for g, offered in enumerate(per_group):
             gs = rec.groups[g]
-            if accepted is not None:
+            chunks: Sequence[int]
+            if accepted is None:
+                skip = cut - pos
+                pos += len(offered)
+                chunks = offered[skip:] if skip > 0 else offered
+            else:
                 chunks = list(
-                    compress(chunks, map(accepted.__contains__, map(gs.keys.__getitem__, chunks)))
+                    compress(offered, map(accepted.__contains__, map(gs.keys.__getitem__, offered)))
                 )
             if not chunks:
                 continue
             block_ids = gs.block_ids
-            if bpc == 1:
+            if isinstance(chunks, range):  # (step 1: consecutive chunks, their blocks a slice)
+                blocks = block_ids[chunks.start * bpc : chunks.stop * bpc]
+            elif bpc == 1:
                 blocks = list(map(block_ids.__getitem__, chunks))
             else:
                 blocks = [b for c in chunks for b in block_ids[c * bpc : (c + 1) * bpc]]
@@ -1165,7 +1198,7 @@ class OffloadingScheduler:
         job = self._new_job(
             rec,
             True,
-            (kept if type(kept) is tuple else tuple(kept)) if accepted is None else tuple(keys),
+            kept_t if accepted is None else tuple(keys),
             blocks_t,
             blocks_t if len(fenced) == len(blocks_t) else tuple(fenced),
             blocks_t if len(deferred) == len(blocks_t) else tuple(deferred),
