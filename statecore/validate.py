@@ -27,16 +27,15 @@ and counts them (see :class:`~statecore.scheduler.SchedulerCounters`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any, NoReturn
+from typing import Any
 
+from statecore import _argerrors
 from statecore.errors import (
     ConfigError,
     InvalidArgumentError,
     InvalidKeyError,
-    InvalidMetadataError,
     describe,
 )
 from statecore.manager import ReqContext as _ReqContext
@@ -44,10 +43,8 @@ from statecore.views import ScheduledColumns as _ScheduledColumns
 from statecore.views import ScheduledRequest as _ScheduledRequest
 from statecore.views import SchedulerOutput as _SchedulerOutput
 from statecore.wire import ConnectorMetadata as _ConnectorMetadata
-from statecore.wire import DirectionStats as _DirectionStats
 from statecore.wire import TransferJob as _TransferJob
-from statecore.wire import TransferStats as _TransferStats
-from statecore.wire import WorkerMetadata as _WorkerMetadata
+from statecore.wire import check_worker_metadata as worker_metadata
 
 __all__ = [
     "MISSING",
@@ -80,6 +77,10 @@ Where = Callable[[object], tuple[str | None, str | None]]
 MISSING: Any = object()
 """Sentinel for an attribute a foreign object does not have."""
 
+_fail = _argerrors.fail
+_finite = _argerrors.finite
+_nowhere = _argerrors.nowhere
+
 _SEQ = (list, tuple)
 _SETS = (set, frozenset)
 _BYTES = {bytes}
@@ -88,23 +89,6 @@ _BYTES = {bytes}
 def is_int(value: object) -> bool:
     """Whether ``value`` is an ``int`` and not a ``bool``."""
     return type(value) is int
-
-
-def _nowhere(req_id: object) -> tuple[str | None, str | None]:
-    return None, None
-
-
-def _fail(
-    call: str,
-    argument: str,
-    value: object,
-    expected: str,
-    where: Where = _nowhere,
-    req_id: object = None,
-    error: type[InvalidArgumentError] = InvalidMetadataError,
-) -> NoReturn:
-    entity, state = where(req_id) if req_id is not None else (None, None)
-    raise error(call, argument, value, expected, entity, state)
 
 
 def nonneg_int(
@@ -404,77 +388,6 @@ def scheduler_output(output: object, n_groups: int, where: Where) -> None:
                     where,
                     columns.req_ids[i],
                 )
-
-
-def _finite(value: object) -> bool:
-    return (type(value) is int or type(value) is float) and math.isfinite(value)
-
-
-def worker_metadata(
-    meta: object, call: str = "update_connector_output", entries: bool = False
-) -> None:
-    """Check the *shape* of a :class:`~statecore.wire.WorkerMetadata` (or None).
-
-    The four per-job maps must be dicts (their entries are checked by the scheduler, which
-    absorbs and counts a count that is not a positive int), ``stats`` a
-    :class:`~statecore.wire.TransferStats` of finite, non-negative numbers, ``rank`` None or
-    an int >= 0. With ``entries`` (for :meth:`~statecore.wire.WorkerMetadata.aggregate`,
-    which does arithmetic on them) every job id and count must be an int too.
-    """
-    if meta is None:
-        return
-    if type(meta) is _WorkerMetadata and not entries:  # the common case, in one expression
-        stats = meta.stats
-        if (
-            type(meta.completed) is dict
-            and type(meta.failed) is dict
-            and type(meta.completed_ranks) is dict
-            and type(meta.failed_ranks) is dict
-            and (meta.rank is None or (type(meta.rank) is int and meta.rank >= 0))
-            and type(stats) is _TransferStats
-            and _direction_ok(stats.load)
-            and _direction_ok(stats.store)
-        ):
-            return
-    if type(meta) is not _WorkerMetadata and not isinstance(meta, _WorkerMetadata):
-        _fail(call, "meta", meta, "a WorkerMetadata or None")
-    for name in ("completed", "failed", "completed_ranks", "failed_ranks"):
-        d = getattr(meta, name)
-        if type(d) is not dict and not isinstance(d, Mapping):
-            _fail(call, f"meta.{name}", d, "a dict of job id -> int")
-        if entries:
-            for job_id, n in d.items():
-                if type(job_id) is not int:
-                    _fail(call, f"meta.{name} key", job_id, "a job id (int)")
-                if type(n) is not int:
-                    _fail(call, f"meta.{name}[{job_id}]", n, "an int")
-    rank = meta.rank
-    if rank is not None and (type(rank) is not int or rank < 0):
-        _fail(call, "meta.rank", rank, "None or an int >= 0")
-    stats = meta.stats
-    if type(stats) is not _TransferStats:
-        _fail(call, "meta.stats", stats, "a TransferStats")
-    for direction in ("load", "store"):
-        ds = getattr(stats, direction)
-        if type(ds) is not _DirectionStats:
-            _fail(call, f"meta.stats.{direction}", ds, "a DirectionStats")
-        if type(ds.bytes) is not int or ds.bytes < 0:
-            _fail(call, f"meta.stats.{direction}.bytes", ds.bytes, "an int >= 0")
-        if not _finite(ds.seconds) or ds.seconds < 0:
-            _fail(call, f"meta.stats.{direction}.seconds", ds.seconds, "a finite number >= 0")
-        if type(ds.sizes) is not list:
-            _fail(call, f"meta.stats.{direction}.sizes", ds.sizes, "a list of ints")
-
-
-def _direction_ok(ds: Any) -> bool:
-    return (
-        type(ds) is _DirectionStats
-        and type(ds.bytes) is int
-        and ds.bytes >= 0
-        and (type(ds.seconds) is float or type(ds.seconds) is int)
-        and 0 <= ds.seconds < math.inf
-        and type(ds.sizes) is list
-    )
 
 
 def id_collection(value: Any, call: str, argument: str) -> None:

@@ -9,9 +9,12 @@ ranks' answers with :meth:`WorkerMetadata.aggregate` (counts add up) before hand
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from statecore._argerrors import fail, finite
 from statecore.manager import LoadStoreSpec
 
 __all__ = [
@@ -21,6 +24,7 @@ __all__ = [
     "TransferJob",
     "TransferStats",
     "WorkerMetadata",
+    "check_worker_metadata",
 ]
 
 
@@ -155,14 +159,12 @@ class WorkerMetadata:
         """A new report with both reports' counts summed and rank masks merged per job.
 
         Raises :class:`~statecore.errors.InvalidMetadataError` when either report has a field
-        of the wrong type (see :func:`statecore.validate.worker_metadata`).
+        of the wrong type (see :func:`check_worker_metadata`).
         """
-        from statecore import validate
-
-        validate.worker_metadata(self, "aggregate", entries=True)
+        check_worker_metadata(self, "aggregate", entries=True)
         if other is None:
-            validate._fail("aggregate", "other", other, "a WorkerMetadata")
-        validate.worker_metadata(other, "aggregate", entries=True)
+            fail("aggregate", "other", other, "a WorkerMetadata")
+        check_worker_metadata(other, "aggregate", entries=True)
         return WorkerMetadata(
             _sum(self.completed, other.completed),
             _sum(self.failed, other.failed),
@@ -185,3 +187,72 @@ def _union(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
     for k, m in b.items():
         out[k] = out.get(k, 0) | m
     return out
+
+
+def check_worker_metadata(
+    meta: object, call: str = "update_connector_output", entries: bool = False
+) -> None:
+    """Check the *shape* of a :class:`WorkerMetadata` (or None); the validation layer's
+    check of a report (``statecore.validate.worker_metadata`` is this function).
+
+    The four per-job maps must be dicts (their entries are checked by the scheduler, which
+    absorbs and counts a count that is not a positive int), ``stats`` a
+    :class:`TransferStats` of finite, non-negative numbers, ``rank`` None or an int >= 0.
+    With ``entries`` (for :meth:`WorkerMetadata.aggregate`, which does arithmetic on them)
+    every job id and count must be an int too. Raises
+    :class:`~statecore.errors.InvalidMetadataError` naming ``call`` and the field.
+    """
+    if meta is None:
+        return
+    if type(meta) is WorkerMetadata and not entries:  # the common case, in one expression
+        stats = meta.stats
+        if (
+            type(meta.completed) is dict
+            and type(meta.failed) is dict
+            and type(meta.completed_ranks) is dict
+            and type(meta.failed_ranks) is dict
+            and (meta.rank is None or (type(meta.rank) is int and meta.rank >= 0))
+            and type(stats) is TransferStats
+            and _direction_ok(stats.load)
+            and _direction_ok(stats.store)
+        ):
+            return
+    if type(meta) is not WorkerMetadata and not isinstance(meta, WorkerMetadata):
+        fail(call, "meta", meta, "a WorkerMetadata or None")
+    for name in ("completed", "failed", "completed_ranks", "failed_ranks"):
+        d = getattr(meta, name)
+        if type(d) is not dict and not isinstance(d, Mapping):
+            fail(call, f"meta.{name}", d, "a dict of job id -> int")
+        if entries:
+            for job_id, n in d.items():
+                if type(job_id) is not int:
+                    fail(call, f"meta.{name} key", job_id, "a job id (int)")
+                if type(n) is not int:
+                    fail(call, f"meta.{name}[{job_id}]", n, "an int")
+    rank = meta.rank
+    if rank is not None and (type(rank) is not int or rank < 0):
+        fail(call, "meta.rank", rank, "None or an int >= 0")
+    stats = meta.stats
+    if type(stats) is not TransferStats:
+        fail(call, "meta.stats", stats, "a TransferStats")
+    for direction in ("load", "store"):
+        ds = getattr(stats, direction)
+        if type(ds) is not DirectionStats:
+            fail(call, f"meta.stats.{direction}", ds, "a DirectionStats")
+        if type(ds.bytes) is not int or ds.bytes < 0:
+            fail(call, f"meta.stats.{direction}.bytes", ds.bytes, "an int >= 0")
+        if not finite(ds.seconds) or ds.seconds < 0:
+            fail(call, f"meta.stats.{direction}.seconds", ds.seconds, "a finite number >= 0")
+        if type(ds.sizes) is not list:
+            fail(call, f"meta.stats.{direction}.sizes", ds.sizes, "a list of ints")
+
+
+def _direction_ok(ds: Any) -> bool:
+    return (
+        type(ds) is DirectionStats
+        and type(ds.bytes) is int
+        and ds.bytes >= 0
+        and (type(ds.seconds) is float or type(ds.seconds) is int)
+        and 0 <= ds.seconds < math.inf
+        and type(ds.sizes) is list
+    )

@@ -11,6 +11,7 @@ import pytest
 import statecore.bench.scheduler as bench
 import statecore.scheduler as sched_mod
 import statecore.validate as validate
+import statecore.wire as wire
 from statecore.bench.validation_share import stubbed_validation
 from statecore.cli import main
 from statecore.errors import InvalidMetadataError
@@ -30,6 +31,7 @@ def _patched_names() -> list[object]:
         SchedulerOutput.__post_init__,
         vars(bench)["SchedulerOutput"],
         bench.HookTimer.end_step,
+        wire.check_worker_metadata,
     ]
 
 

@@ -22,7 +22,8 @@ answered by an A/B comparison inside one process, in lockstep:
   difference between the copies is reported as the views' checks.
 
 What B replaces: the :mod:`statecore.validate` functions the hooks and the managers call
-(``request_id``, ``request_view``, ``scheduler_output``, ``worker_metadata``, the key, slot,
+(``request_id``, ``request_view``, ``scheduler_output``, ``worker_metadata`` (also as
+:meth:`~statecore.wire.WorkerMetadata.aggregate` calls it), the key, slot,
 context and flag checks), the scheduler's argument check of ``update_state_after_alloc``
 (``_admitted_lists``, reduced to its tuple conversion) and the views' ``__post_init__``
 checks (:class:`~statecore.views.ScheduledRequest`, the columnar
@@ -47,6 +48,7 @@ from typing import Any
 import statecore.bench.scheduler as bench
 import statecore.scheduler as sched_mod
 import statecore.validate as validate
+import statecore.wire as wire
 from statecore.views import ScheduledColumns, ScheduledRequest, SchedulerOutput
 
 __all__ = ["ShareResult", "format_share", "main_share", "merge", "run_share", "stubbed_validation"]
@@ -73,6 +75,8 @@ _STUBS: tuple[tuple[Any, str, Any], ...] = (
     (validate, "request_view", _request_view),
     (validate, "scheduler_output", _nothing),
     (validate, "worker_metadata", _nothing),
+    # the same check, as WorkerMetadata.aggregate calls it
+    (wire, "check_worker_metadata", _nothing),
     (validate, "offload_keys", _nothing),
     (validate, "offload_key", _nothing),
     (validate, "slot_list", _nothing),

@@ -48,6 +48,7 @@ from statecore import (
     WorkerMetadata,
     make_offload_key,
     validate,
+    wire,
 )
 from statecore.errors import StatecoreError
 from statecore.managers import CPUOffloadingManager
@@ -396,6 +397,7 @@ def test_garbage_fuzzer_catches_a_missing_check(monkeypatch: pytest.MonkeyPatch)
     """The seeded mutant: the report-shape check removed; the fuzzer finds the untyped error
     (or the state change) that a malformed report then causes."""
     monkeypatch.setattr(validate, "worker_metadata", lambda *a, **k: None)
+    monkeypatch.setattr(wire, "check_worker_metadata", lambda *a, **k: None)  # aggregate's
 
     class Mutant(GarbageMachine):
         @rule(data=st.data())
