@@ -174,7 +174,11 @@ CHECK_MECHANISMS: dict[str, str] = {
     "checked mode": (
         "`OffloadingScheduler(checked=True)` or `STATECORE_CHECKED=1`: every scheduler "
         "predicate runs after every public scheduler call and the first violation raises "
-        "`InvariantViolation`; `checked_mode()` also runs each lifecycle event through the "
+        "`InvariantViolation`. A call that raises (a manager's typed error, which checked "
+        "mode propagates instead of absorbing it) keeps its own error: the predicates still "
+        "run, and a violation they find, often the trace of the call interrupted half-way, is "
+        "added to that error as a note (`__notes__`, printed with its traceback) rather than "
+        "raised in its place. `checked_mode()` also runs each lifecycle event through the "
         "python-statemachine class beside the compiled table."
     ),
     "fuzzing": (

@@ -381,7 +381,8 @@ class OffloadingScheduler:
         clock: monotonic seconds; injected so that runs replay from a seed.
         checked: evaluate every invariant of :mod:`statecore.specs.invariants` after every
             public call and raise :class:`~statecore.errors.InvariantViolation` on the first
-            violation. Defaults to the ``STATECORE_CHECKED`` environment variable.
+            violation; a call that raises keeps its own error, with a violation found after
+            it added as a note. Defaults to the ``STATECORE_CHECKED`` environment variable.
     """
 
     def __init__(
@@ -1618,10 +1619,25 @@ class OffloadingScheduler:
     def _checked_call(self, method: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             try:
-                return method(*args, **kwargs)
-            finally:
-                self.check_invariants()
+                result = method(*args, **kwargs)
+            except BaseException as error:
+                self._check_after_error(error)
+                raise
+            self.check_invariants()
+            return result
 
         call.__name__ = method.__name__
         call.__doc__ = method.__doc__
         return call
+
+    def _check_after_error(self, error: BaseException) -> None:
+        """Checked mode after a call that raised ``error``: the caller gets ``error`` itself
+        (a manager's typed error, say), never an invariant violation in its place; a violation
+        the state shows afterwards (a call interrupted half-way often leaves one) is added to
+        ``error`` as a note (``__notes__``, printed with its traceback), not hidden."""
+        try:
+            self.check_invariants()
+        except Exception as violation:  # a violation, or a checker that cannot run
+            error.add_note(
+                f"checked mode: after this error, {type(violation).__name__}: {violation}"
+            )

@@ -6,7 +6,9 @@ unfinished load writes only if the store was flushed first; a job starts unflush
 step that flushes it marks it.
 
 A manager that raises on a completion is an anomaly the scheduler counts
-(``manager_errors``) and survives: the job still ends. In checked mode the error propagates.
+(``manager_errors``) and survives: the job still ends. In checked mode the manager's error
+itself propagates; a violation the interrupted call leaves is a note on it, never raised in its
+place, and a call that raises nothing still raises the violation.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from statecore import (
     SchedulerCounters,
     WorkerMetadata,
 )
-from statecore.errors import ManagerError, StatecoreError, UnknownKeyError
+from statecore.errors import UnknownKeyError
 from statecore.manager import OffloadPolicy
 
 
@@ -76,13 +78,13 @@ def test_manager_error_on_completion_is_counted_or_raised(checked: bool) -> None
     (job_a,) = prefill(h, "a")
     (job_b,) = prefill(h, "b")
     if checked:
-        # the manager's error propagates (the invariant check that follows the call may
-        # report the half-completed job on top of it: the manager's error is then its cause)
-        with pytest.raises(StatecoreError) as err:
+        # the manager's typed error itself propagates; the invariant check that follows the
+        # call still runs, and the half-completed job it finds is a note on that error, not
+        # an InvariantViolation raised in its place
+        with pytest.raises(UnknownKeyError, match="complete_store") as err:
             h.report([job_a])
-        assert isinstance(err.value, ManagerError) or isinstance(
-            err.value.__context__, UnknownKeyError
-        )
+        notes = getattr(err.value, "__notes__", [])
+        assert len(notes) == 1 and "InvariantViolation: INV-QUORUM: live job" in notes[0]
         return
     h.report([job_a])
     assert job_a not in h.sched.jobs and not h.sched.requests["a"].jobs  # the job ended
@@ -279,3 +281,40 @@ def test_reset_rewinds_a_running_request_to_chunk_0(policy: OffloadPolicy) -> No
     keys = h.sched.request_keys("a")[0]
     offered = [c.keys for c in fake.methods("prepare_store")]
     assert offered == [tuple(keys[:2]), tuple(keys[:4])]
+
+
+class _ErrorLeavesAViolation(RecordingManager):
+    """Its second ``prepare_store`` breaks the scheduler's state, then raises a typed error
+    (a stand-in for any call interrupted half-way)."""
+
+    sched: OffloadingScheduler | None = None
+    stores: int = 0
+
+    def prepare_store(self, keys, ctx):  # type: ignore[no-untyped-def]
+        out = super().prepare_store(keys, ctx)
+        self.stores += 1
+        if self.stores < 2:
+            return out
+        assert self.sched is not None
+        for job in self.sched.jobs.values():
+            job.pending = 0  # INV-QUORUM: a live job nobody waits for
+        raise UnknownKeyError(keys[0], "prepare_store")
+
+
+def test_checked_mode_reports_the_call_error_first_and_keeps_the_violation() -> None:
+    """Either way round, nothing is hidden: a call that raises a typed error raises that
+    error, with the violation its state shows as a note; a call that returns normally with
+    a violated invariant raises the InvariantViolation."""
+    manager = _ErrorLeavesAViolation()
+    h = Harness(manager, config())
+    h.sched = OffloadingScheduler(h.config, h.manager, h.clock, checked=True)
+    manager.sched = h.sched
+    h.add("a", list(range(8)))
+    h.add("b", list(range(50, 58)))
+    prefill(h, "a")
+    with pytest.raises(UnknownKeyError, match="prepare_store") as err:
+        prefill(h, "b")
+    (note,) = err.value.__notes__
+    assert note.startswith("checked mode: after this error, InvariantViolation: INV-QUORUM")
+    with pytest.raises(InvariantViolation, match="INV-QUORUM"):  # no error: the violation
+        h.sched.update_connector_output(None)
