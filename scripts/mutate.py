@@ -467,11 +467,6 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ): "both sides are bools: `==` and `is` agree",
     (
         "statecore/managers/cpu.py",
-        "core/ReplaceComparisonOperator_IsNot_NotEq",
-        "if type(key) is not bytes or len(key) < 4:",
-    ): "types compare by identity: `!=` and `is not` agree",
-    (
-        "statecore/managers/cpu.py",
         "core/NumberReplacer",
         "if to_store and (set(map(type, to_store)) != _BYTES_ONLY or min(map(len, to_store)) < 4):",
         "if to_store and (set(map(type, to_store)) != _BYTES_ONLY or min(map(len, to_store)) < 5):",

@@ -96,6 +96,30 @@ def test_lookup_and_prepare_store_refuse_a_str_key(threshold: int) -> None:
     assert m.counters().keys == 0
 
 
+def test_lookup_refuses_a_key_whose_class_claims_to_be_bytes() -> None:
+    """A key must be ``bytes`` by type identity: a bytes subclass whose metaclass even makes
+    the class compare equal to ``bytes`` (so ``type(key) != bytes`` is False) is refused,
+    and the lookup changes nothing (the reuse filter does not count it)."""
+
+    class _ClaimsBytes(type):
+        def __eq__(cls, other: object) -> bool:
+            return other is bytes or type.__eq__(cls, other)
+
+        __hash__ = type.__hash__
+
+    class Impostor(bytes, metaclass=_ClaimsBytes):
+        pass
+
+    m = CPUOffloadingManager(4, store_threshold=2)
+    fake = Impostor(k(1))
+    assert fake == k(1) and type(fake) == bytes  # noqa: E721  (what `!=` would see)
+    assert m.lookup(k(1), CTX) is LookupResult.MISS  # one lookup: below the threshold
+    with pytest.raises(InvalidKeyError, match="lookup"):
+        m.lookup(fake, CTX)
+    out = m.prepare_store([k(1)], CTX)  # the refused lookup was not a second one
+    assert out is not None and out.keys_to_store == ()
+
+
 def test_is_ready_only_for_a_present_readable_key() -> None:
     m = CPUOffloadingManager(4)
     assert m.prepare_store([k(1)], CTX) is not None
