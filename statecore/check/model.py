@@ -540,9 +540,8 @@ class World:
         elif kind in ("ok", "fail", "lose", "late"):
             self.report(kind, action[1], action[2])
         elif kind == "dup":
-            self.faults += 1
             _, rank, job_id, ok = action
-            self.feed(_report(rank, job_id, ok))
+            self.duplicate(rank, job_id, ok)
         elif kind == "over":
             self.over_report(action[1])
         elif kind in _SERVER_ACTIONS and self.server is not None and self.tier is not None:
@@ -605,6 +604,17 @@ class World:
             self.delivered.append((rank, j, True))
         for j in meta.failed:
             self.delivered.append((rank, j, False))
+
+    def duplicate(self, rank: int, job_id: int, ok: bool) -> None:
+        """A delivered report arrives again. It spends a fault only when it changed the state:
+        the scheduler ignores a rank it has already heard for that job (it counts the
+        duplicate and changes nothing else), and spending the fault budget on that would only
+        make a twin of the state it came from, with less budget left for the faults that do
+        change something."""
+        before = self.key()
+        self.feed(_report(rank, job_id, ok))
+        if self.key() != before:
+            self.faults += 1  # the report counted: a fault of this trace
 
     def over_report(self, job_id: int) -> None:
         """A count-only report (no rank: a merged report, a legacy worker) claims one more
