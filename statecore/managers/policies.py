@@ -312,12 +312,22 @@ class LRUCachePolicy:
         self.evictable_blocks.move_to_end(key)
 
     def mark_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
-        """Append ``keys`` at the most recent end, in order (the last one most recent)."""
+        """Append ``keys`` at the most recent end, in order (the last one most recent).
+
+        One insertion per key; only when some key was already listed (or is listed twice) a
+        second pass moves every key to the end in order. Either way the list ends as
+        ``mark_evictable`` of each key in order leaves it: the keys not in ``keys`` keep their
+        order, then ``keys`` follow ordered by their last occurrence. (A store job's keys are
+        new to the list, so the usual completion is the first pass alone.)
+        """
         ev = self.evictable_blocks
-        move = ev.move_to_end
+        before = len(ev)
         for key in keys:
             ev[key] = None
-            move(key)
+        if len(ev) - before != len(keys):
+            move = ev.move_to_end
+            for key in keys:
+                move(key)
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         """Take ``key`` out of the evictable list."""

@@ -190,6 +190,22 @@ def test_batch_hooks_equal_the_single_key_hooks_in_order(
     assert _policy_state(a) == _policy_state(b)
 
 
+def test_lru_mark_evictable_many_orders_listed_and_repeated_keys_by_last_occurrence() -> None:
+    """The batch form's second pass (a key already idle, or listed twice) ends as the
+    single-key calls in order: untouched keys first, then the batch by last occurrence."""
+    a, b = LRUCachePolicy(8), LRUCachePolicy(8)
+    for p in (a, b):
+        for i in (1, 2, 3):
+            p.mark_evictable(k(i))
+    batch = [k(4), k(1), k(5), k(4)]
+    a.mark_evictable_many(batch)
+    for key in batch:
+        b.mark_evictable(key)
+    assert a.evictable_keys() == b.evictable_keys() == [k(2), k(3), k(1), k(5), k(4)]
+    a.mark_evictable_many([k(6), k(7)])  # all new: one pass, appended in order
+    assert a.evictable_keys()[-2:] == [k(6), k(7)]
+
+
 def test_arc_insert_many_drops_the_ghosts_of_the_keys_it_inserts() -> None:
     p = ready_arc(2, 1, 2)
     p.evict(2, frozenset())  # k1 and k2 become B1 ghosts
