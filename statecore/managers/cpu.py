@@ -259,7 +259,10 @@ class CPUOffloadingManager(OffloadingManager):
             return super().lookup_many(keys, ctx, until_miss)
         if looked and (set(map(type, looked)) != _BYTES_ONLY or min(map(len, looked)) < 4):
             return super().lookup_many(keys, ctx, until_miss)
-        out = [_MISS if e is None else _HIT if e >= _ONE else _PENDING for e in got]
+        if got and None not in got and min(got) >= _ONE:  # every key ready (a shared prefix)
+            out = [_HIT] * len(got)
+        else:
+            out = [_MISS if e is None else _HIT if e >= _ONE else _PENDING for e in got]
         if until_miss and len(got) < len(keys):
             out.append(_MISS)
         return out
@@ -611,6 +614,7 @@ class CPUOffloadingManager(OffloadingManager):
         get = entries.get
         policy = self.policy
         changed: list[OffloadKey]
+        stored: tuple[OffloadKey, ...] | None = None
         got: list[Any] = list(map(get, keys))
         if (
             success
@@ -623,6 +627,8 @@ class CPUOffloadingManager(OffloadingManager):
             changed = list(keys)
             entries.update(zip(changed, map(_ONE.__add__, got), strict=True))  # ref -1 -> 0
             policy.mark_evictable_many(changed)
+            if type(keys) is tuple:  # (a job's keys: the event shares them, no second copy)
+                stored = keys
         else:
             changed = []
             for key in keys:
@@ -645,7 +651,8 @@ class CPUOffloadingManager(OffloadingManager):
         if success:
             self._evictable += len(changed)
             if changed and self.enable_events:
-                self._events.append(OffloadingEvent(tuple(changed), Medium.CPU, removed=False))
+                event_keys = tuple(changed) if stored is None else stored
+                self._events.append(OffloadingEvent(event_keys, Medium.CPU, removed=False))
         return changed
 
     # -- housekeeping ---------------------------------------------------------------------------
