@@ -212,6 +212,8 @@ def prefix_hits(results: Sequence[int], budget_chunks: int) -> int | None:
     post: __return__ is None or 0 <= __return__ <= len(results)
     post: __return__ is None or all(r == HIT for r in results[:__return__])
     """
+    if HIT_PENDING not in results and RETRY not in results:  # only hits up to a miss: C speed
+        return results.index(MISS) if MISS in results else len(results)
     count = 0
     first_pending: int | None = None
     retry = False

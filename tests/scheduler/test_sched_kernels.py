@@ -11,6 +11,8 @@ exactly at the left edge.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from statecore import kernels
 from statecore.kernels import ReportKind
@@ -171,6 +173,31 @@ def test_storable_chunks_at_each_bound(args: tuple[int, int, int, int, int], exp
 )
 def test_prefix_hits_table(results: list[int], budget: int, expected: int | None) -> None:
     assert kernels.prefix_hits(results, budget) == expected
+
+
+def _prefix_hits_by_scan(results: list[int], budget: int) -> int | None:
+    """prefix_hits as one scan up to the first miss (its definition, for comparison)."""
+    count, first_pending, retry = 0, None, False
+    for r in results:
+        if r == M:
+            break
+        if r == R:
+            retry = True
+        elif r == P and first_pending is None:
+            first_pending = count
+        count += 1
+    if retry:
+        return None
+    if first_pending is None:
+        return count
+    return None if count - first_pending > budget else first_pending
+
+
+@given(st.lists(st.sampled_from([M, H, P, R]), max_size=12), st.integers(0, 6))
+def test_prefix_hits_equals_one_scan_to_the_first_miss(results: list[int], budget: int) -> None:
+    """Whatever the answers hold (the all-hit case at C speed, anything after a miss)."""
+    assert kernels.prefix_hits(results, budget) == _prefix_hits_by_scan(results, budget)
+    assert kernels.prefix_hits(tuple(results), budget) == _prefix_hits_by_scan(results, budget)
 
 
 @pytest.mark.parametrize(
