@@ -104,7 +104,8 @@ class ReqContext:
 
     req_id: str
     kv_transfer_params: Mapping[str, Any] | None = None
-    load_tier_filter: TierFilter = field(default_factory=TierFilter)
+    # (shared: frozen, so one instance serves every request and none is built per request)
+    load_tier_filter: TierFilter = TierFilter.ALL  # type: ignore[attr-defined]
     scratch: dict[str, Any] = field(default_factory=dict)
 
 

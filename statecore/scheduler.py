@@ -150,9 +150,10 @@ class RequestRecord:
         ctx: ReqContext,
         policy: OffloadPolicy,
         n_groups: int,
+        req_id: str | None = None,
     ) -> None:
         self.owner = owner
-        self.req_id = request.request_id
+        self.req_id = request.request_id if req_id is None else req_id
         self.request = request
         self.ctx = ctx
         self.policy = policy
@@ -537,11 +538,14 @@ class OffloadingScheduler:
             return
         self._track(request)
 
-    def _track(self, request: RequestLike) -> RequestRecord:
+    def _track(self, request: RequestLike, rid: str | None = None) -> RequestRecord:
+        """Track ``request`` (validated by the caller; ``rid``: its ``request_id`` if read)."""
+        if rid is None:
+            rid = request.request_id
         params = request.kv_transfer_params
-        ctx = ReqContext(req_id=request.request_id, kv_transfer_params=params)
+        ctx = ReqContext(rid, params)
         policy = self.manager.on_new_request(ctx).policy
-        rec = RequestRecord(self, request, ctx, policy, self._n_groups)
+        rec = RequestRecord(self, request, ctx, policy, self._n_groups, rid)
         rec.hashes_ok = len(request.block_hashes)  # the caller validated the view
         rec.max_load_tokens, bad_load = _param(params, "max_load_tokens")
         rec.max_offload_tokens, bad_off = _param(params, "max_offload_tokens")
@@ -574,7 +578,8 @@ class OffloadingScheduler:
         ``num_computed_tokens`` outside ``0..request.num_tokens`` (nothing changes then).
         """
         call = "get_num_new_matched_tokens"
-        rid = validate.request_id(request, call)
+        raw = getattr(request, "request_id", None)
+        rid = raw if type(raw) is str else validate.request_id(request, call)
         rec = self._reqs.get(rid)
         validate.request_view(
             request, call, self._where, rec.hashes_ok if rec is not None else 0, rec is None
@@ -603,7 +608,7 @@ class OffloadingScheduler:
             )
         if rec is None:
             self.counters.implicit_new_requests += 1
-            rec = self._track(request)
+            rec = self._track(request, raw if type(raw) is str else None)
         REQUEST.require(rec, RE_LOOKUP)
         rec.request = request
         rec.hashes_ok = len(request.block_hashes)
