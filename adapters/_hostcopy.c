@@ -9,12 +9,14 @@
  * each other are merged, and the bytes move.
  *
  * Streaming (stream=True, chosen by the caller for jobs much larger than the caches): the
- * runs are copied with non-temporal stores, and the source is prefetched PREFETCH_AHEAD bytes
- * ahead along the job's sequence of runs, across the end of one run into the next.  Scattered
- * blocks are short runs at random addresses: the hardware prefetcher stops at every 4 KiB
- * page and restarts on each new run, and ordinary stores first read every destination line
- * (read-for-ownership) into a cache it will not be read from again soon.  A run whose two
- * ranges overlap, and every run on a machine without SSE2, is copied with memmove.
+ * runs are copied with non-temporal stores, and a read-ahead walks PREFETCH_AHEAD bytes in
+ * front of the copy along the piece's blocks (across as many as that takes), prefetching the
+ * source and, as it enters a block, one line of each page the block's destination touches.
+ * Scattered blocks are short runs at random addresses: the hardware prefetcher stops at every
+ * 4 KiB page and restarts on each new run, every page is a TLB miss, and ordinary stores first
+ * read every destination line (read-for-ownership) into a cache it will not be read from
+ * again soon.  A run whose two ranges overlap, and every run on a machine without SSE2, is
+ * copied with memmove.
  *
  * ids_valid is the accepting half of that validation at C speed (one pass over each id
  * list, a bitmap for repeated slots); when it says no, the caller's Python check names the
@@ -37,31 +39,84 @@
 #endif
 
 #define STACK_COPIES 64
-/* Bytes of source prefetched ahead of the copy, and the prefetch's locality (1: prefetcht2).
- * Measured on the 2-core AMD EPYC of docs/performance.md, one thread: at 4 KiB blocks 4 KiB
- * ahead beat 0.5, 1, 2, 3, 6 and 8 KiB (at 16 KiB blocks 6-8 KiB did as well, within the
- * noise); locality 1 beat 0 (non-temporal: about 0.2 of a contiguous copy less at 4 KiB
- * blocks) and 3, and matched 2. */
-#define PREFETCH_AHEAD 4096
+/* How far ahead of the copy the source is prefetched, in bytes of the job's sequence of blocks
+ * (the read-ahead walks on across as many blocks as that takes), and the prefetch's locality
+ * (1: prefetcht2).  Measured on the 2-core AMD EPYC of docs/performance.md, one thread,
+ * session 6: from 8 to 32 KiB ahead did about as well at 4, 16 and 64 KiB blocks, 4 KiB less
+ * well at 16 and 64 KiB.  (Session 5's read-ahead stopped at the end of the next run, so
+ * "8 KiB ahead" at 4 KiB blocks prefetched nothing.)  Overridable for such experiments. */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 16384
+#endif
+#ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 1
+#endif
+/* When the read-ahead enters a block, also prefetch the first line the copy will write in each
+ * 4 KiB page of its destination, so that the page's TLB entry is there before the stores. */
+#ifndef WARM_DST_PAGES
+#define WARM_DST_PAGES 1
+#endif
 
 #if HAVE_STREAM
-/* Copy len bytes from s to d (not overlapping) with non-temporal stores, prefetching the
- * source PREFETCH_AHEAD bytes ahead; past the end of this run, into next (next_len bytes). */
+/* The read-ahead: a position in the piece's source bytes, block after block, PREFETCH_AHEAD
+ * bytes in front of the copy.  Each step prefetches the line it is on and moves 64 bytes on.
+ * Every address it forms lies inside a block of the piece (the caller validated them). */
+typedef struct {
+    const size_t *s, *d;   /* the piece's source and destination indices */
+    Py_ssize_t next, count; /* the block it enters next, the piece's blocks */
+    uintptr_t src_base, dst_base;
+    size_t src_stride, dst_stride, nbytes;
+    const char *at;        /* the next line to prefetch (NULL: past the piece's end) */
+    size_t left;           /* bytes of its block from at on */
+} readahead;
+
+/* Enter the next block (or leave the piece); warm the destination pages it will write. */
 static void
-stream_run(char *d, const char *s, size_t len, const char *next, size_t next_len)
+readahead_enter(readahead *ra)
+{
+    if (ra->next >= ra->count) {
+        ra->at = NULL;
+        ra->left = 0;
+        return;
+    }
+    Py_ssize_t k = ra->next++;
+    ra->at = (const char *)(ra->src_base + ra->s[k] * ra->src_stride);
+    ra->left = ra->nbytes;
+#if WARM_DST_PAGES
+    /* A store that misses the TLB waits for the walk; the copy's own prefetch covers only the
+     * source.  A block that starts inside a page and ends in another (the KV tensors of
+     * torch's allocator start 64 bytes into a page) touches one page more than it holds. */
+    uintptr_t d = ra->dst_base + ra->d[k] * ra->dst_stride, end = d + ra->nbytes;
+    for (uintptr_t p = d; p < end; p = (p | 4095) + 1) {
+        __builtin_prefetch((const void *)p, 0, 0);
+    }
+#endif
+}
+
+static inline void
+readahead_step(readahead *ra)
+{
+    if (ra->at == NULL) return;
+    __builtin_prefetch(ra->at, 0, PREFETCH_LOCALITY);
+    if (ra->left > 64) {
+        ra->at += 64;
+        ra->left -= 64;
+    } else {
+        readahead_enter(ra);
+    }
+}
+
+/* Copy len bytes from s to d (not overlapping) with non-temporal stores, one read-ahead step
+ * per 64 bytes. */
+static void
+stream_run(char *d, const char *s, size_t len, readahead *ra)
 {
     size_t head = (size_t)(-(uintptr_t)d) & 15; /* bytes until d is 16-byte aligned */
     if (head > len) head = len;
     if (head) memcpy(d, s, head);
     size_t o = head;
     for (; o + 64 <= len; o += 64) {
-        size_t p = o + PREFETCH_AHEAD;
-        if (p < len) {
-            __builtin_prefetch(s + p, 0, PREFETCH_LOCALITY);
-        } else if (p - len < next_len) {
-            __builtin_prefetch(next + (p - len), 0, PREFETCH_LOCALITY);
-        }
+        readahead_step(ra);
         __m128i x0 = _mm_loadu_si128((const __m128i *)(s + o));
         __m128i x1 = _mm_loadu_si128((const __m128i *)(s + o + 16));
         __m128i x2 = _mm_loadu_si128((const __m128i *)(s + o + 32));
@@ -196,36 +251,23 @@ copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int mergeable = dst_stride == nbytes && src_stride == nbytes;
     size_t total = 0, calls = 0;
     Py_BEGIN_ALLOW_THREADS
-    /* runs are found one ahead of the copy, so a streaming copy can prefetch the next one */
-    Py_ssize_t i = 0, j = 0;
-    uintptr_t dst = 0, src = 0;
-    size_t len = 0;
-    if (count > 0) {
-        j = 1;
+#if HAVE_STREAM
+    readahead ra = {s, d, 0, count, src_base, dst_base, src_stride, dst_stride, nbytes, NULL, 0};
+    if (stream && nbytes > 0) { /* start the read-ahead where the copy starts, send it ahead */
+        readahead_enter(&ra);
+        for (size_t step = PREFETCH_AHEAD / 64; step > 0; step--) readahead_step(&ra);
+    }
+#endif
+    for (Py_ssize_t i = 0; i < count;) {
+        Py_ssize_t j = i + 1; /* the run [i, j) */
         if (mergeable) {
             while (j < count && d[j] == d[j - 1] + 1 && s[j] == s[j - 1] + 1) j++;
         }
-        dst = dst_base + d[0] * dst_stride;
-        src = src_base + s[0] * src_stride;
-        len = (size_t)j * nbytes;
-    }
-    while (i < count) {
-        /* the run after [i, j) */
-        Py_ssize_t k = j;
-        uintptr_t next_dst = 0, next_src = 0;
-        size_t next_len = 0;
-        if (j < count) {
-            k = j + 1;
-            if (mergeable) {
-                while (k < count && d[k] == d[k - 1] + 1 && s[k] == s[k - 1] + 1) k++;
-            }
-            next_dst = dst_base + d[j] * dst_stride;
-            next_src = src_base + s[j] * src_stride;
-            next_len = (size_t)(k - j) * nbytes;
-        }
+        uintptr_t dst = dst_base + d[i] * dst_stride, src = src_base + s[i] * src_stride;
+        size_t len = (size_t)(j - i) * nbytes;
 #if HAVE_STREAM
         if (stream && !overlap(dst, src, len)) {
-            stream_run((char *)dst, (const char *)src, len, (const char *)next_src, next_len);
+            stream_run((char *)dst, (const char *)src, len, &ra);
         } else {
             memmove((void *)dst, (const void *)src, len);
         }
@@ -237,10 +279,6 @@ copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         total += len;
         calls++;
         i = j;
-        j = k;
-        dst = next_dst;
-        src = next_src;
-        len = next_len;
     }
 #if HAVE_STREAM
     if (stream) _mm_sfence(); /* order the non-temporal stores before the GIL is taken back */

@@ -614,6 +614,51 @@ def test_native_streaming_copy_is_memmove_on_the_edges(
 
 
 @needs_native
+@pytest.mark.parametrize("seed", range(8))
+def test_native_streaming_copy_of_many_blocks_is_memmove(seed: int) -> None:
+    """A streamed piece of many blocks (the read-ahead runs several blocks in front of the
+    copy and warms each destination page) writes exactly what memmove writes, for pages
+    shorter and longer than the read-ahead, unaligned bases, padded strides and sub-ranges
+    that start and stop inside the lists."""
+    from statecore.adapters._hostcopy import copy_blocks
+
+    rng = random.Random(seed)
+    page = rng.choice([40, 64, 100, 4096, 4096 + 24, 20000])
+    pad = rng.choice([0, 0, 12])
+    rows = max(8, min(120, (1 << 20) // page))
+    stride = page + pad
+    src = torch.tensor(list(rng.randbytes(rows * stride + 64)), dtype=torch.uint8)
+    src_off, dst_off = rng.randrange(64), rng.randrange(64)
+    si = rng.sample(range(rows), rows)
+    di = rng.sample(range(rows), rows)
+    si[2:7], di[2:7] = range(rows - 5, rows), range(5)  # a run on both sides (when unpadded)
+    si, di = list(dict.fromkeys(si)), list(dict.fromkeys(di))
+    k = min(len(si), len(di))
+    si, di = si[:k], di[:k]
+    lo, hi = rng.randint(0, 3), k - rng.randint(0, 3)
+    out = torch.zeros(rows * page + 64, dtype=torch.uint8)
+    got = copy_blocks(
+        out.data_ptr() + dst_off,
+        page,
+        di,
+        src.data_ptr() + src_off,
+        stride,
+        si,
+        page,
+        lo,
+        hi,
+        True,
+    )
+    assert got[0] == (hi - lo) * page
+    want = bytearray(out.numel())
+    flat = bytes(src.tolist())
+    for i in range(lo, hi):
+        at, fr = dst_off + di[i] * page, src_off + si[i] * stride
+        want[at : at + page] = flat[fr : fr + page]
+    assert bytes(out.tolist()) == bytes(want)
+
+
+@needs_native
 @pytest.mark.parametrize("shift", [8, -8, 4096 - 8])
 def test_native_streaming_copy_falls_back_to_memmove_when_ranges_overlap(shift: int) -> None:
     """Source and destination ranges that overlap (possible only through the raw function:
