@@ -26,6 +26,7 @@ def test_bench_transfer_cpu_prints_every_size_direction_and_planning(
     assert main([*argv, "--block-kib", "4,64", "--job-mib", "1"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"host copy loop=(native|ctypes)", out)
+    assert "copies timed idle before each timed copy" in out
     num = r"\s+[\d.]+"
     # GB/s, contiguous GB/s, ratio to it, ratio to the adapter's loop over contiguous bytes
     rows = re.findall(rf"^\s+(\d+)K\s+cpu\s+(store|load){num * 4}$", out, re.M)
@@ -33,6 +34,35 @@ def test_bench_transfer_cpu_prints_every_size_direction_and_planning(
     assert "MISMATCH" not in out
     planning = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+\d+\s+\d+$", out, re.M)
     assert [(int(t), int(b)) for t, b, _ in planning] == [(32, 16), (64, 16), (1, 1024)]
+
+
+def test_bench_transfer_no_settle_times_copies_back_to_back(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("torch", reason="the transfer benchmark needs torch")
+    argv = ["bench", "transfer", "--device", "cpu", "--total-mib", "1", "--repeat", "1"]
+    assert main([*argv, "--block-kib", "64", "--job-mib", "1", "--no-settle"]) == 0
+    out = capsys.readouterr().out
+    assert "copies timed back to back (--no-settle)" in out and "MISMATCH" not in out
+
+
+def test_interleaved_rounds_settle_before_every_timed_call() -> None:
+    """With ``settle``, it runs before each timed call (warm-ups excluded), in the rounds'
+    alternating order; without it the calls follow each other directly."""
+    from statecore.bench.transfer import _interleaved_seconds
+
+    log: list[str] = []
+    fns = [lambda: log.append("copy"), lambda: log.append("ref")]
+    _interleaved_seconds(fns, lambda: None, 2, lambda: log.append("settle"))
+    assert log == ["copy", "ref"] + ["settle", "copy", "settle", "ref"] + [
+        "settle",
+        "ref",
+        "settle",
+        "copy",
+    ]
+    log.clear()
+    _interleaved_seconds(fns, lambda: None, 2)
+    assert log == ["copy", "ref", "copy", "ref", "ref", "copy"]
 
 
 def test_bench_dispatch_prints_table_and_machine(capsys: pytest.CaptureFixture[str]) -> None:

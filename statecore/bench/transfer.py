@@ -15,7 +15,11 @@ per direction are kept well above the last-level cache, so none of them runs fro
 On the CPU a second reference is timed in the same rounds: the adapter's own copy loop
 (same threads, same pieces, same stores) over the contiguous bytes, one run per piece.
 ``ratio`` (to torch's contiguous ``copy_``) is the goal's figure; ``loop ratio`` says how
-much of it the scattering costs, apart from how the bytes are stored.
+much of it the scattering costs, apart from how the bytes are stored. On the CPU each timed
+copy also waits, untimed, until the process uses no CPU (``--no-settle``: back to back, as
+before): after a ``copy_``, torch's OpenMP workers spin for milliseconds before they sleep
+(about 8 ms of CPU on the 2-core development machine), taking a core from whichever copy is
+timed next.
 
 Last, the host-side planning cost per job for a layer-per-tensor layout (what the CPU does
 while the copies of earlier jobs run): the CPU path's segments, and the Triton path's address
@@ -63,6 +67,13 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         "--job-mib", metavar="MIB", type=int_range(1), default=16, help="approximate MiB per job"
     )
     p.add_argument(
+        "--no-settle",
+        dest="settle",
+        action="store_false",
+        help="CPU: time the copies of a round back to back, without waiting for the process's "
+        "threads (torch's spinning OpenMP workers) to go idle first",
+    )
+    p.add_argument(
         "--impl",
         choices=("auto", "triton", "staging", "all"),
         default="all",
@@ -84,14 +95,31 @@ def _median_seconds(fn: Callable[[], None], sync: Callable[[], None], repeat: in
     return statistics.median(times)
 
 
+def _settle(limit: float = 0.25, nap: float = 0.002, busy: float = 0.0002) -> None:
+    """Wait (untimed) until this process's threads use less than ``busy`` seconds of CPU
+    during a ``nap``, at most ``limit`` seconds: after torch's ``copy_`` its OpenMP workers
+    spin before they sleep (libgomp's spin-wait), and a copy timed right after it would share
+    the cores with them."""
+    end = time.perf_counter() + limit
+    while time.perf_counter() < end:
+        c0 = time.process_time()
+        time.sleep(nap)
+        if time.process_time() - c0 < busy:
+            return
+
+
 def _interleaved_seconds(
-    fns: Sequence[Callable[[], None]], sync: Callable[[], None], repeat: int
+    fns: Sequence[Callable[[], None]],
+    sync: Callable[[], None],
+    repeat: int,
+    settle: Callable[[], None] | None = None,
 ) -> tuple[list[float], list[float]]:
     """``fns[0]`` and its references ``fns[1:]`` timed in ``repeat`` back-to-back rounds (order
     reversed every other round), after a warm-up of each: (median seconds of each, median
     over the rounds of ``ref / fns[0]`` for each reference). On a shared machine the load
     moves between figures taken one after the other; within a round it mostly does not, so
-    the median round ratio is the figure to read."""
+    the median round ratio is the figure to read. ``settle``, when given, runs (untimed)
+    before each timed call."""
     for f in fns:
         f()
         sync()
@@ -100,6 +128,8 @@ def _interleaved_seconds(
         order = range(len(fns)) if i % 2 == 0 else range(len(fns) - 1, -1, -1)
         for which in order:
             sync()
+            if settle is not None:
+                settle()
             t0 = time.perf_counter()
             fns[which]()
             sync()
@@ -140,7 +170,11 @@ def main(argv: Sequence[str]) -> int:
         impls = ["cpu"]
         from statecore.adapters.torch import host_copy_impl
 
-        print(f"cpu threads={torch.get_num_threads()}  host copy loop={host_copy_impl()}")
+        settled = "idle before each timed copy" if args.settle else "back to back (--no-settle)"
+        print(
+            f"cpu threads={torch.get_num_threads()}  host copy loop={host_copy_impl()}  "
+            f"copies timed {settled}"
+        )
     loop_head = "" if cuda else f" {'loop ratio':>10}"
     print(
         f"{'block':>7} {'impl':>8} {'direction':>10} {'GB/s':>8} {'contig GB/s':>12} {'ratio':>6}"
@@ -227,7 +261,8 @@ def main(argv: Sequence[str]) -> int:
                     refs = [contig[direction]]
                     if not cuda:
                         refs.append(functools.partial(loop[direction], be))
-                    ts, ratios = _interleaved_seconds([copy, *refs], sync, args.repeat)
+                    settle = _settle if args.settle and not cuda else None
+                    ts, ratios = _interleaved_seconds([copy, *refs], sync, args.repeat, settle)
                     t, tc, ratio = ts[0], ts[1], ratios[0]
                     if not cuda:
                         loop_ratio = f"{ratios[1]:6.2f}"
