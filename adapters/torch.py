@@ -25,9 +25,10 @@ Execution:
   continue each other on both sides, and copies a whole piece with the GIL released once;
   jobs of 1 MiB and more are shared by ``torch.get_num_threads()`` persistent threads that
   claim pieces of the segments. Such jobs *stream*: non-temporal stores (no read of each
-  destination line first) while the source is prefetched 4 KiB ahead along the job's pages,
-  across the end of one into the next (what a contiguous copy gets from the hardware
-  prefetcher, which stops at every page). Where the extension was not built (no C compiler
+  destination line first) while a read-ahead 16 KiB in front of the copy, along the piece's
+  pages and across as many as that takes, prefetches the source (what a contiguous copy gets
+  from the hardware prefetcher, which stops at every page) and touches each destination page
+  once before its stores (its TLB entry). Where the extension was not built (no C compiler
   at install; :func:`host_copy_impl` says which), Python computes the addresses and one
   ctypes ``memmove`` per run does the same more slowly: each call takes the GIL back, so
   only large jobs of long copies are shared.
