@@ -59,7 +59,7 @@ import importlib
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from statecore.check.shared import FOREIGN, LabelPool, ServerDouble
@@ -126,6 +126,10 @@ class Scope:
             queue, freed blocks join the tail and allocation takes the head, so a block freed
             early (a sliding-window block that left the window) is handed out before the
             blocks a request freed later (at its finish).
+        redis: a shared secondary tier (the real tiering manager and RedisTier over a server
+            double) below the CPU tier.
+        redis_known_keys: the shared tier's ``max_known_keys`` (None: the tier's default); a
+            bound below the lookups the requests have pending makes their answers compete.
         description: one line for the docs.
     """
 
@@ -144,6 +148,7 @@ class Scope:
     foreign: tuple[int, ...] = ()
     free_order: str = "lifo"
     redis: bool = False
+    redis_known_keys: int | None = None
     description: str = ""
 
     @property
@@ -174,17 +179,21 @@ _OTHER_LAYOUT = TierLayout("statecore-check", "bf16", (2, 2, 1, 1), 1)
 
 _INLINE = InlineExecutor()
 
-_TIER_CONFIGS: dict[TierLayout, RedisTierConfig] = {}
+_TIER_CONFIGS: dict[tuple[TierLayout, int | None], RedisTierConfig] = {}
 
 
-def _tier_config(layout: TierLayout) -> RedisTierConfig:
+def _tier_config(layout: TierLayout, known_keys: int | None = None) -> RedisTierConfig:
     """The shared tier's configuration for ``layout``: lookup answers trusted for two engine
-    steps (the default 32 would only multiply the states by the answers' ages)."""
-    cfg = _TIER_CONFIGS.get(layout)
+    steps (the default 32 would only multiply the states by the answers' ages), at most
+    ``known_keys`` of them kept (None: the tier's default)."""
+    cfg = _TIER_CONFIGS.get((layout, known_keys))
     if cfg is None:
-        cfg = _TIER_CONFIGS[layout] = RedisTierConfig(
+        cfg = RedisTierConfig(
             url="redis://server-double", layout=layout, prefix="check", lookup_ttl_steps=2
         )
+        if known_keys is not None:
+            cfg = replace(cfg, max_known_keys=known_keys)
+        _TIER_CONFIGS[layout, known_keys] = cfg
     return cfg
 
 
@@ -393,7 +402,11 @@ class World:
         pool = LabelPool(scope.cpu_slots, width)
         self.server = ServerDouble()
         self.tier = RedisTier(
-            _tier_config(_LAYOUT), pool, executor=_INLINE, client=self.server, name="redis"
+            _tier_config(_LAYOUT, scope.redis_known_keys),
+            pool,
+            executor=_INLINE,
+            client=self.server,
+            name="redis",
         )
         self.tiering = TieringOffloadingManager(self.manager, [self.tier])
         self.top = self.tiering
@@ -1223,6 +1236,9 @@ class World:
             tuple([(k, p, min(step - at, cap)) for k, (p, at) in tier._known.items()]),
             tuple(tier._to_query),
             tuple(sorted(tier._querying)),
+            # who awaits which key and the answers held for them (_awaits is the inverse)
+            tuple(sorted([(k, tuple(sorted(w))) for k, w in tier._awaited.items()])),
+            tuple(sorted(tier._held.items())),
             tuple([(keys, _outcome(fut)) for keys, fut in tier._queries]),
             tuple(sorted(tier._storing)),
             tuple(
@@ -1287,6 +1303,11 @@ class World:
                 age = self.tier._step - at
                 out[f"redis answer {_label(key)}"] = (
                     f"{'present' if present else 'absent'}, age {age}"
+                )
+            for key, waiters in self.tier._awaited.items():
+                held = self.tier._held.get(key)
+                out[f"redis awaited {_label(key)}"] = f"by {','.join(sorted(waiters))}, " + (
+                    "no answer yet" if held is None else f"held {'present' if held else 'absent'}"
                 )
         out["clock"] = f"{self.clock.now:g}s"
         return out

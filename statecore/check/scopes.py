@@ -103,6 +103,15 @@ SCOPES: dict[str, Scope] = {
             description="two requests sharing a chunk over the shared Redis tier",
         ),
         _scope(
+            "shared_known",
+            prompts=(_A, _B),
+            depth=6,
+            redis=True,
+            redis_known_keys=1,
+            description="two requests over the shared Redis tier keeping one lookup answer "
+            "(max_known_keys=1): their pending lookups compete for the answers",
+        ),
+        _scope(
             "swa2",
             prompts=(_A, _B),
             workers=2,

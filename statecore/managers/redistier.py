@@ -27,10 +27,18 @@ leave one of the two values, never a mix (the server applies each command atomic
 **Lookups.** Whether a key is on the server is known only by asking it, which takes a round
 trip; the scheduler's lookup must not wait for it. An unknown key answers ``RETRY`` and is
 queued; the queued keys are asked in one pipelined ``EXISTS`` batch at the end of the engine
-step, and the answers (kept for ``lookup_ttl_steps`` steps) serve the next lookups. A batch
-that fails (server down, timeout) answers ``MISS`` for its keys, so no request waits for a
-server that does not answer. Keys this instance stored successfully are known present; a
-promotion that finds a key missing makes it known absent.
+step, and the answers (kept for ``lookup_ttl_steps`` steps, at most ``max_known_keys`` of
+them) serve the next lookups. A batch that fails (server down, timeout) answers ``MISS`` for
+its keys, so no request waits for a server that does not answer. Keys this instance stored
+successfully are known present; a promotion that finds a key missing makes it known absent.
+
+**No lookup is starved.** A key that answered ``RETRY`` to a request is *awaited* by that
+request: its answer, once it arrives, is held for the request (whatever its age and whatever
+``max_known_keys``) until the request's next lookup of the key reads it or the request
+finishes. Without that, requests whose pending lookups outnumber ``max_known_keys`` could
+evict each other's answers before reading them and be answered ``RETRY`` forever. What is
+held is bounded by the live requests (one entry per key a live request awaits); the bound and
+the expiry apply to every other answer.
 
 **Batched, pipelined, off the scheduler's path.** Each store or promotion job is one
 pipeline (split at ``max_batch_bytes``) run on an executor (a thread pool by default,
@@ -165,9 +173,12 @@ class RedisTierConfig:
             the job. Keep it below the scheduler's ``stall_timeout_s``.
         workers: threads of the default executor (concurrent jobs).
         max_batch_bytes: a job's pipeline is sent in batches of about this many value bytes.
-        lookup_ttl_steps: engine steps a lookup answer is trusted.
+        lookup_ttl_steps: engine steps a lookup answer is trusted (an answer a request
+            awaits is held for it until it reads it: module docstring).
         max_known_keys: at most this many lookup answers are kept (oldest dropped first;
             answers older than ``lookup_ttl_steps`` are dropped at each step's end anyway).
+            Answers that live requests await are held besides, outside this bound, until
+            read (module docstring): no bound, however small, starves a lookup.
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -359,6 +370,12 @@ class RedisTier(ExecutorTier):
         self._known: OrderedDict[OffloadKey, tuple[bool, int]] = OrderedDict()
         self._to_query: dict[OffloadKey, None] = {}
         self._querying: set[OffloadKey] = set()
+        # key -> the requests it answered RETRY and that have not read its answer since
+        self._awaited: dict[OffloadKey, set[str]] = {}
+        # request -> the keys it awaits (released when it finishes)
+        self._awaits: dict[str, set[OffloadKey]] = {}
+        # the answers of awaited keys (outside max_known_keys and the expiry, until read)
+        self._held: dict[OffloadKey, bool] = {}
         self._queries: list[tuple[tuple[OffloadKey, ...], Future[list[bool]]]] = []
         self._storing: set[OffloadKey] = set()
         self._jobs: dict[int, _RedisJob] = {}
@@ -563,6 +580,8 @@ class RedisTier(ExecutorTier):
     # -- lookup answers ------------------------------------------------------------------------
 
     def _answer(self, key: OffloadKey, present: bool) -> None:
+        if key in self._awaited:
+            self._held[key] = present
         known = self._known
         known[key] = (present, self._step)
         known.move_to_end(key)
@@ -604,17 +623,52 @@ class RedisTier(ExecutorTier):
     def forget_answers(self) -> None:
         """Drop every lookup answer (e.g. after the server was flushed): keys are asked again."""
         self._known.clear()
+        self._held.clear()
+
+    def _await(self, key: OffloadKey, req_id: str) -> None:
+        """``key`` answered RETRY to ``req_id``: hold its answer for the request."""
+        waiters = self._awaited.get(key)
+        if waiters is None:
+            waiters = self._awaited[key] = set()
+        waiters.add(req_id)
+        keys = self._awaits.get(req_id)
+        if keys is None:
+            keys = self._awaits[req_id] = set()
+        keys.add(key)
+
+    def _unawait(self, key: OffloadKey, req_id: str) -> None:
+        """``req_id`` no longer awaits ``key`` (it read the answer, or it finished); an answer
+        no request awaits any more is no longer held."""
+        waiters = self._awaited.get(key)
+        if waiters is None:
+            return
+        waiters.discard(req_id)
+        if not waiters:
+            del self._awaited[key]
+            self._held.pop(key, None)
 
     # -- protocol -------------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        """HIT or MISS from a fresh answer; otherwise RETRY, asking the server at step end."""
+        """HIT or MISS from a fresh or held answer; otherwise RETRY, asking the server at step
+        end and holding the answer for this request until it reads it."""
         self._collect_queries()
-        present = self._fresh(key)
+        present = self._held.get(key)
+        if present is None:
+            present = self._fresh(key)
         if present is not None:
+            if key in self._awaited:  # read: this request no longer awaits it
+                req_id = ctx.req_id
+                keys = self._awaits.get(req_id)
+                if keys is not None and key in keys:
+                    keys.discard(key)
+                    if not keys:
+                        del self._awaits[req_id]
+                    self._unawait(key, req_id)
             return LookupResult.HIT if present else LookupResult.MISS
         if key not in self._querying:
             self._to_query[key] = None
+        self._await(key, ctx.req_id)
         return LookupResult.RETRY
 
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
@@ -699,7 +753,9 @@ class RedisTier(ExecutorTier):
         return self._job_result(job_id, job.keys, ok)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
-        """Nothing is kept per request."""
+        """Release the answers held for the request (the keys it still awaits)."""
+        for key in self._awaits.pop(ctx.req_id, ()):
+            self._unawait(key, ctx.req_id)
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
         """Send the step's queued lookups as one ``EXISTS`` pipeline; start a new step (and
@@ -731,8 +787,9 @@ class RedisTier(ExecutorTier):
         return futures
 
     def _gauges(self) -> dict[str, int]:
-        """``known_keys``, reported by :meth:`get_stats` beside the counters."""
-        return {"known_keys": len(self._known)}
+        """``known_keys`` and ``held_answers`` (answers held for requests that await them),
+        reported by :meth:`get_stats` beside the counters."""
+        return {"known_keys": len(self._known), "held_answers": len(self._held)}
 
     def _release(self) -> None:
         """Close the default client (at :meth:`shutdown`)."""

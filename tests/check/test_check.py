@@ -44,6 +44,7 @@ TEST_DEPTH = {
     "swa": 6,
     "window": 6,
     "shared": 6,
+    "shared_known": 5,
 }
 """Depth of each scope in this file (the shipped depth is larger)."""
 
@@ -73,6 +74,7 @@ MUTANT_SCOPES = {
     "redis_unreadable_keeps_answer": "shared",
     "redis_decode_unverified": "shared",
     "redis_namespace_without_layout": "shared",
+    "redis_awaited_answer_evictable": "shared_known",
 }
 """The smallest scope that can express a mutant, where known and not ``one``; a mutant not
 listed is looked for in every scope of :data:`SCOPE_ORDER` in turn."""

@@ -447,6 +447,36 @@ def test_lookup_answers_age_out_and_are_asked_again(server: LocalRedis) -> None:
     a.close()
 
 
+def test_an_awaited_answer_is_held_for_its_request_whatever_the_bound(
+    server: LocalRedis,
+) -> None:
+    """Two requests whose pending lookups outnumber ``max_known_keys`` (1) each read the answer
+    they wait for: it is held for them (outside the bound and the expiry) until read, then
+    released; a request that finishes without reading releases its held answers too."""
+    a = Instance(config(server, max_known_keys=1, lookup_ttl_steps=1))
+    a.store(1)
+    a.m.reset_cache()
+    a.tier.forget_answers()
+    ra, rb = ReqContext("ra"), ReqContext("rb")
+    # both ask k(1) (shared, present) and a key of their own (absent)
+    assert a.m.lookup_many([k(1), k(2)], ra, True) == [LookupResult.RETRY] * 2
+    assert a.m.lookup_many([k(1), k(3)], rb, True) == [LookupResult.RETRY] * 2
+    for _ in range(3):  # the answers arrive; older than the expiry and past the bound
+        a.step()
+    stats = a.tier.get_stats()
+    assert stats["known_keys"] <= 1 and stats["held_answers"] == 3
+    assert a.m.lookup_many([k(1), k(2)], ra, True) == [
+        LookupResult.HIT_PENDING,  # promoted into the CPU tier: rb finds it there
+        LookupResult.MISS,
+    ]
+    assert a.tier.get_stats()["held_answers"] == 2  # k(2) read by ra; k(1) still awaited by rb
+    a.m.on_request_finished(rb)  # rb never reads its answers: they are released
+    assert a.tier.get_stats()["held_answers"] == 0
+    a.m.on_request_finished(ra)
+    assert a.tier._awaited == {} and a.tier._awaits == {}
+    a.close()
+
+
 def test_config_is_validated_and_selectable(server: LocalRedis, tmp_path: Any) -> None:
     with pytest.raises(ConfigError, match="timeout_s"):
         RedisTierConfig(timeout_s=0)

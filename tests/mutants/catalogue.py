@@ -385,6 +385,10 @@ def _fingerprint_without_layout(self: redistier.TierLayout, row_bytes: Sequence[
     return bytes(16)  # every layout shares one namespace and one header fingerprint
 
 
+def _await_nothing(self: redistier.RedisTier, key: OffloadKey, req_id: str) -> None:
+    return None  # the answer is not held for the request: max_known_keys may evict it unread
+
+
 REDIS_MUTANTS: dict[str, Mutant] = dict(
     [
         _mutant(
@@ -404,6 +408,13 @@ REDIS_MUTANTS: dict[str, Mutant] = dict(
             "the key namespace and header fingerprint ignore the layout",
             "issue 17: engines of different layouts read each other's bytes",
             (redistier.TierLayout, "fingerprint", _fingerprint_without_layout),
+        ),
+        _mutant(
+            "redis_awaited_answer_evictable",
+            "a lookup answer a request awaits is not held for it (max_known_keys evicts it unread)",
+            "requests whose pending lookups outnumber max_known_keys evict each other's answers "
+            "and are answered RETRY forever (found in the simulator: finished requests stuck)",
+            (redistier.RedisTier, "_await", _await_nothing),
         ),
     ]
 )

@@ -1,8 +1,10 @@
 """Seeded mutants of the Redis tier: each must fail the tier's verification harness.
 
 The harness (real redis-server on loopback): a value corrupted on the server, a value of
-another layout, and two simulated instances sharing the tier through an outage longer than
-the simulator's liveness bound (INV-LIVE), every instance checked by its byte oracle.
+another layout, two requests whose pending lookups outnumber ``max_known_keys`` (each must
+stop being answered RETRY), and two simulated instances sharing the tier through an outage
+longer than the simulator's liveness bound (INV-LIVE), every instance checked by its byte
+oracle.
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ def server() -> Iterator[LocalRedis]:
         yield srv
 
 
-def _manager(url: str, prefix: str, dtype: str) -> tuple[TieringOffloadingManager, CPUPool]:
+def _manager(
+    url: str, prefix: str, dtype: str, known: int = 1 << 18
+) -> tuple[TieringOffloadingManager, CPUPool]:
     pool = CPUPool(4, ROWS)
-    cfg = RedisTierConfig(url=url, prefix=prefix, layout=TierLayout("m", dtype, (8,), 1))
+    layout = TierLayout("m", dtype, (8,), 1)
+    cfg = RedisTierConfig(url=url, prefix=prefix, layout=layout, max_known_keys=known)
     tier = RedisTier(cfg, pool, executor=InlineExecutor())
     return TieringOffloadingManager(CPUOffloadingManager(4), [tier]), pool
 
@@ -86,6 +91,20 @@ def harness_finding(srv: LocalRedis, prefix: str) -> str | None:
     got = _fetch(b, pool_b)
     if got is not None:
         return f"a corrupted value was loaded ({'wrong' if got != DATA else 'right'} bytes)"
+    # two requests sharing a first chunk, one lookup answer kept: neither may wait forever
+    small, _ = _manager(srv.url, f"{prefix}known", "f16", known=1)
+    prompts = {
+        "ra": [make_offload_key(b"\x02" * 8, 0), make_offload_key(b"\x03" * 8, 0)],
+        "rb": [make_offload_key(b"\x02" * 8, 0), make_offload_key(b"\x04" * 8, 0)],
+    }
+    for _ in range(8):
+        for rid in list(prompts):
+            results = small.lookup_many(prompts[rid], ReqContext(rid), True)
+            if LookupResult.RETRY not in results:
+                del prompts[rid]
+        small.on_schedule_end(END)
+    if prompts:
+        return f"requests {sorted(prompts)} answered RETRY for 8 steps (max_known_keys=1)"
     # two instances through an outage longer than the liveness bound
     cfg = dataclasses.replace(
         SimConfig(seed=1), workload=dataclasses.replace(WorkloadConfig(), num_requests=120)
