@@ -58,6 +58,7 @@ from statecore.managers import (
     MemoryTier,
     TieringOffloadingManager,
 )
+from statecore.views import ScheduledColumns
 from statecore.wire import DirectionStats, TransferStats
 from statecore.worker import MemoryBackend, OffloadingWorker, aggregate
 
@@ -65,6 +66,8 @@ __all__ = [
     "CASES",
     "Case",
     "Foreign",
+    "IntPoser",
+    "LyingInt",
     "Outcome",
     "Stack",
     "observe",
@@ -84,6 +87,46 @@ class Foreign:
 
     def __repr__(self) -> str:
         return "<Foreign>"
+
+
+class LyingInt(int):
+    """An ``int`` subclass whose comparisons lie: its value is negative (``LyingInt(-2)``) but
+    it claims to be ``>= 0`` and never ``< 0``. A check that compares with the object's own
+    operators takes it for a valid block id; statecore takes an int subclass as the int it
+    equals, so it must be refused as the negative id it is."""
+
+    def __ge__(self, other: object) -> bool:
+        return True
+
+    def __gt__(self, other: object) -> bool:
+        return True
+
+    def __lt__(self, other: object) -> bool:
+        return False
+
+    def __le__(self, other: object) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<LyingInt {int(self)}>"
+
+
+class IntPoser:
+    """Not an int at all, but poses as one to sums and comparisons: ``0 + poser`` is an int
+    (``__radd__``), and it claims to be ``>= 0``. A check built from ``sum`` and ``min``
+    takes it for a block id."""
+
+    def __radd__(self, other: object) -> int:
+        return 0
+
+    def __ge__(self, other: object) -> bool:
+        return True
+
+    def __lt__(self, other: object) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "<IntPoser>"
 
 
 def _hashes(seed: int, n: int) -> list[bytes]:
@@ -477,6 +520,20 @@ CASES: list[Case] = [
     Case(
         S,
         "update_state_after_alloc",
+        "block_ids=[[4, LyingInt(-2)]] (an int subclass that is -2 but compares as >= 0)",
+        lambda s: s.sched.update_state_after_alloc(s.b, [[4, LyingInt(-2)]], 0),
+        IM,
+    ),
+    Case(
+        S,
+        "update_state_after_alloc",
+        "block_ids=[[4, IntPoser()]] (not an int; sums to an int, compares as >= 0)",
+        lambda s: s.sched.update_state_after_alloc(s.b, [[4, IntPoser()]], 0),
+        IM,
+    ),
+    Case(
+        S,
+        "update_state_after_alloc",
         "two block lists for one KV-cache group",
         lambda s: s.sched.update_state_after_alloc(s.b, [[4], [5]], 0),
         IM,
@@ -561,6 +618,34 @@ CASES: list[Case] = [
         "SchedulerOutput",
         "preempted_req_ids={1}",
         lambda s: _out(preempted_req_ids=frozenset({1})),
+        IM,
+    ),
+    Case(
+        X,
+        "ScheduledRequest",
+        "new_block_ids=((LyingInt(-2),),) (an int subclass that is -2 but compares as >= 0)",
+        lambda s: ScheduledRequest("a", ((LyingInt(-2),),), 1),
+        IM,
+    ),
+    Case(
+        X,
+        "ScheduledRequest",
+        "new_block_ids=[[5], [IntPoser()]] (not an int; sums to an int, compares as >= 0)",
+        lambda s: ScheduledRequest("a", [[5], [IntPoser()]], 1),
+        IM,
+    ),
+    Case(
+        X,
+        "ScheduledColumns",
+        "new_block_ids=[[[LyingInt(-2)]]] (an int subclass that is -2 but compares as >= 0)",
+        lambda s: ScheduledColumns(["a"], [[[LyingInt(-2)]]], [1]),
+        IM,
+    ),
+    Case(
+        X,
+        "SchedulerOutput",
+        "extra_allocated_block_ids={LyingInt(-2)}",
+        lambda s: _out(extra_allocated_block_ids=frozenset({LyingInt(-2)})),
         IM,
     ),
     Case(

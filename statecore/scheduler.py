@@ -330,6 +330,9 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 _SEQ = (list, tuple)
+_INT_VALUE: Any = int.__index__
+"""An id as the exact int it equals: raises TypeError for anything that is not an int (or
+an int subclass such as bool), and ignores a subclass's own comparison operators."""
 
 # the fields of a ScheduledRequest, as the tuple _update_req_states iterates (C speed)
 _ENTRY: Callable[[ScheduledRequest], tuple[str, Any, int, bool]] = attrgetter(
@@ -355,7 +358,7 @@ def _admitted_lists(
             if type(ids) not in _SEQ:
                 return None
             t = tuple(ids)
-            if t and (type(sum(t)) is not int or min(t) < 0):
+            if t and min(map(_INT_VALUE, t)) < 0:
                 return None
             out.append(t)
     except TypeError:

@@ -83,6 +83,9 @@ _nowhere = _argerrors.nowhere
 
 _SEQ = (list, tuple)
 _SETS = (set, frozenset)
+_INT_VALUE: Any = int.__index__
+"""An id as the exact int it equals: raises TypeError for anything that is not an int (or
+an int subclass such as bool), and ignores a subclass's own comparison operators."""
 _BYTES = {bytes}
 
 
@@ -125,7 +128,7 @@ def _int_list(ids: Any, call: str, argument: str, where: Where, req_id: object, 
     if not seq:
         return
     try:  # fast path, C speed: a float makes the sum a float; None/str raise
-        if type(sum(seq)) is int and min(seq) >= 0:
+        if min(map(_INT_VALUE, seq)) >= 0:
             return
     except TypeError:
         pass
@@ -216,14 +219,14 @@ def block_lists(
 ) -> None:
     """One sequence of GPU block ids (ints >= 0) per KV-cache group.
 
-    An ``int`` subclass such as ``bool`` is taken as the int it equals (the fast path sums the
-    ids, which keeps the check at C speed); ``None``, strings, floats and negatives are
-    rejected.
+    An ``int`` subclass such as ``bool`` is taken as the int it equals, whatever its own
+    comparison operators say (the fast path reads every id through ``int.__index__`` at C
+    speed); ``None``, strings, floats, objects posing as ints and negatives are rejected.
     """
     if type(block_ids) in _SEQ and len(block_ids) == n_groups:
         try:
             for ids in block_ids:
-                if ids and (type(ids) not in _SEQ or type(sum(ids)) is not int or min(ids) < 0):
+                if ids and (type(ids) not in _SEQ or min(map(_INT_VALUE, ids)) < 0):
                     break
             else:
                 return
@@ -248,7 +251,7 @@ def _id_set(value: Any, call: str, argument: str, kind: type, what: str) -> None
     if type(value) not in _SETS and not isinstance(value, AbstractSet):
         _fail(call, argument, value, f"a set of {what}")
     for v in value:
-        ok = isinstance(v, int) and v >= 0 if kind is int else isinstance(v, str)
+        ok = isinstance(v, int) and _INT_VALUE(v) >= 0 if kind is int else isinstance(v, str)
         if not ok:
             _fail(call, f"{argument} item", v, what)
 

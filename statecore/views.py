@@ -114,6 +114,9 @@ _SETS = (frozenset, set)
 _STR = {str}
 _INT = {int}
 _NONE_ID = {id(None)}
+_INT_VALUE: Any = int.__index__
+"""An id as the exact int it equals: raises TypeError for anything that is not an int (or
+an int subclass such as bool), and ignores a subclass's own comparison operators."""
 
 
 def _ids_ok(ids: Any) -> bool:
@@ -123,7 +126,7 @@ def _ids_ok(ids: Any) -> bool:
     if not ids:
         return True
     try:
-        return type(sum(ids)) is int and min(ids) >= 0
+        return bool(min(map(_INT_VALUE, ids)) >= 0)
     except TypeError:
         return False
 
@@ -170,9 +173,7 @@ class ScheduledRequest:
                     return
                 try:
                     for group in ids:
-                        if type(group) is not tuple or (
-                            group and (type(sum(group)) is not int or min(group) < 0)
-                        ):
+                        if type(group) is not tuple or (group and min(map(_INT_VALUE, group)) < 0):
                             break
                     else:
                         return
@@ -184,7 +185,7 @@ class ScheduledRequest:
                     if type(g) is list:
                         g = tuple(g)
                     try:
-                        if type(g) is tuple and (not g or (type(sum(g)) is int and min(g) >= 0)):
+                        if type(g) is tuple and (not g or min(map(_INT_VALUE, g)) >= 0):
                             object.__setattr__(self, "new_block_ids", (g,))
                             return
                     except TypeError:
@@ -301,7 +302,7 @@ def _columns_blocks(
                 g = ids[0]
                 if type(g) is list:
                     g = tuple(g)
-                if type(g) is not tuple or (g and (type(sum(g)) is not int or min(g) < 0)):
+                if type(g) is not tuple or (g and min(map(_INT_VALUE, g)) < 0):
                     return None
                 out[i] = (g,)
                 counts.add(1)
@@ -379,7 +380,7 @@ class SchedulerOutput:
         ):
             try:
                 "".join(chain(new, finished, preempted))
-                ok = not extra or (type(sum(extra)) is int and min(extra) >= 0)
+                ok = not extra or min(map(_INT_VALUE, extra)) >= 0
             except TypeError:
                 ok = False
             if ok:

@@ -4,7 +4,8 @@
 (:class:`statecore.specs.stack.StackMachine`: engine events, worker reports, faults, every
 invariant after every rule, a drain and leak check at the end) with rules that call a public
 entry point with one argument (or one field of an argument) replaced by garbage: ``None``,
-wrong types, NaN and infinities, negative and huge numbers, bools where ints belong, foreign
+wrong types, NaN and infinities, negative and huge numbers, bools where ints belong, int
+subclasses whose comparisons lie and objects posing as ints, foreign
 objects. Entry points: the six scheduler hooks and its
 accessors, the CPU manager's API, each worker's per-step hooks, the wire and view types, the
 configuration and key constructors.
@@ -35,7 +36,14 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule, run_state_machine_as_test
-from statecore.specs.bad_inputs import Foreign, observe_cpu, observe_scheduler, observe_worker
+from statecore.specs.bad_inputs import (
+    Foreign,
+    IntPoser,
+    LyingInt,
+    observe_cpu,
+    observe_scheduler,
+    observe_worker,
+)
 from statecore.specs.stack import StackMachine
 
 from statecore import (
@@ -79,6 +87,8 @@ BLOCKS_BAD: list[Any] = [
     [[FOREIGN]],
     [["3"]],
     [[math.nan]],
+    [[LyingInt(-2)]],
+    [[4, IntPoser()]],
 ]
 KEYS_BAD: list[Any] = [
     None,
