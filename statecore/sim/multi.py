@@ -236,6 +236,7 @@ def run_instances(
     server: Any = None,
     restart: bool = False,
     down_steps: int = 10,
+    max_known_keys: int | None = None,
 ) -> MultiReport:
     """Run ``instances`` stacks in lockstep over one routed workload (module docstring).
 
@@ -250,6 +251,7 @@ def run_instances(
         restart: stop the server once half the requests were issued, start it
             ``down_steps`` rounds later, or later once a tier job has failed (at most
             ``20 * down_steps`` rounds).
+        max_known_keys: every tier's ``max_known_keys`` (None: the tier's default).
     """
     cfg = dataclasses.replace(cfg, tiering=True)
     root = random.Random(cfg.seed)
@@ -268,6 +270,8 @@ def run_instances(
                 timeout_s=5.0,
                 lookup_ttl_steps=8,
             )
+            if max_known_keys is not None:
+                tier_cfg = dataclasses.replace(tier_cfg, max_known_keys=max_known_keys)
             # every instance draws its own faults and delays
             stack = InstanceStack(dataclasses.replace(cfg, seed=cfg.seed + 7919 * i), tier_cfg)
             sched = stack.scheduler
