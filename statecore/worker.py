@@ -31,7 +31,7 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from statecore import validate
 from statecore.errors import ConfigError, LifecycleError, SpecError, TransferError, describe
@@ -227,6 +227,10 @@ def plan_block_copies(
     return out
 
 
+_INT_VALUE: Callable[[Any], int] = int.__index__
+"""An id as the exact int it equals (raises TypeError for a non-int, as comparing one did)."""
+
+
 def validate_ids(
     block_ids: Sequence[int], slots: Sequence[int], num_gpu_blocks: int, num_slots: int
 ) -> None:
@@ -236,11 +240,16 @@ def validate_ids(
     post: all(0 <= b < num_gpu_blocks for b in block_ids)
     post: all(0 <= s < num_slots for s in slots)
     """
-    if block_ids and (min(block_ids) < 0 or max(block_ids) >= num_gpu_blocks):
-        bad = [b for b in block_ids if not 0 <= b < num_gpu_blocks]
+    # ids are compared as the ints they equal (int.__index__), never through their own
+    # operators: an int subclass whose comparisons lie must not pass as in range
+    value = _INT_VALUE
+    if block_ids and (
+        min(map(value, block_ids)) < 0 or max(map(value, block_ids)) >= num_gpu_blocks
+    ):
+        bad = [b for b in block_ids if not 0 <= value(b) < num_gpu_blocks]
         raise SpecError(f"GPU block ids {bad[:8]} out of range 0..{num_gpu_blocks - 1}")
-    if slots and (min(slots) < 0 or max(slots) >= num_slots):
-        bad = [s for s in slots if not 0 <= s < num_slots]
+    if slots and (min(map(value, slots)) < 0 or max(map(value, slots)) >= num_slots):
+        bad = [s for s in slots if not 0 <= value(s) < num_slots]
         raise SpecError(f"CPU slots {bad[:8]} out of range 0..{num_slots - 1}")
     if len(set(slots)) != len(slots):
         raise SpecError(f"CPU spec lists a slot twice: {list(slots)[:16]}")
