@@ -66,6 +66,7 @@ __all__ = [
     "CASES",
     "Case",
     "Foreign",
+    "IncomparableInt",
     "IntPoser",
     "LyingInt",
     "Outcome",
@@ -109,6 +110,27 @@ class LyingInt(int):
 
     def __repr__(self) -> str:
         return f"<LyingInt {int(self)}>"
+
+
+class IncomparableInt(int):
+    """An ``int`` subclass that answers False to every ordering comparison, so that neither
+    ``< 0`` nor ``>= n`` catches it, whatever its value: a range check must read the int it
+    equals."""
+
+    def __lt__(self, other: object) -> bool:
+        return False
+
+    def __le__(self, other: object) -> bool:
+        return False
+
+    def __gt__(self, other: object) -> bool:
+        return False
+
+    def __ge__(self, other: object) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<IncomparableInt {int(self)}>"
 
 
 class IntPoser:

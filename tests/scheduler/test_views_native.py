@@ -26,17 +26,15 @@ from __future__ import annotations
 
 import gc
 import math
-import shutil
 import sys
-import sysconfig
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from native_build import can_build_extensions
 
 import statecore.views as views
 from statecore import InvalidMetadataError
@@ -614,14 +612,8 @@ def test_a_list_changed_during_the_check_is_not_accepted_unchecked() -> None:
     assert all(v == [-1, -1, -1] for v in victims)
 
 
-def _can_build_extensions() -> bool:
-    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
-    return shutil.which(compiler) is not None and headers.is_file()
-
-
 @pytest.mark.skipif(
-    not _can_build_extensions(),
+    not can_build_extensions(),
     reason="no C compiler or Python headers: the optional extension cannot have been built",
 )
 def test_installation_with_a_compiler_built_the_native_view_checks() -> None:

@@ -7,6 +7,7 @@ import random
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from statecore.specs.bad_inputs import IncomparableInt
 from worker_harness import random_mapping, simple_mapping
 
 from statecore.errors import LifecycleError, SpecError
@@ -347,23 +348,6 @@ def test_shutdown_reports_deferred_as_failed_and_closes() -> None:
     w.shutdown()  # idempotent
 
 
-class _Sly(int):
-    """An int subclass that answers False to every ordering comparison: neither ``< 0`` nor
-    ``>= n`` catches it, whatever its value."""
-
-    def __lt__(self, other: object) -> bool:
-        return False
-
-    def __le__(self, other: object) -> bool:
-        return False
-
-    def __gt__(self, other: object) -> bool:
-        return False
-
-    def __ge__(self, other: object) -> bool:
-        return False
-
-
 @pytest.mark.parametrize("value", [-2, 32, 2**70])
 def test_validate_ids_reads_ids_by_value_not_through_their_operators(value: int) -> None:
     """A block id or slot is range-checked as the int it equals: an int subclass whose
@@ -371,9 +355,10 @@ def test_validate_ids_reads_ids_by_value_not_through_their_operators(value: int)
     outside the caches), in both the worker's check and the torch adapter's C-first check."""
     from statecore.adapters.torch import _validate_ids
 
-    for check in (validate_ids, lambda b, s, n, m: _validate_ids(b, s, n, m)):
+    for check in (validate_ids, _validate_ids):
         with pytest.raises(SpecError, match="GPU block ids"):
-            check((0, _Sly(value)), (0,), 32, 24)
+            check((0, IncomparableInt(value)), (0,), 32, 24)
         with pytest.raises(SpecError, match="CPU slots"):
-            check((0,), (1, _Sly(value if value != 32 else 24)), 32, 24)
-    validate_ids((_Sly(3),), (_Sly(4),), 32, 24)  # in range: the int it equals is fine
+            check((0,), (1, IncomparableInt(value if value != 32 else 24)), 32, 24)
+    # in range: the int it equals is fine
+    validate_ids((IncomparableInt(3),), (IncomparableInt(4),), 32, 24)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 from cuda_fakes import Backends
+from native_build import can_build_extensions
 from worker_harness import Mapping, random_mapping, simple_mapping
 
 torch = pytest.importorskip("torch", reason="the torch adapter needs torch")
@@ -846,19 +847,8 @@ def test_copy_blocks_fallback_matches_native(seed: int) -> None:
         assert torch.equal(outs[0][a : a + page], src[b : b + page])
 
 
-def _can_build_extensions() -> bool:
-    """A C compiler and the Python headers are present (what the optional build needs)."""
-    import shutil
-    import sysconfig
-    from pathlib import Path
-
-    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
-    return shutil.which(compiler) is not None and headers.is_file()
-
-
 @pytest.mark.skipif(
-    not _can_build_extensions(),
+    not can_build_extensions(),
     reason="no C compiler or Python headers: the optional copy loop cannot have been built",
 )
 def test_installation_with_a_compiler_built_the_native_copy_loop() -> None:
