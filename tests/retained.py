@@ -9,6 +9,22 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Any
 
+from statecore.bench.scheduler import Scenario
+
+RETAINED_SCENARIO = Scenario(
+    concurrency=16,
+    steps=10**9,
+    num_prefixes=8,
+    prefix_len=32,
+    suffix_len=(8, 48),
+    output_len=(2, 6),
+    followup_turn_len=16,
+    max_prompt_len=256,
+    cpu_cache_factor=0.5,
+)
+"""The oracles' workload: short requests, many finishing per step, a CPU tier of half the GPU
+cache (evictions early); run until the oracle stops it."""
+
 SIZED = (dict, list, set, frozenset, tuple, OrderedDict, deque)
 """The container types measured (subclasses too: ``Counter``, ``defaultdict``)."""
 

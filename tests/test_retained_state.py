@@ -21,6 +21,7 @@ at each site; every one is caught by its oracle here.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from collections import Counter
@@ -28,10 +29,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from retained import containers
+from retained import RETAINED_SCENARIO, containers
 from statecore.adapters.vllm_metrics import TransferSizes, stats_payload
 
-from statecore.bench.scheduler import HookTimer, RunResult, Scenario, run_standalone
+from statecore.bench.scheduler import HookTimer, RunResult, run_standalone
 from statecore.manager import OffloadingManager
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.managers.filetier import FileTier, InlineExecutor
@@ -54,18 +55,7 @@ Grown = dict[str, int]
 
 STEPS = 800
 
-SCENARIO = Scenario(
-    concurrency=16,
-    steps=10**9,
-    bulk=True,
-    num_prefixes=8,
-    prefix_len=32,
-    suffix_len=(8, 48),
-    output_len=(2, 6),
-    followup_turn_len=16,
-    max_prompt_len=256,
-    cpu_cache_factor=0.5,
-)
+SCENARIO = dataclasses.replace(RETAINED_SCENARIO, bulk=True)
 
 
 def standalone_grown() -> Grown:

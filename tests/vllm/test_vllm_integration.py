@@ -275,19 +275,9 @@ def test_connector_state_stays_bounded_when_stats_are_never_asked() -> None:
     reaches (its scheduler, manager, per-job transfer sizes) is within the live bound (as
     tests/test_retained_state.py's standalone oracle)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from retained import containers
+    from retained import RETAINED_SCENARIO, containers
 
-    sc = Scenario(
-        concurrency=16,
-        steps=10**9,
-        num_prefixes=8,
-        prefix_len=32,
-        suffix_len=(8, 48),
-        output_len=(2, 6),
-        followup_turn_len=16,
-        max_prompt_len=256,
-        cpu_cache_factor=0.5,
-    )
+    sc = RETAINED_SCENARIO
     found: dict[str, Any] = {}
 
     def probe(step: int, timer: Any, res: RunResult, submitted: int) -> bool:
