@@ -11,7 +11,9 @@
  * negative id, a missing attribute) it returns False, stores nothing, and the caller's Python
  * path rules on the input and names the fault with the typed error.  So what is accepted
  * never depends on whether this module is built; it only decides how fast a well-formed
- * step is accepted.
+ * step is accepted.  block_lists does the same for the block lists the scheduler's
+ * update_state_after_alloc is given (statecore/scheduler.py, _admitted_lists): it returns the
+ * groups as tuples, or None to decline.
  *
  * Safety: no Python code is called while a value is checked (only exact built-in types are
  * read).  An allocation can run the cyclic collector, and a finalizer could then mutate a
@@ -473,10 +475,59 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(block_lists_doc,
+"block_lists(block_ids, n_groups, /) -> list[tuple[int, ...]] | None\n"
+"\n"
+"The accepting check of OffloadingScheduler.update_state_after_alloc's block lists: when\n"
+"block_ids is a list or tuple of n_groups lists or tuples of ints >= 0, the groups as a\n"
+"new list of tuples (a tuple group is itself), as the scheduler's Python check returns\n"
+"them.  None for anything else (the Python check rules on it).");
+
+static PyObject *
+block_lists(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "block_lists expects 2 positional arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    PyObject *ids = args[0];
+    int overflow = 0;
+    Py_ssize_t want = PyLong_CheckExact(args[1]) ? PyLong_AsLongAndOverflow(args[1], &overflow)
+                                                 : -1;
+    if (want < 0 || overflow != 0 || !(PyList_CheckExact(ids) || PyTuple_CheckExact(ids)))
+        Py_RETURN_NONE;
+    PyObject *snap = PySequence_Tuple(ids); /* a list is copied; a tuple is itself */
+    if (snap == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(snap);
+    if (n != want) {
+        Py_DECREF(snap);
+        Py_RETURN_NONE;
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        Py_DECREF(snap);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *g = norm_group(PyTuple_GET_ITEM(snap, i));
+        if (g == NULL) {
+            Py_DECREF(out);
+            Py_DECREF(snap);
+            if (PyErr_Occurred()) return NULL;
+            Py_RETURN_NONE;
+        }
+        PyList_SET_ITEM(out, i, g);
+    }
+    Py_DECREF(snap);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"request", (PyCFunction)(void (*)(void))request, METH_FASTCALL, request_doc},
     {"columns", (PyCFunction)(void (*)(void))columns, METH_FASTCALL, columns_doc},
     {"output", (PyCFunction)(void (*)(void))output, METH_FASTCALL, output_doc},
+    {"block_lists", (PyCFunction)(void (*)(void))block_lists, METH_FASTCALL, block_lists_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,8 +1,10 @@
-"""The accepting half of the step views' checks at C speed (:mod:`statecore.views`).
+"""The accepting half of the step views' checks at C speed (:mod:`statecore.views`), and of
+the block lists of :meth:`~statecore.OffloadingScheduler.update_state_after_alloc`.
 
-Each function returns ``True`` after storing the normalised fields on ``self`` exactly as the
+Each view function returns ``True`` after storing the normalised fields on ``self`` exactly as the
 Python check would, or ``False``, storing nothing, for any input it does not accept (the
-caller's Python check then rules on it and names the fault)."""
+caller's Python check then rules on it and names the fault); ``block_lists`` returns the
+normalised lists, or ``None`` likewise."""
 
 from typing import Any
 
@@ -39,3 +41,7 @@ def output(
     /,
 ) -> bool:
     """:class:`~statecore.views.SchedulerOutput`'s check."""
+
+def block_lists(block_ids: object, n_groups: object, /) -> list[tuple[int, ...]] | None:
+    """:meth:`~statecore.OffloadingScheduler.update_state_after_alloc`'s block lists as a list
+    of tuples, or ``None`` for anything not accepted here."""

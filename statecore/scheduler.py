@@ -340,17 +340,30 @@ _ENTRY: Callable[[ScheduledRequest], tuple[str, Any, int, bool]] = attrgetter(
 )
 
 
+_native_block_lists: Callable[[Any, int], list[tuple[int, ...]] | None] | None
+try:  # the accepting half of _admitted_lists in C (optional: built by the install)
+    from statecore._viewcheck import block_lists as _native_block_lists
+except ImportError:  # pragma: no cover - the extension is optional (no compiler at install)
+    _native_block_lists = None
+
+
 def _admitted_lists(
     block_ids: Any, n_groups: int, num_external_tokens: Any
 ) -> list[tuple[int, ...]] | None:
     """The block lists of :meth:`OffloadingScheduler.update_state_after_alloc` as tuples, or
-    None when an argument is malformed (checked at C speed; the validation layer diagnoses)."""
-    if (
-        type(num_external_tokens) is not int
-        or num_external_tokens < 0
-        or type(block_ids) not in _SEQ
-        or len(block_ids) != n_groups
-    ):
+    None when an argument is malformed (the validation layer then diagnoses).
+
+    The C check (``statecore._viewcheck.block_lists``, where built) accepts the plain form
+    (exact lists/tuples of exact ints >= 0); what it declines the Python check below rules
+    on, so what is accepted does not depend on whether the extension is built.
+    """
+    if type(num_external_tokens) is not int or num_external_tokens < 0:
+        return None
+    if _native_block_lists is not None:
+        fast = _native_block_lists(block_ids, n_groups)
+        if fast is not None:
+            return fast
+    if type(block_ids) not in _SEQ or len(block_ids) != n_groups:
         return None
     out: list[tuple[int, ...]] = []
     try:

@@ -44,13 +44,16 @@ elif settings.get_current_profile_name() != "ci":
 @pytest.fixture(params=["native", "python"])
 def view_checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """``"native"``: the views' checks as installed (skipped where the C extension is not
-    built); ``"python"``: its functions switched off, so that every view is checked by the
-    pure-Python path alone (the fallback where the extension cannot be compiled)."""
+    built); ``"python"``: its functions switched off, so that every view (and the block lists
+    of ``update_state_after_alloc``) is checked by the pure-Python path alone (the fallback
+    where the extension cannot be compiled)."""
+    import statecore.scheduler as scheduler
     import statecore.views as views
 
     if request.param == "python":
         for name in ("_native_request", "_native_columns", "_native_output"):
             monkeypatch.setattr(views, name, None)
+        monkeypatch.setattr(scheduler, "_native_block_lists", None)
     elif views.view_checks_impl() != "native":
         pytest.skip("statecore._viewcheck is not built (no C compiler at install)")
     return str(request.param)

@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from native_build import can_build_extensions
 
+import statecore.scheduler as scheduler
 import statecore.views as views
 from statecore import InvalidMetadataError
 from statecore.views import ScheduledColumns, ScheduledRequest, SchedulerOutput
@@ -263,13 +264,16 @@ def python_only() -> Iterator[None]:
     """The views checked by the pure-Python path alone."""
     names = ("_native_request", "_native_columns", "_native_output")
     saved = [getattr(views, n) for n in names]
+    saved_lists = scheduler._native_block_lists
     for n in names:
         setattr(views, n, None)
+    scheduler._native_block_lists = None
     try:
         yield
     finally:
         for n, v in zip(names, saved, strict=True):
             setattr(views, n, v)
+        scheduler._native_block_lists = saved_lists
 
 
 def outcome(build: Callable[[], Any]) -> tuple[str, Any]:
@@ -457,6 +461,59 @@ def test_scheduler_output_both_paths_agree(fields: dict[str, Any]) -> None:
 
 # -- the C path is the one taken for well-formed steps ---------------------------------------
 
+
+@needs_native
+@SETTINGS
+@given(
+    ids=st.one_of(ENTRY, _seq(GROUP), _seq(_seq(GOOD_INT, odd=False), odd=False)),
+    n_groups=st.one_of(st.integers(0, 3), pick([True, -1, 2**70])),  # the scheduler: an int
+    external=INT,
+)
+def test_admitted_block_lists_both_paths_agree(ids: Any, n_groups: Any, external: Any) -> None:
+    """``update_state_after_alloc``'s block lists: the C check and the Python one accept the
+    same lists and return the same tuples; what C declines it declines without a trace."""
+    with python_only():
+        want = scheduler._admitted_lists(ids, n_groups, external)
+    got = scheduler._admitted_lists(ids, n_groups, external)
+    assert (got is None) == (want is None), (got, want)
+    if got is not None:
+        assert same(got, want), (got, want)
+    fast = native.block_lists(ids, n_groups)
+    if fast is not None:
+        assert want is not None or not (type(external) is int and external >= 0)
+        with python_only():
+            ref = scheduler._admitted_lists(ids, n_groups, 0)
+        assert ref is not None and same(fast, ref)
+
+
+@needs_native
+def test_admitted_block_lists_edges() -> None:
+    """The plain forms are taken in C; int subclasses, negatives and wrong counts are not."""
+    groups = ([1, 2], (3,))
+    out = native.block_lists(groups, 2)
+    assert out == [(1, 2), (3,)] and out[1] is groups[1]
+    assert native.block_lists((), 0) == []
+    for bad, n in [
+        ([[True]], 1),
+        ([[IntSub(1)]], 1),
+        ([[-1]], 1),
+        ([[1]], 2),
+        ([[1]], True),
+        ([[1]], -1),
+        ([[1]], 2**70),
+        (TupleSub(([1],)), 1),
+        ([ListSub([1])], 1),
+        ([None], 1),
+        ("ab", 2),
+    ]:
+        assert native.block_lists(bad, n) is None, (bad, n)
+    # the Python path takes the int subclasses (as the ints they equal), not the negative
+    assert scheduler._admitted_lists([[True, IntSub(2)]], 1, 0) == [(True, 2)]
+    assert scheduler._admitted_lists([[1, NegPoser(-2)]], 1, 0) is None
+    with pytest.raises(TypeError, match="2 positional"):
+        native.block_lists([[1]])
+
+
 PLAIN_GROUP = st.tuples(st.lists(GOOD_INT, max_size=4), st.sampled_from([list, tuple])).map(
     lambda p: p[1](p[0])
 )
@@ -572,16 +629,46 @@ def test_no_reference_is_leaked_or_lost() -> None:
             ScheduledRequest,
             ScheduledColumns,
         )
+        assert native.block_lists(entry, 2) is not None
+        assert native.block_lists(list(entry), 2) is not None
+        assert native.block_lists((group_l, [-1]), 2) is None
+        assert native.block_lists(entry, 3) is None
         del c, r, o
     gc.collect()
     assert [sys.getrefcount(o) for o in watched] == before
 
 
+def _columns_check(victim: list[int]) -> Callable[[], Any]:
+    c = bare(ScheduledColumns)
+    args = (c, ["a"], [(victim,)], [1], frozenset())
+    return lambda: c.new_block_ids[0] if native.columns(*args) else None
+
+
+def _block_lists_check(victim: list[int]) -> Callable[[], Any]:
+    args = ([victim], 1)
+    return lambda: native.block_lists(*args)
+
+
+class _Counted:
+    """An object the collector counts when it is allocated (no free list)."""
+
+    __slots__ = ()
+
+
 @needs_native
-def test_a_list_changed_during_the_check_is_not_accepted_unchecked() -> None:
+@pytest.mark.parametrize("prepare", [_columns_check, _block_lists_check])
+def test_a_list_changed_during_the_check_is_not_accepted_unchecked(
+    prepare: Callable[[list[int]], Callable[[], Any]],
+) -> None:
     """A finalizer run by the collector during the check's allocations makes the groups'
-    block ids negative: whatever is accepted was checked after the change."""
-    victims = [[1, 2, 3] for _ in range(8)]
+    block ids negative: whatever is accepted was checked after the change (the columns'
+    check, and the block lists of ``update_state_after_alloc``).
+
+    With the threshold at 1, a collection starts at the second counted allocation after the
+    last one: each check starts one short of it, so its own first counted allocation (the
+    25-id list copied into a tuple, too long for CPython's tuple free list) starts one."""
+    victims = [list(range(1, 26)) for _ in range(8)]
+    kept: list[Any] = []
     armed = [False]
     ran = [0]
 
@@ -591,25 +678,27 @@ def test_a_list_changed_during_the_check_is_not_accepted_unchecked() -> None:
             for v in victims:
                 v[:] = [-1] * len(v)
 
-    fn = native.columns
-    calls = [(bare(ScheduledColumns), ["a"], [(v,)], [1], frozenset()) for v in victims]
     threshold = gc.get_threshold()
     gc.callbacks.append(poison)
-    gc.set_threshold(1)
     try:
-        for args in calls:
+        for v in victims:
+            check = prepare(v)
+            gc.collect()
+            gc.set_threshold(1)
+            kept.append(_Counted())
             armed[0] = True
-            ok = fn(*args)
+            groups = check()
             armed[0] = False
-            c = args[0]
-            if ok:
-                assert all(b >= 0 for g in c.new_block_ids[0] for b in g)
+            gc.set_threshold(*threshold)
+            kept.append(groups)
+            if groups is not None:
+                assert all(b >= 0 for g in groups for b in g)
     finally:
         armed[0] = False
         gc.set_threshold(*threshold)
         gc.callbacks.remove(poison)
     assert ran[0] > 0
-    assert all(v == [-1, -1, -1] for v in victims)
+    assert all(v == [-1] * 25 for v in victims)
 
 
 @pytest.mark.skipif(
@@ -620,3 +709,4 @@ def test_installation_with_a_compiler_built_the_native_view_checks() -> None:
     """Where the extension can be built it must have been: a silent fallback to the Python
     checks would hide a broken build (CI has gcc and the headers, so this always runs there)."""
     assert views.view_checks_impl() == "native"
+    assert scheduler._native_block_lists is not None
