@@ -401,6 +401,15 @@ INVARIANTS: dict[str, Invariant] = {
             ),
         ),
         Invariant(
+            "INV-EVENTS",
+            "A tier's stored/removed events, replayed from the start, announce exactly the "
+            "keys it holds readable: every key that becomes readable is announced stored, "
+            "every readable key it drops (eviction, reset) is announced removed.",
+            "A router or a second tier told of blocks that are gone, or never told of blocks "
+            "that are there: requests routed to a cache that misses.",
+            ("conformance (events replayed)", "simulator (CPU tier, every step)", "fuzzing"),
+        ),
+        Invariant(
             "INV-OWN",
             "A store reads only GPU blocks its request may read: no source block (in any KV "
             "group) was handed to another owner (a tracked request, another connector's, an "
@@ -473,7 +482,7 @@ INVARIANTS: dict[str, Invariant] = {
 
 # ---------------------------------------------------------------------------------------------
 # whole-stack expectation oracles: the one definition of the checks of INV-EVICT (at the stack
-# level) and INV-STORE-COMPLETE that need the engine's view (the simulator's engine and
+# level), INV-EVENTS and INV-STORE-COMPLETE that need the engine's view (the simulator's engine and
 # ``statecore check``'s world both call these)
 
 
@@ -489,6 +498,27 @@ def evict_violation(
         f"INV-EVICT: prepare_store for {req_id!r} evicted offered key "
         f"{bytes(k).hex()[:12]} ({len(bad)} offered keys evicted)"
     )
+
+
+def events_violation(
+    announced: Collection[OffloadKey], readable: Collection[OffloadKey]
+) -> str | None:
+    """INV-EVENTS on one tier: ``announced`` (its events replayed from the start) against the
+    keys it holds ``readable``."""
+    extra = set(announced).difference(readable)
+    missing = set(readable).difference(announced)
+    if not extra and not missing:
+        return None
+    parts = []
+    if extra:
+        parts.append(
+            f"{len(extra)} announced but not readable (first {bytes(min(extra)).hex()[:12]})"
+        )
+    if missing:
+        parts.append(
+            f"{len(missing)} readable but never announced (first {bytes(min(missing)).hex()[:12]})"
+        )
+    return "INV-EVENTS: the tier's events disagree with its contents: " + "; ".join(parts)
 
 
 def own_violation(

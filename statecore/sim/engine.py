@@ -54,6 +54,7 @@ from typing import Any, Protocol
 from statecore.config import GroupConfig
 from statecore.errors import InvariantViolation, StatecoreError
 from statecore.keys import OffloadKey
+from statecore.manager import Medium, OffloadingEvent
 from statecore.sim.blocks import BlockPool
 from statecore.sim.faults import ReportChannel, SimFaults
 from statecore.sim.hashing import ROOT_HASH, extend_block_hashes
@@ -212,6 +213,7 @@ class ConnectorLike(Protocol):
     def has_pending_push_work(self) -> bool: ...
     def reset_cache(self) -> None: ...
     def check_invariants(self) -> None: ...
+    def take_events(self) -> Sequence[OffloadingEvent]: ...
 
 
 class RankStack(Protocol):
@@ -388,6 +390,10 @@ class SimEngine:
         self.cfg = cfg
         self.conn = connector
         self.stacks = list(stacks)
+        self.cpu_ready_keys: Callable[[], set[OffloadKey]] | None = None
+        """The keys the CPU tier holds readable, for the event oracle (set by the stack when
+        its CPU tier emits events); None: events are taken every step but not checked."""
+        self._announced: set[OffloadKey] = set()
         self.kv = kv
         self.clock = clock
         self._in_flight = in_flight
@@ -568,6 +574,7 @@ class SimEngine:
             s.end_step(meta)
             self.channel.submit(rank, s.report(), k)
         self.feed(self.channel.deliver(k))
+        self._take_events()
         self._after_compute(k, scheduled)
         if self.check_each_step:
             self._check(k)
@@ -656,6 +663,30 @@ class SimEngine:
                 f"step {self.step_no}: {call}: untyped {type(exc).__name__}: {exc!r}"
             )
         return None
+
+    def _take_events(self) -> None:
+        """Take the connector's KV events, as an engine that publishes them does after every
+        step (a manager with events on keeps them until asked), and replay the CPU tier's."""
+        events = self._guard("take_events", self.conn.take_events)
+        view = self._announced
+        for ev in events or ():
+            if ev.medium is Medium.CPU:
+                if ev.removed:
+                    view.difference_update(ev.keys)
+                else:
+                    view.update(ev.keys)
+
+    def _check_events(self, k: int) -> None:
+        """INV-EVENTS on the CPU tier (:func:`statecore.specs.invariants.events_violation`)."""
+        ready = self.cpu_ready_keys
+        if ready is None:
+            return
+        self._take_events()  # what happened since the step (a reset between steps, say)
+        held = ready()
+        bad = _oracles().events_violation(self._announced, held)
+        if bad is not None:
+            self.stats.violations.append(f"step {k}: CPU tier: {bad}")
+            self._announced = set(held)  # report each divergence once
 
     # -- expectation oracles -------------------------------------------------------------------
 
@@ -1253,6 +1284,7 @@ class SimEngine:
             self.conn.check_invariants()
         except InvariantViolation as exc:
             self.stats.violations.append(f"step {k}: {exc}")
+        self._check_events(k)
         for e in self.kv.verify_all(k):
             self.stats.data_errors.append(str(e))
         bound = self._live_bound

@@ -354,8 +354,15 @@ def make_store_oracle(stack: SimStack, engine: SimEngine) -> Callable[[int, Any]
 
 
 def attach_store_oracle(stack: SimStack, engine: SimEngine) -> None:
-    """Verify the bytes of every successful store at its completion."""
+    """Verify the bytes of every successful store at its completion, and the CPU tier's
+    events against its contents (INV-EVENTS) when it emits them."""
+    from statecore.managers.tiering import TieringOffloadingManager
+
     sched = stack.scheduler
+    mgr = stack.manager
+    cpu = mgr.primary if isinstance(mgr, TieringOffloadingManager) else mgr
+    if isinstance(cpu, CPUOffloadingManager) and cpu.enable_events:
+        engine.cpu_ready_keys = lambda: {k for k in cpu.present_keys() if cpu.is_ready(k)}
     real_build = sched.build_connector_meta
 
     def build(output: Any) -> Any:

@@ -128,6 +128,13 @@ def _fence_add_noop(index: dict[int, set[int]], job_id: int, blocks: Any) -> Non
     return None  # the fence index is never consulted: nothing is ever in it
 
 
+_real_take_events = CPUOffloadingManager.take_events
+
+
+def _take_events_without_removals(self: CPUOffloadingManager) -> list[Any]:
+    return [ev for ev in _real_take_events(self) if not ev.removed]  # evictions go unannounced
+
+
 _real_complete_store = CPUOffloadingManager.complete_store
 
 
@@ -259,6 +266,13 @@ MUTANTS: dict[str, Mutant] = dict(
             "reset_cache writes off loads the workers run: finished, blocks invalid",
             "issue 15: a reset fails a request under vLLM's default kv_load_failure_policy",
             (OffloadingScheduler, "reset_cache", _reset_invalidating_sent_loads),
+        ),
+        _mutant(
+            "evictions_unannounced",
+            "the CPU manager evicts and resets without a removed event",
+            "INV-EVENTS: event consumers (routers, KV-event subscribers) told of blocks that are "
+            "gone (the simulator took no events before, so nothing looked)",
+            (CPUOffloadingManager, "take_events", _take_events_without_removals),
         ),
         _mutant(
             "quorum_of_one",
