@@ -27,11 +27,12 @@ and counts them (see :class:`~statecore.scheduler.SchedulerCounters`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from statecore import _argerrors
+from statecore import _argerrors, _viewerrors
+from statecore._viewerrors import scheduled_request
 from statecore.errors import (
     ConfigError,
     InvalidArgumentError,
@@ -81,11 +82,12 @@ _fail = _argerrors.fail
 _finite = _argerrors.finite
 _nowhere = _argerrors.nowhere
 
-_SEQ = (list, tuple)
-_SETS = (set, frozenset)
-_INT_VALUE: Any = int.__index__
-"""An id as the exact int it equals: raises TypeError for anything that is not an int (or
-an int subclass such as bool), and ignores a subclass's own comparison operators."""
+_SEQ = _viewerrors.SEQ
+_SETS = _viewerrors.SETS
+_INT_VALUE: Any = _viewerrors.INT_VALUE
+_is_seq = _viewerrors.is_seq
+_int_list = _viewerrors.int_list
+_id_set = _viewerrors.id_set
 _BYTES = {bytes}
 
 
@@ -112,29 +114,6 @@ def is_sequence(value: object) -> bool:
     """Whether ``value`` is a sequence argument: a list, a tuple, or any ``Sequence`` that is
     not ``str``/``bytes``."""
     return _is_seq(value)
-
-
-def _is_seq(value: object) -> bool:
-    return type(value) in _SEQ or (
-        isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
-    )
-
-
-def _int_list(ids: Any, call: str, argument: str, where: Where, req_id: object, what: str) -> None:
-    """A sequence of ints >= 0 (GPU block ids, slots)."""
-    if not _is_seq(ids):
-        _fail(call, argument, ids, f"a sequence of {what} (ints >= 0)", where, req_id)
-    seq: Sequence[Any] = ids
-    if not seq:
-        return
-    try:  # fast path, C speed: a float makes the sum a float; None/str raise
-        if min(map(_INT_VALUE, seq)) >= 0:
-            return
-    except TypeError:
-        pass
-    for i, b in enumerate(seq):
-        if type(b) is not int or b < 0:
-            _fail(call, f"{argument}[{i}]", b, f"a {what} (int >= 0)", where, req_id)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,113 +226,11 @@ def block_lists(
         _int_list(ids, call, f"{argument}[{g}]", where, req_id, "GPU block id")
 
 
-def _id_set(value: Any, call: str, argument: str, kind: type, what: str) -> None:
-    if type(value) not in _SETS and not isinstance(value, AbstractSet):
-        _fail(call, argument, value, f"a set of {what}")
-    for v in value:
-        ok = isinstance(v, int) and _INT_VALUE(v) >= 0 if kind is int else isinstance(v, str)
-        if not ok:
-            _fail(call, f"{argument} item", v, what)
-
-
-def scheduled_request(s: Any, call: str) -> None:
-    """Diagnose a :class:`~statecore.views.ScheduledRequest` built with a malformed field
-    (raises naming it); when every field is acceptable, store the block lists as tuples."""
-    rid = s.req_id
-    if not isinstance(rid, str):
-        _fail(call, "req_id", rid, "a str")
-    ids = s.new_block_ids
-    if not _is_seq(ids):
-        _fail(call, "new_block_ids", ids, "a sequence of block-id sequences, one per group")
-    for g, group in enumerate(ids):
-        _int_list(group, call, f"new_block_ids[{g}]", _nowhere, rid, "GPU block id")
-    n = s.num_scheduled_tokens
-    if type(n) is not int or n < 0:
-        _fail(call, "num_scheduled_tokens", n, "an int >= 0")
-    if type(s.resumed_from_preemption) is not bool:
-        _fail(call, "resumed_from_preemption", s.resumed_from_preemption, "a bool")
-    object.__setattr__(s, "new_block_ids", tuple(tuple(group) for group in ids))
-
-
-def scheduled_columns(c: Any, call: str) -> None:
-    """Diagnose a :class:`~statecore.views.ScheduledColumns` built with a malformed field
-    (raises naming it and the entry); when every field is acceptable, normalise it as its
-    fast path does."""
-    rids = c.req_ids
-    blocks = c.new_block_ids
-    counts = c.num_scheduled_tokens
-    columns = (("req_ids", rids), ("new_block_ids", blocks), ("num_scheduled_tokens", counts))
-    for name, col in columns:
-        if not _is_seq(col):
-            _fail(call, name, col, "a sequence, one item per scheduled request")
-    if not len(rids) == len(blocks) == len(counts):
-        _fail(
-            call,
-            "columns",
-            (len(rids), len(blocks), len(counts)),
-            "req_ids, new_block_ids and num_scheduled_tokens of one length",
-        )
-    for i, rid in enumerate(rids):
-        if not isinstance(rid, str):
-            _fail(call, f"req_ids[{i}]", rid, "a str")
-    for i, n in enumerate(counts):
-        if type(n) is not int or n < 0:
-            _fail(call, f"num_scheduled_tokens[{i}]", n, "an int >= 0", _nowhere, rids[i])
-    out: list[Any] = []
-    group_counts: set[int] = set()
-    for i, ids in enumerate(blocks):
-        if ids is None:
-            out.append(None)
-            continue
-        if not _is_seq(ids):
-            _fail(
-                call,
-                f"new_block_ids[{i}]",
-                ids,
-                "None or a sequence of block-id sequences, one per group",
-                _nowhere,
-                rids[i],
-            )
-        for g, group in enumerate(ids):
-            _int_list(group, call, f"new_block_ids[{i}][{g}]", _nowhere, rids[i], "GPU block id")
-        group_counts.add(len(ids))
-        out.append(tuple(tuple(group) for group in ids))
-    _id_set(c.resumed_req_ids, call, "resumed_req_ids", str, "request ids (str)")
-    object.__setattr__(c, "req_ids", tuple(rids))
-    object.__setattr__(c, "new_block_ids", tuple(out))
-    object.__setattr__(c, "num_scheduled_tokens", tuple(counts))
-    object.__setattr__(c, "resumed_req_ids", frozenset(c.resumed_req_ids))
-    object.__setattr__(c, "group_counts", frozenset(group_counts))
-
-
 def scheduler_output_fields(output: Any) -> None:
     """Diagnose a :class:`~statecore.views.SchedulerOutput` built with a malformed field
     (raises naming it); when every field is acceptable, normalise it (tuple of entries, the
-    per-entry group counts)."""
-    call = "SchedulerOutput"
-    scheduled = output.scheduled
-    if not _is_seq(scheduled):
-        _fail(call, "scheduled", scheduled, "a sequence of ScheduledRequest")
-    for i, s in enumerate(scheduled):
-        if type(s) is not _ScheduledRequest:
-            _fail(call, f"scheduled[{i}]", s, "a ScheduledRequest")
-    for name in ("new_req_ids", "finished_req_ids", "preempted_req_ids"):
-        _id_set(getattr(output, name), call, name, str, "request ids (str)")
-    _id_set(
-        output.extra_allocated_block_ids,
-        call,
-        "extra_allocated_block_ids",
-        int,
-        "GPU block ids (ints >= 0)",
-    )
-    columns = output.columns
-    if columns is not None and type(columns) is not _ScheduledColumns:
-        _fail(call, "columns", columns, "None or a ScheduledColumns")
-    object.__setattr__(output, "scheduled", tuple(scheduled))
-    counts = {len(s.new_block_ids) for s in output.scheduled}
-    if columns is not None:
-        counts.update(columns.group_counts)
-    object.__setattr__(output, "group_counts", frozenset(counts))
+    per-entry group counts). The views call :mod:`statecore._viewerrors` directly."""
+    _viewerrors.scheduler_output_fields(output, _ScheduledRequest, _ScheduledColumns)
 
 
 def scheduler_output(output: object, n_groups: int, where: Where) -> None:

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from itertools import chain, compress, filterfalse
 from typing import Any, Protocol, runtime_checkable
 
+from statecore import _viewerrors
+
 __all__ = [
     "Request",
     "RequestLike",
@@ -195,9 +197,7 @@ class ScheduledRequest:
                     if len(groups) == len(ids):
                         object.__setattr__(self, "new_block_ids", groups)
                         return
-        from statecore.validate import scheduled_request
-
-        scheduled_request(self, "ScheduledRequest")
+        _viewerrors.scheduled_request(self, "ScheduledRequest")
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,9 +265,7 @@ class ScheduledColumns:
                 setattr_(self, "resumed_req_ids", frozenset(resumed))  # (no copy if frozen)
                 setattr_(self, "group_counts", group_counts)
                 return
-        from statecore.validate import scheduled_columns
-
-        scheduled_columns(self, "ScheduledColumns")
+        _viewerrors.scheduled_columns(self, "ScheduledColumns")
 
 
 def _columns_blocks(
@@ -391,6 +389,4 @@ class SchedulerOutput:
                         counts.update(columns.group_counts)
                     object.__setattr__(self, "group_counts", frozenset(counts))
                     return
-        from statecore.validate import scheduler_output_fields
-
-        scheduler_output_fields(self)
+        _viewerrors.scheduler_output_fields(self, ScheduledRequest, ScheduledColumns)

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / "statecore"
 ALLOWED = {
     "wire": {"statecore._argerrors", "statecore.manager"},
     "_argerrors": {"statecore.errors"},
+    "_viewerrors": {"statecore._argerrors"},
 }
 """A low module -> the statecore modules it may import."""
 
@@ -58,4 +59,12 @@ def test_a_low_module_imports_only_what_is_below_it(module: str) -> None:
 def test_validate_imports_the_wire_types_and_no_function_imports_late() -> None:
     got = _imports("validate")
     assert ("statecore.wire", False) in got
+    assert [name for name, inside in got if inside] == []
+
+
+def test_the_views_import_their_diagnosis_at_module_level() -> None:
+    """The views hand a malformed field to :mod:`statecore._viewerrors`, which sits below
+    them and the validation layer: no function of the views imports anything late."""
+    got = _imports("views")
+    assert ("statecore._viewerrors", False) in got
     assert [name for name, inside in got if inside] == []
