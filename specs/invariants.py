@@ -407,7 +407,12 @@ INVARIANTS: dict[str, Invariant] = {
             "every readable key it drops (eviction, reset) is announced removed.",
             "A router or a second tier told of blocks that are gone, or never told of blocks "
             "that are there: requests routed to a cache that misses.",
-            ("conformance (events replayed)", "simulator (CPU tier, every step)", "fuzzing"),
+            (
+                "conformance (events replayed)",
+                "simulator (CPU tier, every step)",
+                "fuzzing",
+                "statecore check (every action)",
+            ),
         ),
         Invariant(
             "INV-OWN",

@@ -66,7 +66,7 @@ from statecore.check.shared import FOREIGN, LabelPool, ServerDouble
 from statecore.config import GroupConfig, SchedulerConfig
 from statecore.errors import StatecoreError
 from statecore.keys import OffloadKey, make_offload_key
-from statecore.manager import CPULoadStoreSpec, OffloadPolicy
+from statecore.manager import CPULoadStoreSpec, Medium, OffloadPolicy
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.managers.filetier import InlineExecutor
 from statecore.managers.redistier import RedisTier, RedisTierConfig, TierLayout
@@ -338,6 +338,8 @@ class World:
         )
         self.clock = Clock()
         self.manager = CPUOffloadingManager(scope.cpu_slots, "lru")
+        self.announced: set[OffloadKey] = set()
+        """The CPU tier's stored/removed events replayed so far (INV-EVENTS)."""
         self.top: Any = self.manager  # what the scheduler drives (under the observer)
         self.tiering: TieringOffloadingManager | None = None
         self.tier: RedisTier | None = None
@@ -578,7 +580,15 @@ class World:
         if obs.violations:
             self.errors += obs.violations
             obs.violations.clear()
-        self.top.take_events()  # events and allocation statistics would only grow
+        # taken after every action (events and allocation statistics would only grow); the
+        # CPU tier's are replayed for INV-EVENTS
+        view = self.announced
+        for ev in self.top.take_events():
+            if ev.medium is Medium.CPU:
+                if ev.removed:
+                    view.difference_update(ev.keys)
+                else:
+                    view.update(ev.keys)
         self.top.get_stats()
         self._prune_delivered()
 
@@ -1018,6 +1028,9 @@ class World:
             self.manager.check_invariants()
         except StatecoreError as exc:
             out.append(f"manager: {exc}")
+        bad = self._events_violation(inv)
+        if bad is not None:
+            out.append(bad)
         for r in self.reqs:
             if r.status in (WAITING, RUNNING) and any(r.blocks) and r.load is None:
                 before = len(self.errors)
@@ -1025,6 +1038,16 @@ class World:
                 out += self.errors[before:]
                 del self.errors[before:]
         return out
+
+    def _events_violation(self, inv: Any) -> str | None:
+        """INV-EVENTS on the CPU tier: the replay of its events (taken after every action)
+        against the keys it holds readable."""
+        cpu = self.manager
+        ready = {k for k in cpu.present_keys() if cpu.is_ready(k)}
+        bad: str | None = inv.events_violation(self.announced, ready)
+        if bad is not None:
+            self.announced = ready  # report each divergence once
+        return bad
 
     def quiescent(self) -> str | None:
         """None when nothing is left anywhere; else what is left (for liveness)."""
