@@ -427,6 +427,9 @@ class OffloadingScheduler:
         )
         self._batch = _StepBatch()
         self._awaiting_signal: dict[str, RequestRecord] = {}
+        # errors a manager raised while a job completed (the completion was applied all the
+        # same), raised when the public call that completed it has applied everything else
+        self._manager_failures: list[tuple[Exception, JobRecord]] = []
         # Requests whose store cap is below their store floor (no chunk can become storable,
         # e.g. a prompt-only request whose prompt is stored): their columnar entries without
         # new blocks are skipped. Left when the floor is reset (allocation, preemption,
@@ -1269,6 +1272,14 @@ class OffloadingScheduler:
         :class:`~statecore.wire.TransferStats` of finite non-negative numbers, ...). The
         whole report is rejected then, not a part of it.
 
+        A manager that raises while a job completes (``complete_store``/``complete_load``)
+        does not stop the completion: the job ends and the rest of the report is applied. A
+        :class:`~statecore.errors.ManagerError` is then counted (``manager_errors``) and, in
+        checked mode, raised once the whole report is applied; any other exception (a bug in
+        the manager) is counted and raised as a :class:`~statecore.errors.ManagerError` naming
+        the job, in either mode. The loads that finished in such a call are reported by the
+        next call.
+
         Duplicates: a count-only report delivered twice cannot be told from two workers'
         reports. Workers that set ``WorkerMetadata.rank`` (as :class:`~statecore.OffloadingWorker`
         does) also send rank masks; the scheduler then counts each rank at most once per job
@@ -1301,12 +1312,39 @@ class OffloadingScheduler:
             for job_id, (ok, bad, ok_mask, bad_mask) in reports.items():
                 self._apply_report(job_id, ok, bad, ok_mask, bad_mask)
         self._check_stalls()
+        if self._manager_failures:
+            self._raise_manager_failures()
         result = ConnectorOutputResult(
             frozenset(self._finished_loads), frozenset(self._invalid_blocks)
         )
         self._finished_loads.clear()
         self._invalid_blocks.clear()
         return result
+
+    def _raise_manager_failures(self) -> None:
+        """Raise what the manager raised while this call completed jobs, now that every
+        completion of the call is applied (the jobs ended, their requests moved on): a
+        :class:`~statecore.errors.ManagerError` as it is, anything else as a
+        :class:`~statecore.errors.ManagerError` naming the job (the original as its cause);
+        further failures are notes on the first. The loads that finished stay to be reported
+        by the next ``update_connector_output``."""
+        failures, self._manager_failures = self._manager_failures, []
+        errors: list[Exception] = []
+        for exc, job in failures:
+            if isinstance(exc, ManagerError):
+                errors.append(exc)
+                continue
+            call = "complete_store" if job.is_store else "complete_load"
+            wrapped = ManagerError(
+                f"update_connector_output: job {job.job_id} of request {job.req.req_id!r}: "
+                f"the manager's {call} raised {type(exc).__name__}: {exc} (the job was ended)"
+            )
+            wrapped.__cause__ = exc
+            errors.append(wrapped)
+        first = errors[0]
+        for other in errors[1:]:
+            first.add_note(f"also raised in this call: {type(other).__name__}: {other}")
+        raise first
 
     def _apply_report(self, job_id: int, ok: int, bad: int, ok_mask: int, bad_mask: int) -> None:
         c = self.counters
@@ -1504,10 +1542,13 @@ class OffloadingScheduler:
                 self.manager.complete_store(job.keys, rec.ctx, success)
             elif not job.carried:  # a carried load's keys went with the reset
                 self.manager.complete_load(job.keys, rec.ctx)
-        except ManagerError:
+        except ManagerError as exc:  # counted; checked mode raises it after the call
             c.manager_errors += 1
             if self.checked:
-                raise
+                self._manager_failures.append((exc, job))
+        except Exception as exc:  # a manager's own bug: raised (typed) after the call
+            c.manager_errors += 1
+            self._manager_failures.append((exc, job))
         if not job.is_store:
             loading = self._loading_keys
             if loading is not None and not job.carried:

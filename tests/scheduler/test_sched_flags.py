@@ -6,14 +6,17 @@ unfinished load writes only if the store was flushed first; a job starts unflush
 step that flushes it marks it.
 
 A manager that raises on a completion is an anomaly the scheduler counts
-(``manager_errors``) and survives: the job still ends. In checked mode the manager's error
-itself propagates; a violation the interrupted call leaves is a note on it, never raised in its
-place, and a call that raises nothing still raises the violation.
+(``manager_errors``) and survives: the job still ends and the rest of the report is applied
+first. In checked mode a typed manager error then propagates, and an untyped one propagates in
+either mode as a ManagerError naming the job; the state is whole, so no violation goes with
+it. When a call does leave a violation and raises, the violation is a note on the call's own
+error, never raised in its place, and a call that raises nothing still raises the violation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from sched_harness import (
@@ -36,7 +39,7 @@ from statecore import (
     SchedulerCounters,
     WorkerMetadata,
 )
-from statecore.errors import UnknownKeyError
+from statecore.errors import ManagerError, UnknownKeyError
 from statecore.manager import OffloadPolicy
 
 
@@ -58,39 +61,77 @@ def test_store_is_unflushed_until_a_step_flushes_it(kind: str) -> None:
 
 
 class _ForgetfulManager(RecordingManager):
-    """Raises on its first store completion, as a manager that lost the keys would."""
+    """Raises on its first store completion, as a manager that lost the keys would (or, with
+    ``untyped``, as a manager with a bug would)."""
 
     failures: int = 1
+    untyped: bool = False
 
     def complete_store(self, keys, ctx, success=True):  # type: ignore[no-untyped-def]
         if self.failures:
             self.failures -= 1
+            if self.untyped:
+                raise KeyError(keys[0])
             raise UnknownKeyError(keys[0], "complete_store")
         super().complete_store(keys, ctx, success)
 
 
-@pytest.mark.parametrize("checked", [False, True])
-def test_manager_error_on_completion_is_counted_or_raised(checked: bool) -> None:
-    h = Harness(_ForgetfulManager(), config())
+@pytest.mark.parametrize("untyped", [False, True], ids=["typed", "untyped"])
+@pytest.mark.parametrize("checked", [False, True], ids=["unchecked", "checked"])
+def test_manager_error_on_completion_ends_the_job_first(checked: bool, untyped: bool) -> None:
+    """The completion is applied whatever the manager raises: the job ends, the rest of the
+    report is applied, and the scheduler's invariants hold. A typed manager error is counted
+    (and raised in checked mode once the report is applied); anything else is raised as a
+    ManagerError naming the job, in either mode."""
+    manager = _ForgetfulManager()
+    manager.untyped = untyped
+    h = Harness(manager, config())
     h.sched = OffloadingScheduler(h.config, h.manager, h.clock, checked=checked)
     h.add("a", list(range(8)))
     h.add("b", list(range(50, 58)))
     (job_a,) = prefill(h, "a")
     (job_b,) = prefill(h, "b")
-    if checked:
-        # the manager's typed error itself propagates; the invariant check that follows the
-        # call still runs, and the half-completed job it finds is a note on that error, not
-        # an InvariantViolation raised in its place
-        with pytest.raises(UnknownKeyError, match="complete_store") as err:
-            h.report([job_a])
-        notes = getattr(err.value, "__notes__", [])
-        assert len(notes) == 1 and "InvariantViolation: INV-QUORUM: live job" in notes[0]
-        return
-    h.report([job_a])
-    assert job_a not in h.sched.jobs and not h.sched.requests["a"].jobs  # the job ended
-    h.report([job_b])  # the next completion goes through
-    c = h.sched.counters
+    raises = checked or untyped
+    if raises:
+        want = ManagerError if untyped else UnknownKeyError
+        with pytest.raises(want) as err:
+            h.report([job_a, job_b])  # both complete in one report; a's raises
+        assert not getattr(err.value, "__notes__", [])  # no violation left behind
+        if untyped:
+            assert f"job {job_a} of request 'a'" in str(err.value)
+            assert isinstance(err.value.__cause__, KeyError)
+    else:
+        h.report([job_a, job_b])
+    s = h.sched
+    assert job_a not in s.jobs and job_b not in s.jobs  # both ended, a's despite the error
+    assert not s.requests["a"].jobs and not s.requests["b"].jobs
+    s.check_invariants()
+    c = s.counters
     assert (c.manager_errors, c.jobs_completed, c.jobs_failed) == (1, 2, 0)
+    assert h.report().finished_loads == frozenset()  # the next call goes through
+
+
+def test_a_load_finished_in_a_call_that_raised_is_reported_by_the_next(kind: str) -> None:
+    """A manager error raised after a report is applied does not lose the loads that
+    finished in it: the next update_connector_output reports them."""
+
+    h = Harness(make_manager(kind), config())
+    offloaded(h, "a", list(range(16)))
+    load = admit_with_load(h, "b", list(range(16)) + [1, 2, 3, 4], 16)
+    manager = h.sched.manager
+    real = manager.complete_load
+
+    def broken(keys: Any, ctx: Any) -> None:  # applies the completion, then has a bug
+        real(keys, ctx)
+        raise RuntimeError("bug")
+
+    manager.complete_load = broken  # type: ignore[method-assign]
+    with pytest.raises(ManagerError, match="complete_load raised RuntimeError: bug"):
+        h.report([load])
+    manager.complete_load = real  # type: ignore[method-assign]
+    assert load not in h.sched.jobs
+    h.sched.check_invariants()
+    assert h.report().finished_loads == {"b"}
 
 
 def test_counters_reject_a_name_that_is_not_a_counter() -> None:
