@@ -263,18 +263,18 @@ copy_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (mergeable) {
             while (j < count && d[j] == d[j - 1] + 1 && s[j] == s[j - 1] + 1) j++;
         }
-        uintptr_t dst = dst_base + d[i] * dst_stride, src = src_base + s[i] * src_stride;
+        uintptr_t to = dst_base + d[i] * dst_stride, from = src_base + s[i] * src_stride;
         size_t len = (size_t)(j - i) * nbytes;
 #if HAVE_STREAM
-        if (stream && !overlap(dst, src, len)) {
-            stream_run((char *)dst, (const char *)src, len, &ra);
+        if (stream && !overlap(to, from, len)) {
+            stream_run((char *)to, (const char *)from, len, &ra);
         } else {
-            memmove((void *)dst, (const void *)src, len);
+            memmove((void *)to, (const void *)from, len);
         }
 #else
         (void)stream;
         (void)overlap;
-        memmove((void *)dst, (const void *)src, len);
+        memmove((void *)to, (const void *)from, len);
 #endif
         total += len;
         calls++;

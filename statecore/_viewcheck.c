@@ -486,6 +486,7 @@ PyDoc_STRVAR(block_lists_doc,
 static PyObject *
 block_lists(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
+    (void)module;
     if (nargs != 2) {
         PyErr_Format(PyExc_TypeError, "block_lists expects 2 positional arguments, got %zd",
                      nargs);
