@@ -12,8 +12,8 @@
  * path rules on the input and names the fault with the typed error.  So what is accepted
  * never depends on whether this module is built; it only decides how fast a well-formed
  * step is accepted.  block_lists does the same for the block lists the scheduler's
- * update_state_after_alloc is given (statecore/scheduler.py, _admitted_lists): it returns the
- * groups as tuples, or None to decline.
+ * update_state_after_alloc is given (statecore/scheduler.py, _admitted_lists), with the
+ * entries' own normalisation: it returns the groups as a tuple of tuples, or None to decline.
  *
  * Safety: no Python code is called while a value is checked (only exact built-in types are
  * read).  An allocation can run the cyclic collector, and a finalizer could then mutate a
@@ -476,12 +476,13 @@ done:
 }
 
 PyDoc_STRVAR(block_lists_doc,
-"block_lists(block_ids, n_groups, /) -> list[tuple[int, ...]] | None\n"
+"block_lists(block_ids, n_groups, /) -> tuple[tuple[int, ...], ...] | None\n"
 "\n"
 "The accepting check of OffloadingScheduler.update_state_after_alloc's block lists: when\n"
 "block_ids is a list or tuple of n_groups lists or tuples of ints >= 0, the groups as a\n"
-"new list of tuples (a tuple group is itself), as the scheduler's Python check returns\n"
-"them.  None for anything else (the Python check rules on it).");
+"tuple of tuples (a ScheduledRequest entry's normalisation: an already normalised entry is\n"
+"itself), as the scheduler's Python check returns them.  None for anything else (the\n"
+"Python check rules on it).");
 
 static PyObject *
 block_lists(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -492,36 +493,21 @@ block_lists(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      nargs);
         return NULL;
     }
-    PyObject *ids = args[0];
     int overflow = 0;
     Py_ssize_t want = PyLong_CheckExact(args[1]) ? PyLong_AsLongAndOverflow(args[1], &overflow)
                                                  : -1;
-    if (want < 0 || overflow != 0 || !(PyList_CheckExact(ids) || PyTuple_CheckExact(ids)))
-        Py_RETURN_NONE;
-    PyObject *snap = PySequence_Tuple(ids); /* a list is copied; a tuple is itself */
-    if (snap == NULL) return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(snap);
-    if (n != want) {
-        Py_DECREF(snap);
+    if (want < 0 || overflow != 0) Py_RETURN_NONE;
+    Py_ssize_t ngroups;
+    PyObject *norm = norm_entry(args[0], &ngroups);
+    if (norm == NULL) {
+        if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
     }
-    PyObject *out = PyList_New(n);
-    if (out == NULL) {
-        Py_DECREF(snap);
-        return NULL;
+    if (ngroups != want) {
+        Py_DECREF(norm);
+        Py_RETURN_NONE;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *g = norm_group(PyTuple_GET_ITEM(snap, i));
-        if (g == NULL) {
-            Py_DECREF(out);
-            Py_DECREF(snap);
-            if (PyErr_Occurred()) return NULL;
-            Py_RETURN_NONE;
-        }
-        PyList_SET_ITEM(out, i, g);
-    }
-    Py_DECREF(snap);
-    return out;
+    return norm;
 }
 
 static PyMethodDef methods[] = {

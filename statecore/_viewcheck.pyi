@@ -42,6 +42,6 @@ def output(
 ) -> bool:
     """:class:`~statecore.views.SchedulerOutput`'s check."""
 
-def block_lists(block_ids: object, n_groups: object, /) -> list[tuple[int, ...]] | None:
-    """:meth:`~statecore.OffloadingScheduler.update_state_after_alloc`'s block lists as a list
-    of tuples, or ``None`` for anything not accepted here."""
+def block_lists(block_ids: object, n_groups: object, /) -> tuple[tuple[int, ...], ...] | None:
+    """:meth:`~statecore.OffloadingScheduler.update_state_after_alloc`'s block lists as a
+    tuple of tuples, or ``None`` for anything not accepted here."""

@@ -171,7 +171,7 @@ class RequestRecord:
         # offloadable tokens never exceed this (max_offload_tokens, prompt-only)
         self.store_cap = 1 << 62
         # complete block lists of the last allocation, until the next scheduling applies them
-        self.admitted: list[tuple[int, ...]] | None = None
+        self.admitted: tuple[tuple[int, ...], ...] | None = None
         self.hashes_ok = 0  # block hashes already validated (a prefix of the view's list)
         REQUEST.attach(self)
 
@@ -340,7 +340,7 @@ _ENTRY: Callable[[ScheduledRequest], tuple[str, Any, int, bool]] = attrgetter(
 )
 
 
-_native_block_lists: Callable[[Any, int], list[tuple[int, ...]] | None] | None
+_native_block_lists: Callable[[Any, int], tuple[tuple[int, ...], ...] | None] | None
 try:  # the accepting half of _admitted_lists in C (optional: built by the install)
     from statecore._viewcheck import block_lists as _native_block_lists
 except ImportError:  # pragma: no cover - the extension is optional (no compiler at install)
@@ -349,7 +349,7 @@ except ImportError:  # pragma: no cover - the extension is optional (no compiler
 
 def _admitted_lists(
     block_ids: Any, n_groups: int, num_external_tokens: Any
-) -> list[tuple[int, ...]] | None:
+) -> tuple[tuple[int, ...], ...] | None:
     """The block lists of :meth:`OffloadingScheduler.update_state_after_alloc` as tuples, or
     None when an argument is malformed (the validation layer then diagnoses).
 
@@ -376,7 +376,7 @@ def _admitted_lists(
             out.append(t)
     except TypeError:
         return None
-    return out
+    return tuple(out)
 
 
 def _param(params: Mapping[str, Any] | None, name: str) -> tuple[int | None, bool]:
@@ -852,7 +852,7 @@ class OffloadingScheduler:
             rec.req_id, src, GPULoadStoreSpec(tuple(dst), tuple(sizes), tuple(starts))
         )
 
-    def _note_allocation(self, rec: RequestRecord, admitted: list[tuple[int, ...]]) -> None:
+    def _note_allocation(self, rec: RequestRecord, admitted: tuple[tuple[int, ...], ...]) -> None:
         """Record an allocation: fence-relevant ids, and the lists the next scheduling uses."""
         allocated = self._batch.allocated
         for ids in admitted:
@@ -950,7 +950,7 @@ class OffloadingScheduler:
         blocks added since the allocation; either way the request's lists become the
         allocation followed by what is new. Cursors rewind (a fresh allocation).
         """
-        admitted = rec.admitted or []
+        admitted = rec.admitted or ()
         rec.admitted = None
         rec.store_floor = 0
         self._unindex_window_positions(rec)

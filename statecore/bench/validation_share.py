@@ -67,7 +67,7 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 
 
 def _admitted_lists(block_ids: Any, n_groups: int, num_external_tokens: Any) -> Any:
-    return [tuple(ids) for ids in block_ids]
+    return tuple(tuple(ids) for ids in block_ids)
 
 
 _STUBS: tuple[tuple[Any, str, Any], ...] = (

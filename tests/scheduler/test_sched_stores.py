@@ -353,7 +353,7 @@ def test_allocation_with_a_negative_or_float_block_id_is_refused(
         h.sched.update_state_after_alloc(a, [bad], 0)
     assert h.sched.requests["a"].admitted is None  # nothing recorded
     h.sched.update_state_after_alloc(a, [[1, True]], 0)  # a bool is the int it equals
-    assert h.sched.requests["a"].admitted == [(1, True)]
+    assert h.sched.requests["a"].admitted == ((1, True),)
 
 
 def test_allocation_before_any_lookup_assumes_nothing_computed(kind: str) -> None:

@@ -491,8 +491,10 @@ def test_admitted_block_lists_edges() -> None:
     """The plain forms are taken in C; int subclasses, negatives and wrong counts are not."""
     groups = ([1, 2], (3,))
     out = native.block_lists(groups, 2)
-    assert out == [(1, 2), (3,)] and out[1] is groups[1]
-    assert native.block_lists((), 0) == []
+    assert out == ((1, 2), (3,)) and out[1] is groups[1]
+    assert native.block_lists((), 0) == ()
+    normalised = ((1, 2), (3,))
+    assert native.block_lists(normalised, 2) is normalised  # nothing to copy
     for bad, n in [
         ([[True]], 1),
         ([[IntSub(1)]], 1),
@@ -508,7 +510,7 @@ def test_admitted_block_lists_edges() -> None:
     ]:
         assert native.block_lists(bad, n) is None, (bad, n)
     # the Python path takes the int subclasses (as the ints they equal), not the negative
-    assert scheduler._admitted_lists([[True, IntSub(2)]], 1, 0) == [(True, 2)]
+    assert scheduler._admitted_lists([[True, IntSub(2)]], 1, 0) == ((True, 2),)
     assert scheduler._admitted_lists([[1, NegPoser(-2)]], 1, 0) is None
     with pytest.raises(TypeError, match="2 positional"):
         native.block_lists([[1]])
