@@ -66,6 +66,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from statecore.specs.invariants import replay_events_into
 
 from statecore.errors import (
     KeyNotReadyError,
@@ -229,11 +230,7 @@ class LoadJob:
 def replay_events(events: Iterable[OffloadingEvent]) -> set[OffloadKey]:
     """The set of keys a sequence of stored/removed events leaves announced."""
     view: set[OffloadKey] = set()
-    for ev in events:
-        if ev.removed:
-            view.difference_update(ev.keys)
-        else:
-            view.update(ev.keys)
+    replay_events_into(view, events)
     return view
 
 

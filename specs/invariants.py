@@ -33,6 +33,7 @@ from statecore.lifecycle import (
     R_STORING,
     REQUEST,
 )
+from statecore.manager import Medium, OffloadingEvent
 
 if TYPE_CHECKING:
     from statecore.scheduler import OffloadingScheduler
@@ -503,6 +504,19 @@ def evict_violation(
         f"INV-EVICT: prepare_store for {req_id!r} evicted offered key "
         f"{bytes(k).hex()[:12]} ({len(bad)} offered keys evicted)"
     )
+
+
+def replay_events_into(
+    view: set[OffloadKey], events: Iterable[OffloadingEvent], medium: Medium | None = None
+) -> None:
+    """Apply stored/removed ``events`` (of ``medium`` only, when given) to ``view``, the set
+    of keys announced so far (INV-EVENTS)."""
+    for ev in events:
+        if medium is None or ev.medium is medium:
+            if ev.removed:
+                view.difference_update(ev.keys)
+            else:
+                view.update(ev.keys)
 
 
 def events_violation(

@@ -582,13 +582,7 @@ class World:
             obs.violations.clear()
         # taken after every action (events and allocation statistics would only grow); the
         # CPU tier's are replayed for INV-EVENTS
-        view = self.announced
-        for ev in self.top.take_events():
-            if ev.medium is Medium.CPU:
-                if ev.removed:
-                    view.difference_update(ev.keys)
-                else:
-                    view.update(ev.keys)
+        _invariants().replay_events_into(self.announced, self.top.take_events(), Medium.CPU)
         self.top.get_stats()
         self._prune_delivered()
 
@@ -1042,8 +1036,7 @@ class World:
     def _events_violation(self, inv: Any) -> str | None:
         """INV-EVENTS on the CPU tier: the replay of its events (taken after every action)
         against the keys it holds readable."""
-        cpu = self.manager
-        ready = {k for k in cpu.present_keys() if cpu.is_ready(k)}
+        ready = set(self.manager.ready_keys())
         bad: str | None = inv.events_violation(self.announced, ready)
         if bad is not None:
             self.announced = ready  # report each divergence once

@@ -292,6 +292,11 @@ class CPUOffloadingManager(OffloadingManager):
         """Every present key (any state)."""
         return list(self._entries)
 
+    def ready_keys(self) -> list[OffloadKey]:
+        """Every readable key (present and not write-pending): what its stored/removed events
+        announce."""
+        return [k for k, e in self._entries.items() if e >= _ONE]
+
     @property
     def num_free(self) -> int:
         """Slots not holding a key."""
@@ -670,7 +675,7 @@ class CPUOffloadingManager(OffloadingManager):
         describe traffic, not cache content).
         """
         if self.enable_events:
-            ready = tuple(k for k, e in self._entries.items() if e >= _ONE)
+            ready = tuple(self.ready_keys())
             if ready:
                 self._events.append(OffloadingEvent(ready, Medium.CPU, removed=True))
         if self._evictable != len(self._entries):

@@ -668,13 +668,7 @@ class SimEngine:
         """Take the connector's KV events, as an engine that publishes them does after every
         step (a manager with events on keeps them until asked), and replay the CPU tier's."""
         events = self._guard("take_events", self.conn.take_events)
-        view = self._announced
-        for ev in events or ():
-            if ev.medium is Medium.CPU:
-                if ev.removed:
-                    view.difference_update(ev.keys)
-                else:
-                    view.update(ev.keys)
+        _oracles().replay_events_into(self._announced, events or (), Medium.CPU)
 
     def _check_events(self, k: int) -> None:
         """INV-EVENTS on the CPU tier (:func:`statecore.specs.invariants.events_violation`)."""

@@ -362,7 +362,7 @@ def attach_store_oracle(stack: SimStack, engine: SimEngine) -> None:
     mgr = stack.manager
     cpu = mgr.primary if isinstance(mgr, TieringOffloadingManager) else mgr
     if isinstance(cpu, CPUOffloadingManager) and cpu.enable_events:
-        engine.cpu_ready_keys = lambda: {k for k in cpu.present_keys() if cpu.is_ready(k)}
+        engine.cpu_ready_keys = lambda: set(cpu.ready_keys())
     real_build = sched.build_connector_meta
 
     def build(output: Any) -> Any:
