@@ -65,6 +65,7 @@ _OP_TABLE: list[tuple[int, _Op]] = [
     (1, ("advance_clock", lambda h, a: h.advance_clock())),
     (1, ("foreign", lambda h, a: h.foreign(a))),
     (1, ("over_report", lambda h, a: h.over_report(a))),
+    (1, ("manager_error", lambda h, a: h.manager_error(a))),
 ]
 OPS: list[_Op] = [op for weight, op in _OP_TABLE for _ in range(weight)]
 """Operation of each opcode (weights by repetition); a rare reset is opcode-independent."""

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from statecore import kernels
-from statecore.errors import InvariantViolation
+from statecore.errors import InvariantViolation, ManagerError
 from statecore.keys import OffloadKey, make_offload_key
 from statecore.lifecycle import (
     J_CARRIED,
@@ -43,7 +43,9 @@ __all__ = [
     "Invariant",
     "check_scheduler",
     "evict_violation",
+    "manager_error_violation",
     "own_violation",
+    "raised_by_injection",
     "scheduler_violations",
     "store_complete_keys",
     "store_complete_violation",
@@ -475,6 +477,18 @@ INVARIANTS: dict[str, Invariant] = {
             ("simulator (per-group byte oracle)", "fuzzing", "worker tests"),
         ),
         Invariant(
+            "INV-MGR-ERROR",
+            "A manager that raises while a job completes (complete_store/complete_load) does "
+            "not leave the job half-ended: the job ends, its request moves on and the rest of "
+            "the report is applied; every such error is counted (manager_errors) and reaches "
+            "the engine as a ManagerError, once the whole report is applied, when it was "
+            "untyped or checked mode is on, and not at all otherwise.",
+            "A job stuck in flight with its fences (the request hangs, its blocks stay "
+            "fenced), or an untyped exception out of update_connector_output, after one "
+            "manager error.",
+            ("simulator", "fuzzing", "statecore check", "unit tests"),
+        ),
+        Invariant(
             "INV-TABLE",
             "The compiled dispatch table and the python-statemachine classes agree on every "
             "event: same accept/reject, same target state.",
@@ -538,6 +552,82 @@ def events_violation(
             f"{len(missing)} readable but never announced (first {bytes(min(missing)).hex()[:12]})"
         )
     return "INV-EVENTS: the tier's events disagree with its contents: " + "; ".join(parts)
+
+
+class InjectedError(Protocol):
+    """One manager error injected into a completion (the world's record of it)."""
+
+    @property
+    def error(self) -> Exception: ...
+    @property
+    def req_id(self) -> str: ...
+    @property
+    def is_store(self) -> bool: ...
+    @property
+    def keys(self) -> tuple[OffloadKey, ...]: ...
+
+
+class LiveJob(Protocol):
+    """What :func:`manager_error_violation` reads of a live job."""
+
+    @property
+    def is_store(self) -> bool: ...
+    @property
+    def keys(self) -> Sequence[OffloadKey]: ...
+
+
+def raised_by_injection(raised: BaseException | None, injected: Sequence[InjectedError]) -> bool:
+    """Whether ``raised`` (out of ``update_connector_output``) is one of the ``injected``
+    errors or names one as its cause."""
+    if raised is None:
+        return False
+    errors = [e.error for e in injected]
+    return any(raised is e or raised.__cause__ is e for e in errors)
+
+
+def manager_error_violation(
+    injected: Sequence[InjectedError],
+    raised: BaseException | None,
+    counted: int,
+    checked: bool,
+    live_jobs: Callable[[str], Iterable[LiveJob]],
+) -> str | None:
+    """INV-MGR-ERROR on one ``update_connector_output`` during which the manager raised
+    ``injected`` from completions (each after it had applied the completion).
+
+    ``raised`` is what the call raised (None: it returned), ``counted`` how much the
+    scheduler's ``manager_errors`` counter grew, ``checked`` whether the scheduler runs in
+    checked mode, ``live_jobs(req_id)`` the request's jobs still in flight after the call.
+    """
+    if not injected:
+        return None
+    first = injected[0]
+    what = (
+        f"INV-MGR-ERROR: the manager raised {len(injected)} time(s) while jobs completed "
+        f"(first: {'complete_store' if first.is_store else 'complete_load'} for request "
+        f"{first.req_id!r}, {type(first.error).__name__})"
+    )
+    problems: list[str] = []
+    for inj in injected:
+        if any(
+            job.is_store == inj.is_store and tuple(job.keys) == inj.keys
+            for job in live_jobs(inj.req_id)
+        ):
+            problems.append(f"the job of request {inj.req_id!r} is still in flight")
+            break
+    ours = raised_by_injection(raised, injected)
+    if ours and not isinstance(raised, ManagerError):
+        problems.append(f"update_connector_output let it out untyped: {raised!r}")
+    if counted != len(injected):
+        problems.append(f"the scheduler counted {counted}")
+    must_raise = checked or any(not isinstance(i.error, ManagerError) for i in injected)
+    if must_raise and raised is None:
+        problems.append("update_connector_output raised nothing")
+    elif ours and not must_raise:
+        problems.append("all were typed, yet update_connector_output raised in unchecked mode")
+    if not problems:
+        return None
+    return f"{what}: " + "; ".join(problems)
 
 
 def own_violation(

@@ -16,7 +16,9 @@ Hypothesis chooses (and shrinks) the interleaving:
   the job stalls), or only after the stall timeout (late); other rules deliver a duplicate of a
   delivered report, a stale report (a job of an epoch before the last reset), a report for a
   never-issued id, a count-only over-report for a live job, and advance the clock past the
-  stall timeout.
+  stall timeout;
+* the manager raises from the next job completion, after it applied it (typed or untyped:
+  INV-MGR-ERROR).
 
 The stack is hybrid by default (a full-attention and a sliding-window KV group, see
 :data:`statecore.sim.engine.GROUP_PRESETS`), freed GPU blocks are reused first, and the
@@ -340,6 +342,12 @@ class StackHarness:
         self._stall_jump()
         self.engine.feed(None)
 
+    def manager_error(self, i: int) -> None:
+        """The manager raises from the next job completion, after applying it: a typed
+        ``ManagerError`` (even ``i``) or an untyped exception, a manager's bug (odd ``i``)."""
+        self.ops += 1
+        self.stack.observed.fail_next = "untyped" if i & 1 else "typed"
+
     # -- checks --------------------------------------------------------------------------------
 
     def check(self) -> None:
@@ -497,6 +505,12 @@ class StackMachine(RuleBasedStateMachine):
         """Time passes beyond the stall timeout."""
         StackMachine.steps_run += 1
         self.h.advance_clock()
+
+    @rule(i=st.integers(0, 1))
+    def manager_error(self, i: int) -> None:
+        """The manager raises from the next completion (typed or untyped)."""
+        StackMachine.steps_run += 1
+        self.h.manager_error(i)
 
     @invariant()
     def everything_holds(self) -> None:

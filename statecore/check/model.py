@@ -18,7 +18,9 @@ The environment's moves are :data:`Action` tuples, applied by :meth:`World.apply
   runs, the report never arrives), ``("late", ...)`` (the copy runs, the report arrives after a
   clock jump past the stall timeout), ``("dup", rank, job, ok)`` (a delivered report arrives
   again), ``("over", job)`` (a count-only report, without rank masks, claims one more
-  completion than the job still waits for);
+  completion than the job still waits for); in a scope with ``manager_errors``,
+  ``("okerr", rank, job, typed)`` (the report is delivered and the manager raises from the
+  completion it causes, after applying it: a typed ``ManagerError`` or an untyped exception);
 * ``("jump",)``: the clock passes the stall timeout and the stall check runs;
   ``("reset",)``: the operator calls ``reset_cache``.
 
@@ -72,7 +74,7 @@ from statecore.managers.filetier import InlineExecutor
 from statecore.managers.redistier import RedisTier, RedisTierConfig, TierLayout
 from statecore.managers.tiering import TieringOffloadingManager
 from statecore.scheduler import OffloadingScheduler
-from statecore.sim.engine import ObservedManager
+from statecore.sim.engine import ObservedManager, update_observed
 from statecore.sim.hashing import ROOT_HASH, chain_hash, extend_block_hashes
 from statecore.views import Request, ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, GPULoadStoreSpec, TransferJob, WorkerMetadata
@@ -130,6 +132,8 @@ class Scope:
             double) below the CPU tier.
         redis_known_keys: the shared tier's ``max_known_keys`` (None: the tier's default); a
             bound below the lookups the requests have pending makes their answers compete.
+        manager_errors: the manager may raise from a completion after applying it, typed or
+            untyped (``("okerr", rank, job, typed)``, a fault; INV-MGR-ERROR).
         description: one line for the docs.
     """
 
@@ -149,6 +153,7 @@ class Scope:
     free_order: str = "lifo"
     redis: bool = False
     redis_known_keys: int | None = None
+    manager_errors: bool = False
     description: str = ""
 
     @property
@@ -312,6 +317,10 @@ class EngineRequest:
         self.aborted = False
         self.epoch = 0  # the world's reset count at arrival (INV-STORE-COMPLETE)
         self.covered = 0  # tokens an admission with a load covered (never offered again)
+
+
+def _reraise(exc: Exception) -> None:
+    raise exc
 
 
 def _guarded(world: World, call: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -499,6 +508,8 @@ class World:
                 out.append(("ok", rank, job_id))
                 if faults_left:
                     out += [("fail", rank, job_id), ("lose", rank, job_id), ("late", rank, job_id)]
+                    if self.scope.manager_errors:
+                        out += [("okerr", rank, job_id, True), ("okerr", rank, job_id, False)]
         if faults_left:
             for rep in self.delivered:
                 out.append(("dup", *rep))
@@ -554,6 +565,8 @@ class World:
             _guarded(self, "reset_cache", self.sched.reset_cache)
         elif kind in ("ok", "fail", "lose", "late"):
             self.report(kind, action[1], action[2])
+        elif kind == "okerr":
+            self.report("ok", action[1], action[2], "typed" if action[3] else "untyped")
         elif kind == "dup":
             _, rank, job_id, ok = action
             self.duplicate(rank, job_id, ok)
@@ -593,8 +606,10 @@ class World:
 
     # -- worker moves ---------------------------------------------------------------------------
 
-    def report(self, kind: str, rank: int, job_id: int) -> None:
-        """A rank's job ends: delivered, failed, lost or late."""
+    def report(self, kind: str, rank: int, job_id: int, manager_error: str | None = None) -> None:
+        """A rank's job ends: delivered, failed, lost or late; with ``manager_error``
+        (``"typed"``/``"untyped"``) the manager raises from the completion this delivery
+        causes (a fault only when it completes the job)."""
         if kind != "ok":
             self.faults += 1
         plan = self.backends[rank].finish(job_id, kind != "fail")
@@ -616,7 +631,13 @@ class World:
             return
         if kind == "late":
             self.jump()
+        obs = self.observed
+        fired = obs.injected_total
+        obs.fail_next = manager_error
         self.feed(meta)
+        obs.fail_next = None
+        if obs.injected_total != fired:
+            self.faults += 1
         for j in meta.completed:
             self.delivered.append((rank, j, True))
         for j in meta.failed:
@@ -653,7 +674,11 @@ class World:
     def feed(self, meta: WorkerMetadata | None) -> None:
         """``update_connector_output``, then the engine applies the loads that ended."""
         failed = meta.failed if meta is not None else {}
-        res = _guarded(self, "update_connector_output", self.sched.update_connector_output, meta)
+        res, other, bad = update_observed(self.sched, self.observed, meta)
+        if bad is not None:
+            self.errors.append(bad)
+        if other is not None:
+            _guarded(self, "update_connector_output", _reraise, other)
         stalled = self.sched.stalled_jobs
         for r in self.reqs:
             if r.status == LOADING and (r.load_job in failed or r.load_job in stalled):
@@ -1393,6 +1418,8 @@ def format_action(action: Action) -> str:
         "abort": "request r{1} is aborted",
         "preempt": "request r{1} is preempted",
         "ok": "rank {1} completes job {2}, report delivered",
+        "okerr": "rank {1} completes job {2}, report delivered; the manager raises from the "
+        "completion (typed={3})",
         "fail": "rank {1} fails job {2} (garbage written), failure reported",
         "lose": "rank {1} completes job {2}, the report is lost",
         "late": "rank {1} completes job {2}, the report arrives after the stall timeout",

@@ -112,6 +112,14 @@ SCOPES: dict[str, Scope] = {
             "(max_known_keys=1): their pending lookups compete for the answers",
         ),
         _scope(
+            "manager",
+            prompts=(_A, _B),
+            manager_errors=True,
+            depth=8,
+            description="two requests sharing a chunk, one worker; the manager may raise "
+            "(typed or untyped) from a completion it applied",
+        ),
+        _scope(
             "swa2",
             prompts=(_A, _B),
             workers=2,

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from statecore.config import GroupConfig
-from statecore.errors import InvariantViolation, StatecoreError
+from statecore.errors import InvariantViolation, ManagerError, StatecoreError
 from statecore.keys import OffloadKey
 from statecore.manager import Medium, OffloadingEvent
 from statecore.sim.blocks import BlockPool
@@ -67,6 +67,10 @@ __all__ = [
     "GROUP_PRESETS",
     "ConnectorLike",
     "EngineStats",
+    "InjectedCompletionError",
+    "InjectedManagerBug",
+    "InjectedManagerError",
+    "ObservedManager",
     "RankStack",
     "SimClock",
     "SimConfig",
@@ -74,6 +78,7 @@ __all__ = [
     "SimRequest",
     "Status",
     "kv_groups",
+    "update_observed",
 ]
 
 GROUP_PRESETS: dict[str, str] = {
@@ -314,14 +319,81 @@ def _oracles() -> Any:
     return importlib.import_module("statecore.specs.invariants")
 
 
+def _reraise(exc: Exception) -> None:
+    raise exc
+
+
+def update_observed(
+    conn: Any, obs: ObservedManager, meta: WorkerMetadata | None
+) -> tuple[Any, Exception | None, str | None]:
+    """``conn.update_connector_output(meta)`` with INV-MGR-ERROR
+    (:func:`statecore.specs.invariants.manager_error_violation`) over the manager errors
+    ``obs`` injected during the call.
+
+    Returns the call's result (None when it raised), what it raised that no injected error
+    explains (for the caller's own error accounting) and the violation (or None).
+    """
+    counters = getattr(conn, "counters", None)
+    before = counters.manager_errors if counters is not None else 0
+    obs.injected.clear()
+    raised: Exception | None = None
+    result: Any = None
+    try:
+        result = conn.update_connector_output(meta)
+    except Exception as exc:
+        raised = exc
+    injected, obs.injected = obs.injected, []
+    if not injected:
+        return result, raised, None
+    inv = _oracles()
+    jobs: Any = getattr(conn, "jobs", {})
+    bad = inv.manager_error_violation(
+        injected,
+        raised,
+        (counters.manager_errors if counters is not None else 0) - before,
+        bool(getattr(conn, "checked", False)),
+        lambda rid: [j for j in jobs.values() if j.req.req_id == rid],
+    )
+    other = None if inv.raised_by_injection(raised, injected) else raised
+    return result, other, bad
+
+
+class InjectedManagerError(ManagerError):
+    """The typed error :class:`ObservedManager` raises from a completion (a fault)."""
+
+
+class InjectedManagerBug(RuntimeError):
+    """The untyped error :class:`ObservedManager` raises from a completion (a manager's bug)."""
+
+
+@dataclass(frozen=True, slots=True)
+class InjectedCompletionError:
+    """One manager error injected into a completion, after the manager applied it."""
+
+    error: Exception
+    req_id: str
+    is_store: bool
+    keys: tuple[OffloadKey, ...]
+
+
 class ObservedManager:
     """A transparent proxy of the manager that the scheduler drives, for the whole-stack
     expectation oracles: INV-EVICT on every ``prepare_store`` (no offered key among the
     evicted ones), and the keys the stack knows of since the last reset (offered to a
     ``prepare_store`` that answered, stored or declined, or found by ``lookup``), for
-    INV-STORE-COMPLETE."""
+    INV-STORE-COMPLETE.
 
-    def __init__(self, inner: Any) -> None:
+    It is also the world's manager-error fault (INV-MGR-ERROR): ``complete_store`` and
+    ``complete_load`` forward to the manager and then, when :attr:`fail_next` is set (once)
+    or a draw of ``fault_rng`` falls under ``fault_rate``, raise: an
+    :class:`InjectedManagerError` (typed) or an :class:`InjectedManagerBug` (untyped). The
+    manager has applied the completion, so a scheduler that ends the job anyway leaves
+    nothing behind; what was raised waits in :attr:`injected` for the engine's oracle.
+    """
+
+    def __init__(
+        self, inner: Any, fault_rng: random.Random | None = None, fault_rate: float = 0.0
+    ) -> None:
         self._inner = inner
         self.violations: list[str] = []
         self.known: set[OffloadKey] = set()
@@ -329,6 +401,37 @@ class ObservedManager:
         """Keys offered in a ``prepare_store`` that found no room, since the engine last
         cleared the set (at the start of every step)."""
         self.calls = 0
+        self.fault_rng = fault_rng
+        self.fault_rate = fault_rate
+        self.fail_next: str | None = None
+        """``"typed"`` or ``"untyped"``: the next completion raises that kind (then None)."""
+        self.injected: list[InjectedCompletionError] = []
+        """Errors raised from completions since the engine last took them."""
+        self.injected_total = 0
+
+    def complete_store(self, keys: Sequence[OffloadKey], ctx: Any, success: bool = True) -> None:
+        """Forward; then maybe raise (the manager-error fault)."""
+        self._inner.complete_store(keys, ctx, success)
+        self._maybe_fail(keys, ctx, is_store=True)
+
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: Any) -> None:
+        """Forward; then maybe raise (the manager-error fault)."""
+        self._inner.complete_load(keys, ctx)
+        self._maybe_fail(keys, ctx, is_store=False)
+
+    def _maybe_fail(self, keys: Sequence[OffloadKey], ctx: Any, is_store: bool) -> None:
+        kind, self.fail_next = self.fail_next, None
+        rng = self.fault_rng
+        if kind is None and rng is not None and rng.random() < self.fault_rate:
+            kind = "typed" if rng.random() < 0.5 else "untyped"
+        if kind is None:
+            return
+        call = "complete_store" if is_store else "complete_load"
+        what = f"{call} for request {ctx.req_id!r} ({len(keys)} keys): injected fault"
+        exc: Exception = InjectedManagerError(what) if kind == "typed" else InjectedManagerBug(what)
+        self.injected.append(InjectedCompletionError(exc, ctx.req_id, is_store, tuple(keys)))
+        self.injected_total += 1
+        raise exc
 
     def __getattr__(self, name: str) -> Any:
         if name == "_inner" or name.startswith("__"):
@@ -415,6 +518,10 @@ class SimEngine:
         self.store_oracle: Callable[[int, Any], list[str]] | None = None
         self._load_job_of: dict[str, int] = {}  # request -> its emitted load job
         self._failed_jobs: set[int] = set()  # jobs a delivered report failed
+        self._stalled_seen: set[int] = set()
+        """Jobs seen in the stall ledger after a call: what explains a stalled load's invalid
+        blocks when its finish is reported in a later call, after the ledger forgot it (a
+        call that raised reports its finished loads in the next one)."""
         """Verifies the stored bytes of a store job that completed successfully."""
         self.live_jobs: Callable[[], Any] = lambda: ()
         self.stalled_jobs: Callable[[], Any] = lambda: ()
@@ -589,13 +696,31 @@ class SimEngine:
         """Hand an aggregated worker report to the connector and apply the loads that ended."""
         if report is not None and report.failed:
             self._failed_jobs.update(report.failed)  # what explains a load's invalid blocks
-        result = self._guard("update_connector_output", self.conn.update_connector_output, report)
+        obs = self.observed
+        if obs is None:
+            result = self._guard(
+                "update_connector_output", self.conn.update_connector_output, report
+            )
+        else:
+            result = self._update_observed(obs, report)
+        stalled = getattr(self.conn, "stalled_jobs", None)
+        if stalled:
+            self._stalled_seen.update(stalled)
         if result is not None:
             self._loads_ended(self.step_no, result.finished_loads, result.invalid_block_ids)
         if self._stores:
             self._stores_ended()
         if self._unflushed_stores or self._job_req:
             self._forget_ended_jobs()
+
+    def _update_observed(self, obs: ObservedManager, report: WorkerMetadata | None) -> Any:
+        """``update_connector_output`` under INV-MGR-ERROR (:func:`update_observed`)."""
+        result, other, bad = update_observed(self.conn, obs, report)
+        if bad is not None:
+            self._violation(bad)
+        if other is not None:
+            self._guard("update_connector_output", _reraise, other)
+        return result
 
     def _register_chunks(self, hashes: Sequence[bytes]) -> None:
         bpc = self.cfg.blocks_per_chunk
@@ -1263,7 +1388,7 @@ class SimEngine:
         """
         if job_id is None:
             return  # never sent to the workers (the engine never waited on a transfer)
-        if job_id in self._failed_jobs or job_id in getattr(self.conn, "stalled_jobs", {}):
+        if job_id in self._failed_jobs or job_id in self._stalled_seen:
             return
         self.stats.errors.append(
             f"step {k}: request {rid}: load job {job_id} ended with invalid blocks though no "

@@ -39,6 +39,9 @@ class SimFaults:
         delay_store: per store job: its copy executes only some steps later (or when
             flushed), so a fenced block reused without a flush would be caught.
         report_delay: per worker report: delivered 1..``max_report_delay`` steps late.
+        manager_error: per job completion: the manager applies it, then raises (a typed
+            ``ManagerError`` or, as often, an untyped exception: a manager's bug); the
+            scheduler must end the job anyway and report the error (INV-MGR-ERROR).
         max_report_delay: upper bound of ordinary report delays, in steps.
         max_store_delay: upper bound of store-copy delays, in steps.
     """
@@ -52,6 +55,7 @@ class SimFaults:
     reset: float = 0.0
     delay_store: float = 0.0
     report_delay: float = 0.0
+    manager_error: float = 0.0
     max_report_delay: int = 3
     max_store_delay: int = 4
 
@@ -80,6 +84,7 @@ class SimFaults:
                 reset=0.004,
                 delay_store=0.3,
                 report_delay=0.3,
+                manager_error=0.01,
             )
         if name == "heavy":
             return cls(
@@ -92,6 +97,7 @@ class SimFaults:
                 reset=0.02,
                 delay_store=0.6,
                 report_delay=0.5,
+                manager_error=0.03,
                 max_report_delay=6,
                 max_store_delay=8,
             )
@@ -107,6 +113,7 @@ FAULT_KINDS: tuple[str, ...] = (
     "transfer_failure",
     "reset",
     "delay_store",
+    "manager_error",
 )
 """The fault kinds the report accounts for (injected and observed)."""
 

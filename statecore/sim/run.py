@@ -229,7 +229,10 @@ class SimStack:
         self.executors: list[_StepExecutor] = []
         self._manager_rng = random.Random(root.getrandbits(64))
         self.manager = self._make_manager()
-        self.observed = ObservedManager(self.manager)
+        # its own stream: a run without manager errors draws nothing from it
+        self.observed = ObservedManager(
+            self.manager, random.Random(cfg.seed ^ 0x3A9E), cfg.faults.manager_error
+        )
         self.sched_config = SchedulerConfig(
             groups=self.groups,
             blocks_per_chunk=cfg.blocks_per_chunk,
@@ -259,6 +262,16 @@ class SimStack:
             if f.transfer_failure:
                 backend = FaultyBackend(delayed, fail_job=self._failer(root.getrandbits(64)))
             self.ranks.append(RankStackImpl(OffloadingWorker(backend, rank=r), delayed))
+
+    def injected_faults(self, engine: SimEngine) -> dict[str, int]:
+        """How many faults of each kind (:data:`~statecore.sim.faults.FAULT_KINDS`) were
+        injected so far: the report channel's, the transfer failures, the delayed stores and
+        the manager errors."""
+        counts = dict(engine.channel.injected)
+        counts["transfer_failure"] = self.failures_injected
+        counts["delay_store"] = sum(r.delayed.delayed_stores for r in self.ranks)
+        counts["manager_error"] = self.observed.injected_total
+        return counts
 
     def _failer(self, seed: int) -> Callable[[int], bool]:
         rng = random.Random(seed)
@@ -536,9 +549,7 @@ def _report(cfg: SimConfig, stack: SimStack, engine: SimEngine) -> SimReport:
         "unknown": c.unknown_reports,
         "invalid": c.invalid_report_counts,
     }
-    inj = engine.channel.injected
-    inj["transfer_failure"] = stack.failures_injected
-    inj["delay_store"] = sum(r.delayed.delayed_stores for r in stack.ranks)
+    inj = stack.injected_faults(engine)
     observed = {
         "stall": (c.jobs_stalled, "jobs stalled"),
         "late": (c.late_reports, "late reports absorbed"),
@@ -551,6 +562,7 @@ def _report(cfg: SimConfig, stack: SimStack, engine: SimEngine) -> SimReport:
             sum(r.delayed.forced_by_flush for r in stack.ranks),
             "delayed stores forced by a flush",
         ),
+        "manager_error": (c.manager_errors, "manager errors counted"),
     }
     for kind in FAULT_KINDS:
         n, what = observed[kind]

@@ -39,10 +39,7 @@ class StepSeries:
         self._last = self._injected()
 
     def _injected(self) -> dict[str, int]:
-        counts = dict(self.engine.channel.injected)
-        counts["transfer_failure"] = self.stack.failures_injected
-        counts["delay_store"] = sum(r.delayed.delayed_stores for r in self.stack.ranks)
-        return counts
+        return self.stack.injected_faults(self.engine)
 
     def sample(self) -> None:
         """Append one value to every series (call after each engine step)."""

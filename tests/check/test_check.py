@@ -45,6 +45,7 @@ TEST_DEPTH = {
     "window": 6,
     "shared": 6,
     "shared_known": 5,
+    "manager": 7,
 }
 """Depth of each scope in this file (the shipped depth is larger)."""
 
@@ -75,6 +76,8 @@ MUTANT_SCOPES = {
     "redis_decode_unverified": "shared",
     "redis_namespace_without_layout": "shared",
     "redis_awaited_answer_evictable": "shared_known",
+    "manager_error_mid_completion": "manager",
+    "manager_errors_swallowed": "manager",
 }
 """The smallest scope that can express a mutant, where known and not ``one``; a mutant not
 listed is looked for in every scope of :data:`SCOPE_ORDER` in turn."""

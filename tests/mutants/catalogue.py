@@ -36,6 +36,7 @@ from typing import Any
 from statecore.adapters.vllm_metrics import TransferSizes
 
 from statecore import kernels
+from statecore.errors import ManagerError
 from statecore.keys import OffloadKey
 from statecore.manager import ReqContext
 from statecore.managers import redistier
@@ -241,6 +242,59 @@ def _keep_block_lists(self: OffloadingScheduler, req: Any) -> None:
     return None  # the preempted request keeps the block lists the engine just freed
 
 
+_real_complete_job = OffloadingScheduler.complete_job
+
+
+class _CompletionsDone:
+    """Stands in for the manager while the real completion path runs, after the mutant
+    already called the manager itself."""
+
+    def complete_store(self, keys: Any, ctx: Any, success: bool = True) -> None:
+        return None
+
+    def complete_load(self, keys: Any, ctx: Any) -> None:
+        return None
+
+
+_DONE = _CompletionsDone()
+
+
+def _complete_raising_midway(self: OffloadingScheduler, job: Any, success: bool) -> None:
+    # before 95eb2e7: the manager's error left the completion before the job's bookkeeping
+    manager = self.manager
+    try:
+        if job.is_store:
+            manager.complete_store(job.keys, job.req.ctx, success)
+        elif not job.carried:
+            manager.complete_load(job.keys, job.req.ctx)
+    except ManagerError:
+        self.counters.manager_errors += 1
+        if self.checked:
+            raise  # typed, from inside the completion: the job stays in flight
+    # anything else escapes untyped, from inside the completion
+    self.manager = _DONE  # type: ignore[assignment]
+    try:
+        _real_complete_job(self, job, success)
+    finally:
+        self.manager = manager
+
+
+def _complete_swallowing_errors(self: OffloadingScheduler, job: Any, success: bool) -> None:
+    manager = self.manager
+    try:
+        if job.is_store:
+            manager.complete_store(job.keys, job.req.ctx, success)
+        elif not job.carried:
+            manager.complete_load(job.keys, job.req.ctx)
+    except Exception:
+        pass
+    self.manager = _DONE  # type: ignore[assignment]
+    try:
+        _real_complete_job(self, job, success)
+    finally:
+        self.manager = manager
+
+
 def _mutant(
     name: str, description: str, bug_class: str, *patches: tuple[Any, str, Any]
 ) -> tuple[str, Mutant]:
@@ -273,6 +327,21 @@ MUTANTS: dict[str, Mutant] = dict(
             "INV-EVENTS: event consumers (routers, KV-event subscribers) told of blocks that are "
             "gone (the simulator took no events before, so nothing looked)",
             (CPUOffloadingManager, "take_events", _take_events_without_removals),
+        ),
+        _mutant(
+            "manager_error_mid_completion",
+            "a manager error raised by complete_store/complete_load leaves the completion at "
+            "once: the job stays in flight with its fences, an untyped error escapes untyped",
+            "INV-MGR-ERROR: one manager error hangs a request (fixed in 95eb2e7; no verifier "
+            "injected manager errors before)",
+            (OffloadingScheduler, "complete_job", _complete_raising_midway),
+        ),
+        _mutant(
+            "manager_errors_swallowed",
+            "every manager error during a completion is silently dropped: not counted, "
+            "never raised",
+            "INV-MGR-ERROR: a tolerated error that nothing counts (a manager's bug goes unseen)",
+            (OffloadingScheduler, "complete_job", _complete_swallowing_errors),
         ),
         _mutant(
             "quorum_of_one",

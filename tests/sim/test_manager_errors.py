@@ -1,0 +1,208 @@
+"""The manager-error fault (INV-MGR-ERROR) of the simulator, the fuzzers and the model checker.
+
+The simulator's :class:`~statecore.sim.engine.ObservedManager` applies a completion and then
+raises (typed or untyped); the engine checks every ``update_connector_output`` during which
+that happened with :func:`statecore.specs.invariants.manager_error_violation`. These tests pin
+the fault, the oracle's every clause, both seeded mutants on a fixed scenario, and the harness
+finding made on the way (a stalled load's finish reported one call late).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from statecore.specs.invariants import manager_error_violation, raised_by_injection
+from statecore.specs.stack import StackHarness
+
+from statecore.errors import InvariantViolation, ManagerError
+from statecore.keys import make_offload_key
+from statecore.manager import ReqContext
+from statecore.managers.cpu import CPUOffloadingManager
+from statecore.sim.engine import (
+    InjectedCompletionError,
+    InjectedManagerBug,
+    InjectedManagerError,
+    ObservedManager,
+    SimConfig,
+)
+from statecore.sim.run import simulate
+from statecore.sim.workload import WorkloadConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mutants"))
+from catalogue import MUTANTS
+
+KEY = make_offload_key(b"\x01" * 8, 0)
+
+
+def _stored(m: Any, ctx: ReqContext) -> None:
+    out = m.prepare_store([KEY], ctx)
+    assert out is not None and list(out.keys_to_store) == [KEY]
+
+
+@pytest.mark.parametrize("kind", ["typed", "untyped"])
+def test_observed_manager_applies_the_completion_then_raises(kind: str) -> None:
+    cpu = CPUOffloadingManager(4)
+    obs = ObservedManager(cpu)
+    ctx = ReqContext("r1")
+    _stored(obs, ctx)
+    obs.fail_next = kind
+    with pytest.raises(InjectedManagerError if kind == "typed" else InjectedManagerBug):
+        obs.complete_store([KEY], ctx, True)
+    assert cpu.is_ready(KEY), "the manager applied the completion before the error"
+    assert obs.fail_next is None and obs.injected_total == 1
+    (inj,) = obs.injected
+    assert (inj.req_id, inj.is_store, inj.keys) == ("r1", True, (KEY,))
+    assert isinstance(inj.error, ManagerError) == (kind == "typed")
+    obs.prepare_load([KEY], ctx)
+    obs.complete_load([KEY], ctx)  # unarmed and no rate: forwards only
+    assert obs.injected_total == 1
+
+
+def test_observed_manager_draws_its_rate_from_its_own_stream() -> None:
+    obs = ObservedManager(CPUOffloadingManager(4), random.Random(3), 1.0)
+    ctx = ReqContext("r1")
+    _stored(obs, ctx)
+    with pytest.raises((InjectedManagerError, InjectedManagerBug)):
+        obs.complete_store([KEY], ctx, False)
+    assert obs.injected_total == 1
+
+
+def _inj(error: Exception, is_store: bool = True) -> InjectedCompletionError:
+    return InjectedCompletionError(error, "r1", is_store, (KEY,))
+
+
+def _job(is_store: bool = True) -> Any:
+    return SimpleNamespace(is_store=is_store, keys=[KEY])
+
+
+def _none(rid: str) -> list[Any]:
+    return []
+
+
+def test_oracle_accepts_what_the_contract_says() -> None:
+    typed, bug = InjectedManagerError("x"), InjectedManagerBug("y")
+    assert manager_error_violation([], None, 0, False, _none) is None
+    # typed, unchecked: counted, not raised
+    assert manager_error_violation([_inj(typed)], None, 1, False, _none) is None
+    # typed, checked: raised as it is
+    assert manager_error_violation([_inj(typed)], typed, 1, True, _none) is None
+    # untyped: raised as a ManagerError naming it as its cause, in either mode
+    wrapped = ManagerError("job 3: complete_store raised")
+    wrapped.__cause__ = bug
+    for checked in (False, True):
+        assert manager_error_violation([_inj(bug)], wrapped, 1, checked, _none) is None
+    assert raised_by_injection(wrapped, [_inj(bug)]) and not raised_by_injection(None, [])
+
+
+@pytest.mark.parametrize(
+    ("injected", "raised", "counted", "checked", "live", "problem"),
+    [
+        ("typed", None, 0, False, False, "the scheduler counted 0"),
+        ("typed", None, 1, False, True, "is still in flight"),
+        ("typed", None, 1, True, False, "raised nothing"),
+        ("bug", None, 1, False, False, "raised nothing"),
+        ("bug", "bug", 1, False, False, "let it out untyped"),
+        ("typed", "typed", 1, False, False, "raised in unchecked mode"),
+    ],
+)
+def test_oracle_names_each_breach(
+    injected: str, raised: str | None, counted: int, checked: bool, live: bool, problem: str
+) -> None:
+    errors = {"typed": InjectedManagerError("x"), "bug": InjectedManagerBug("y")}
+    bad = manager_error_violation(
+        [_inj(errors[injected])],
+        errors[raised] if raised else None,
+        counted,
+        checked,
+        (lambda rid: [_job()]) if live else _none,
+    )
+    assert bad is not None and bad.startswith("INV-MGR-ERROR") and problem in bad, bad
+
+
+def test_oracle_matches_a_live_job_by_direction_and_keys() -> None:
+    inj = [_inj(InjectedManagerError("x"), is_store=True)]
+    assert manager_error_violation(inj, None, 1, False, lambda rid: [_job(False)]) is None
+
+
+def _scenario(kind: int, checked: bool = False) -> StackHarness:
+    """A request stores its chunks; the manager raises from the first completion; the stack
+    runs on and drains."""
+    h = StackHarness(dataclasses.replace(StackHarness.config, checked=checked))
+    h.new_request(0, 5, 2, False, False)
+    for _ in range(3):
+        h.step()
+        h.check()
+    h.manager_error(kind)
+    for _ in range(5):
+        while h.outstanding:
+            h.deliver(0)
+            h.check()
+        h.step()
+        h.check()
+    h.drain_and_check()
+    return h
+
+
+@pytest.mark.parametrize("checked", [False, True])
+@pytest.mark.parametrize("kind", [0, 1])
+def test_a_manager_error_mid_completion_ends_the_job(kind: int, checked: bool) -> None:
+    h = _scenario(kind, checked)
+    assert h.stack.observed.injected_total == 1
+    assert h.stack.scheduler.counters.manager_errors == 1
+
+
+@pytest.mark.parametrize(
+    ("mutant", "kind", "problem"),
+    [
+        ("manager_error_mid_completion", 1, "still in flight"),
+        ("manager_errors_swallowed", 0, "counted 0"),
+        ("manager_errors_swallowed", 1, "raised nothing"),
+    ],
+)
+def test_the_seeded_mutants_break_the_scenario(mutant: str, kind: int, problem: str) -> None:
+    with MUTANTS[mutant].apply(), pytest.raises(InvariantViolation, match=problem):
+        _scenario(kind)
+
+
+def test_a_stalled_load_reported_a_call_late_is_explained() -> None:
+    """Found by the fuzzer with the new fault: a load stalls in a call that raises (the
+    manager's complete_load), so its finish, blocks invalid, comes with the next call, in
+    which its late reports also arrive and the stall ledger forgets it. The engine once took
+    that for a load invalidated for no reason."""
+    h = StackHarness()
+    h.new_request(system=0, extra=0, out=1, skip=True, follow=False)
+    h.step()
+    h.step()
+    h.new_request(system=0, extra=7, out=1, skip=False, follow=True)
+    h.deliver(178)
+    for _ in range(3):
+        h.step()
+    h.deliver(8)
+    h.deliver(8)
+    h.new_request(system=1, extra=6, out=1, skip=False, follow=False)
+    h.deliver(110)
+    h.new_request(system=0, extra=1, out=2, skip=False, follow=True)
+    h.step()
+    h.new_request(system=1, extra=0, out=1, skip=False, follow=False)
+    h.preempt(178)
+    h.manager_error(221)
+    h.deliver(0)
+    h.advance_clock()
+    h.check()
+    assert h.stack.scheduler.counters.manager_errors == 1
+    assert h.stack.scheduler.counters.jobs_stalled >= 1
+    h.drain_and_check()
+
+
+def test_the_default_run_injects_manager_errors() -> None:
+    cfg = dataclasses.replace(SimConfig(), steps=1500, workload=WorkloadConfig(num_requests=300))
+    rep = simulate(cfg)
+    assert rep.ok, rep.format_text()
+    fc = rep.faults["manager_error"]
+    assert fc.injected > 0 and fc.observed == fc.injected
