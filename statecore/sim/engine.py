@@ -17,7 +17,7 @@ Per step, in the order vLLM's engine uses (see the module docs of :mod:`statecor
 
 After every step: ``scheduler.check_invariants()``, the data oracle over every valid GPU block,
 the allocator's own consistency, and INV-LIVE (no request deferred or waiting on a load for
-more than a bounded number of steps).
+more than a bounded number of steps; a deferral counts the steps in which the engine asked).
 
 KV-cache groups (``SimConfig.groups``, see :data:`GROUP_PRESETS`): every group has its own
 block size, its own canonical tensors and its own block table per request; the block ids come
@@ -259,6 +259,9 @@ class SimRequest:
     load_since: int = 0
     deferred_since: int | None = None
     deferred_last: int = -1
+    deferred_steps: int = 0
+    """Steps in which the engine asked and the connector deferred, since its last answer
+    (a step in which the engine did not ask, its queue being full, does not count)."""
     covered: int = 0
     """Tokens an admission with a load covered (local prefix + loaded): under the chunk-level
     policy the connector never offers those chunks again."""
@@ -1117,8 +1120,10 @@ class SimEngine:
                     if r.deferred_since is None:
                         r.deferred_since = k
                     r.deferred_last = k
+                    r.deferred_steps += 1
                     continue
                 r.deferred_since = None
+                r.deferred_steps = 0
                 if ext > 0 and is_async:
                     total = n_local + ext
                     r.blocks = [list(x) for x in local]
@@ -1418,9 +1423,10 @@ class SimEngine:
             elif (
                 r.deferred_since is not None
                 and r.deferred_last == k  # asked, and deferred again (the engine may not ask)
-                and k - r.deferred_since > bound
+                and r.deferred_steps > bound
             ):
                 r.hung = True
                 self.stats.hung.append(
-                    f"{r.turn.req_id}: lookup deferred since step {r.deferred_since} (> {bound})"
+                    f"{r.turn.req_id}: lookup deferred in {r.deferred_steps} steps since step "
+                    f"{r.deferred_since} (> {bound})"
                 )

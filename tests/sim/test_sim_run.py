@@ -184,3 +184,16 @@ def test_chained_hashes_share_prefixes() -> None:
     assert len(a) == 3 and len(b) == 3
     assert a[:2] == b[:2] and a[2] != b[2]
     assert a[0] == chain_hash(ROOT_HASH, [1, 2])
+
+
+def test_deferral_counts_only_the_steps_the_engine_asked() -> None:
+    """INV-LIVE bounds the steps in which the engine asked and the connector deferred. With
+    heavy faults over the tiering stack (seed 0) a request was deferred for 44 steps and then
+    sat, unasked, in the engine's full queue for 114 more; the bound once counted those too
+    and reported it hung."""
+    cfg = dataclasses.replace(
+        SimConfig(), steps=700, faults=parse_faults("heavy,manager_error=0"), tiering=True
+    )
+    rep = simulate(cfg)
+    assert not rep.hung_requests, rep.hung_requests
+    assert rep.ok, rep.format_text()
