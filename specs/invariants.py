@@ -480,12 +480,14 @@ INVARIANTS: dict[str, Invariant] = {
             "INV-MGR-ERROR",
             "A manager that raises while a job completes (complete_store/complete_load) does "
             "not leave the job half-ended: the job ends, its request moves on and the rest of "
-            "the report is applied; every such error is counted (manager_errors) and reaches "
-            "the engine as a ManagerError, once the whole report is applied, when it was "
-            "untyped or checked mode is on, and not at all otherwise.",
+            "the report is applied. One whose prepare_store raises does not stop "
+            "build_connector_meta: the offer is taken as no room, the step's metadata is "
+            "whole. Every such error is counted (manager_errors) and reaches the engine as a "
+            "ManagerError from update_connector_output, once its report is applied, when it "
+            "was untyped or checked mode is on, and not at all otherwise.",
             "A job stuck in flight with its fences (the request hangs, its blocks stay "
-            "fenced), or an untyped exception out of update_connector_output, after one "
-            "manager error.",
+            "fenced), a step's metadata lost, or an untyped exception into the engine, after "
+            "one manager error.",
             ("simulator", "fuzzing", "statecore check", "unit tests"),
         ),
         Invariant(
@@ -555,14 +557,20 @@ def events_violation(
 
 
 class InjectedError(Protocol):
-    """One manager error injected into a completion (the world's record of it)."""
+    """One manager error injected by the world (its record of it): from a completion
+    (``complete_store``/``complete_load``, raised after the manager applied it) or from
+    ``prepare_store`` (raised before: nothing changed)."""
 
     @property
     def error(self) -> Exception: ...
     @property
+    def call(self) -> str: ...
+    @property
     def req_id(self) -> str: ...
     @property
     def is_store(self) -> bool: ...
+    @property
+    def completion(self) -> bool: ...
     @property
     def keys(self) -> tuple[OffloadKey, ...]: ...
 
@@ -592,24 +600,26 @@ def manager_error_violation(
     checked: bool,
     live_jobs: Callable[[str], Iterable[LiveJob]],
 ) -> str | None:
-    """INV-MGR-ERROR on one ``update_connector_output`` during which the manager raised
-    ``injected`` from completions (each after it had applied the completion).
+    """INV-MGR-ERROR on one ``update_connector_output``, the manager having raised
+    ``injected`` since the last one: from completions during the call (each after it had
+    applied the completion) or from ``prepare_store`` in the step's ``build_connector_meta``
+    (nothing changed), which this call raises.
 
     ``raised`` is what the call raised (None: it returned), ``counted`` how much the
-    scheduler's ``manager_errors`` counter grew, ``checked`` whether the scheduler runs in
-    checked mode, ``live_jobs(req_id)`` the request's jobs still in flight after the call.
+    scheduler's ``manager_errors`` counter grew since the last call, ``checked`` whether the
+    scheduler runs in checked mode, ``live_jobs(req_id)`` the request's jobs still in flight
+    after the call.
     """
     if not injected:
         return None
     first = injected[0]
     what = (
-        f"INV-MGR-ERROR: the manager raised {len(injected)} time(s) while jobs completed "
-        f"(first: {'complete_store' if first.is_store else 'complete_load'} for request "
-        f"{first.req_id!r}, {type(first.error).__name__})"
+        f"INV-MGR-ERROR: the manager raised {len(injected)} time(s) (first: {first.call} "
+        f"for request {first.req_id!r}, {type(first.error).__name__})"
     )
     problems: list[str] = []
     for inj in injected:
-        if any(
+        if inj.completion and any(
             job.is_store == inj.is_store and tuple(job.keys) == inj.keys
             for job in live_jobs(inj.req_id)
         ):

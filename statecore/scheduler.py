@@ -428,8 +428,9 @@ class OffloadingScheduler:
         self._batch = _StepBatch()
         self._awaiting_signal: dict[str, RequestRecord] = {}
         # errors a manager raised while a job completed (the completion was applied all the
-        # same), raised when the public call that completed it has applied everything else
-        self._manager_failures: list[tuple[Exception, JobRecord]] = []
+        # same) or while build_connector_meta offered a store (taken as no room), each with
+        # what raised it; raised by update_connector_output once it applied everything else
+        self._manager_failures: list[tuple[Exception, str]] = []
         # Requests whose store cap is below their store floor (no chunk can become storable,
         # e.g. a prompt-only request whose prompt is stored): their columnar entries without
         # new blocks are skipped. Left when the floor is reset (allocation, preemption,
@@ -901,6 +902,12 @@ class OffloadingScheduler:
         ids), ``manager.on_schedule_end``, flush preempted requests, flush jobs fenced on any
         block handed out this step, build store jobs (running requests, then finished ones),
         then signal finished requests to the manager.
+
+        A manager whose ``prepare_store`` raises (a typed error changes nothing) does not
+        stop the step: that offer is taken as no room (retried next step, cursors untouched),
+        the error is counted (``manager_errors``) and, when it is untyped or checked mode is
+        on, raised by the next :meth:`update_connector_output`, after it applied its report.
+        The step's metadata is whole either way.
         """
         validate.scheduler_output(output, self._n_groups, self._where)
         batch = self._batch
@@ -1161,7 +1168,15 @@ class OffloadingScheduler:
         if not offer:
             self._advance(rec, storable)
             return
-        out = self.manager.prepare_store(offer, rec.ctx)
+        try:
+            out = self.manager.prepare_store(offer, rec.ctx)
+        except Exception as exc:  # as no room (retried next step), raised after the step
+            self._manager_error(
+                exc,
+                f"build_connector_meta: the manager's prepare_store for request {rec.req_id!r}",
+                "(taken as no room; the offer is retried next step)",
+            )
+            return
         if out is None:
             self.counters.allocation_failures += 1
             return  # retried next step, cursors untouched
@@ -1278,7 +1293,8 @@ class OffloadingScheduler:
         checked mode, raised once the whole report is applied; any other exception (a bug in
         the manager) is counted and raised as a :class:`~statecore.errors.ManagerError` naming
         the job, in either mode. The loads that finished in such a call are reported by the
-        next call.
+        next call. What the manager raised from ``prepare_store`` during the step's
+        :meth:`build_connector_meta` is raised here the same way.
 
         Duplicates: a count-only report delivered twice cannot be told from two workers'
         reports. Workers that set ``WorkerMetadata.rank`` (as :class:`~statecore.OffloadingWorker`
@@ -1321,24 +1337,32 @@ class OffloadingScheduler:
         self._invalid_blocks.clear()
         return result
 
+    def _manager_error(self, exc: Exception, what: str, then: str) -> None:
+        """A manager call raised ``exc`` inside a hook that goes on as if it had not
+        (``what`` raised it, ``then`` says what the hook did instead): counted in
+        ``manager_errors``; kept for :meth:`_raise_manager_failures` when it is untyped (a
+        manager's bug) or checked mode is on."""
+        self.counters.manager_errors += 1
+        if self.checked or not isinstance(exc, ManagerError):
+            self._manager_failures.append(
+                (exc, f"{what} raised {type(exc).__name__}: {exc} {then}")
+            )
+
     def _raise_manager_failures(self) -> None:
-        """Raise what the manager raised while this call completed jobs, now that every
-        completion of the call is applied (the jobs ended, their requests moved on): a
+        """Raise what the manager raised while this call completed jobs (every completion of
+        the call is applied: the jobs ended, their requests moved on) or while the step's
+        ``build_connector_meta`` offered stores (each taken as no room): a
         :class:`~statecore.errors.ManagerError` as it is, anything else as a
-        :class:`~statecore.errors.ManagerError` naming the job (the original as its cause);
-        further failures are notes on the first. The loads that finished stay to be reported
-        by the next ``update_connector_output``."""
+        :class:`~statecore.errors.ManagerError` naming the call and the job or request (the
+        original as its cause); further failures are notes on the first. The loads that
+        finished stay to be reported by the next ``update_connector_output``."""
         failures, self._manager_failures = self._manager_failures, []
         errors: list[Exception] = []
-        for exc, job in failures:
+        for exc, what in failures:
             if isinstance(exc, ManagerError):
                 errors.append(exc)
                 continue
-            call = "complete_store" if job.is_store else "complete_load"
-            wrapped = ManagerError(
-                f"update_connector_output: job {job.job_id} of request {job.req.req_id!r}: "
-                f"the manager's {call} raised {type(exc).__name__}: {exc} (the job was ended)"
-            )
+            wrapped = ManagerError(what)
             wrapped.__cause__ = exc
             errors.append(wrapped)
         first = errors[0]
@@ -1542,13 +1566,14 @@ class OffloadingScheduler:
                 self.manager.complete_store(job.keys, rec.ctx, success)
             elif not job.carried:  # a carried load's keys went with the reset
                 self.manager.complete_load(job.keys, rec.ctx)
-        except ManagerError as exc:  # counted; checked mode raises it after the call
-            c.manager_errors += 1
-            if self.checked:
-                self._manager_failures.append((exc, job))
-        except Exception as exc:  # a manager's own bug: raised (typed) after the call
-            c.manager_errors += 1
-            self._manager_failures.append((exc, job))
+        except Exception as exc:  # the completion goes on; raised after the call
+            call = "complete_store" if job.is_store else "complete_load"
+            self._manager_error(
+                exc,
+                f"update_connector_output: job {job.job_id} of request {rec.req_id!r}: "
+                f"the manager's {call}",
+                "(the job was ended)",
+            )
         if not job.is_store:
             loading = self._loading_keys
             if loading is not None and not job.carried:

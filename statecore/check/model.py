@@ -20,7 +20,9 @@ The environment's moves are :data:`Action` tuples, applied by :meth:`World.apply
   again), ``("over", job)`` (a count-only report, without rank masks, claims one more
   completion than the job still waits for); in a scope with ``manager_errors``,
   ``("okerr", rank, job, typed)`` (the report is delivered and the manager raises from the
-  completion it causes, after applying it: a typed ``ManagerError`` or an untyped exception);
+  completion it causes, after applying it: a typed ``ManagerError`` or an untyped exception)
+  and ``("steperr", typed)`` (an engine step in which the manager's first completion or
+  ``prepare_store`` raises; a ``prepare_store`` raises before it changes anything);
 * ``("jump",)``: the clock passes the stall timeout and the stall check runs;
   ``("reset",)``: the operator calls ``reset_cache``.
 
@@ -132,8 +134,9 @@ class Scope:
             double) below the CPU tier.
         redis_known_keys: the shared tier's ``max_known_keys`` (None: the tier's default); a
             bound below the lookups the requests have pending makes their answers compete.
-        manager_errors: the manager may raise from a completion after applying it, typed or
-            untyped (``("okerr", rank, job, typed)``, a fault; INV-MGR-ERROR).
+        manager_errors: the manager may raise from a completion after applying it, or from
+            a ``prepare_store`` before changing anything, typed or untyped (``("okerr", rank,
+            job, typed)`` and ``("steperr", typed)``, faults; INV-MGR-ERROR).
         description: one line for the docs.
     """
 
@@ -511,6 +514,8 @@ class World:
                     if self.scope.manager_errors:
                         out += [("okerr", rank, job_id, True), ("okerr", rank, job_id, False)]
         if faults_left:
+            if self.scope.manager_errors:
+                out += [("steperr", True), ("steperr", False)]
             for rep in self.delivered:
                 out.append(("dup", *rep))
             for job_id in s.jobs:
@@ -550,6 +555,8 @@ class World:
         kind = action[0]
         if kind == "step":
             self.step()
+        elif kind == "steperr":
+            self._armed("typed" if action[1] else "untyped", self.step)
         elif kind == "jump":
             self.jump()
         elif kind == "arrive":
@@ -631,17 +638,27 @@ class World:
             return
         if kind == "late":
             self.jump()
-        obs = self.observed
-        fired = obs.injected_total
-        obs.fail_next = manager_error
-        self.feed(meta)
-        obs.fail_next = None
-        if obs.injected_total != fired:
-            self.faults += 1
+        if manager_error is None:
+            self.feed(meta)
+        else:
+            self._armed(manager_error, self.feed, meta)
         for j in meta.completed:
             self.delivered.append((rank, j, True))
         for j in meta.failed:
             self.delivered.append((rank, j, False))
+
+    def _armed(self, kind: str, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` with the manager's next completion or ``prepare_store`` raising
+        ``kind``; a fault of the trace only when it did."""
+        obs = self.observed
+        fired = obs.injected_total
+        obs.fail_next = kind
+        try:
+            fn(*args)
+        finally:
+            obs.fail_next = None
+        if obs.injected_total != fired:
+            self.faults += 1
 
     def duplicate(self, rank: int, job_id: int, ok: bool) -> None:
         """A delivered report arrives again. It spends a fault only when it changed the state:
@@ -1420,6 +1437,8 @@ def format_action(action: Action) -> str:
         "ok": "rank {1} completes job {2}, report delivered",
         "okerr": "rank {1} completes job {2}, report delivered; the manager raises from the "
         "completion (typed={3})",
+        "steperr": "engine step in which the manager's first completion or prepare_store "
+        "raises (typed={1})",
         "fail": "rank {1} fails job {2} (garbage written), failure reported",
         "lose": "rank {1} completes job {2}, the report is lost",
         "late": "rank {1} completes job {2}, the report arrives after the stall timeout",

@@ -67,9 +67,9 @@ __all__ = [
     "GROUP_PRESETS",
     "ConnectorLike",
     "EngineStats",
-    "InjectedCompletionError",
     "InjectedManagerBug",
     "InjectedManagerError",
+    "InjectedManagerFault",
     "ObservedManager",
     "RankStack",
     "SimClock",
@@ -331,14 +331,13 @@ def update_observed(
 ) -> tuple[Any, Exception | None, str | None]:
     """``conn.update_connector_output(meta)`` with INV-MGR-ERROR
     (:func:`statecore.specs.invariants.manager_error_violation`) over the manager errors
-    ``obs`` injected during the call.
+    ``obs`` injected since the last such call (during it, or from ``prepare_store`` in the
+    step's ``build_connector_meta``: those are raised by this call).
 
     Returns the call's result (None when it raised), what it raised that no injected error
     explains (for the caller's own error accounting) and the violation (or None).
     """
     counters = getattr(conn, "counters", None)
-    before = counters.manager_errors if counters is not None else 0
-    obs.injected.clear()
     raised: Exception | None = None
     result: Any = None
     try:
@@ -346,6 +345,10 @@ def update_observed(
     except Exception as exc:
         raised = exc
     injected, obs.injected = obs.injected, []
+    before, obs.errors_counted = (
+        obs.errors_counted,
+        counters.manager_errors if counters is not None else 0,
+    )
     if not injected:
         return result, raised, None
     inv = _oracles()
@@ -353,7 +356,7 @@ def update_observed(
     bad = inv.manager_error_violation(
         injected,
         raised,
-        (counters.manager_errors if counters is not None else 0) - before,
+        obs.errors_counted - before,
         bool(getattr(conn, "checked", False)),
         lambda rid: [j for j in jobs.values() if j.req.req_id == rid],
     )
@@ -370,13 +373,31 @@ class InjectedManagerBug(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class InjectedCompletionError:
-    """One manager error injected into a completion, after the manager applied it."""
+class InjectedManagerFault:
+    """One manager error injected by :class:`ObservedManager`.
+
+    Attributes:
+        error: what was raised.
+        call: ``complete_store`` or ``complete_load`` (raised after the manager applied the
+            completion) or ``prepare_store`` (raised before: nothing changed).
+        req_id: the request of the call.
+        keys: the keys of the call.
+    """
 
     error: Exception
+    call: str
     req_id: str
-    is_store: bool
     keys: tuple[OffloadKey, ...]
+
+    @property
+    def is_store(self) -> bool:
+        """Whether the call concerns a store (``complete_store`` or ``prepare_store``)."""
+        return self.call != "complete_load"
+
+    @property
+    def completion(self) -> bool:
+        """Whether the call completes a job."""
+        return self.call.startswith("complete_")
 
 
 class ObservedManager:
@@ -386,12 +407,14 @@ class ObservedManager:
     ``prepare_store`` that answered, stored or declined, or found by ``lookup``), for
     INV-STORE-COMPLETE.
 
-    It is also the world's manager-error fault (INV-MGR-ERROR): ``complete_store`` and
-    ``complete_load`` forward to the manager and then, when :attr:`fail_next` is set (once)
-    or a draw of ``fault_rng`` falls under ``fault_rate``, raise: an
-    :class:`InjectedManagerError` (typed) or an :class:`InjectedManagerBug` (untyped). The
-    manager has applied the completion, so a scheduler that ends the job anyway leaves
-    nothing behind; what was raised waits in :attr:`injected` for the engine's oracle.
+    It is also the world's manager-error fault (INV-MGR-ERROR): when :attr:`fail_next` is set
+    (for one call) or a draw of ``fault_rng`` falls under ``fault_rate``, a
+    ``complete_store`` or ``complete_load`` forwards to the manager and then raises, and a
+    ``prepare_store`` raises without forwarding (a typed error of a call that allocates
+    changes nothing): an :class:`InjectedManagerError` (typed) or an
+    :class:`InjectedManagerBug` (untyped). Either way the manager's state is whole, so a
+    scheduler that goes on as it should leaves nothing behind; what was raised waits in
+    :attr:`injected` for the engine's oracle.
     """
 
     def __init__(
@@ -407,33 +430,38 @@ class ObservedManager:
         self.fault_rng = fault_rng
         self.fault_rate = fault_rate
         self.fail_next: str | None = None
-        """``"typed"`` or ``"untyped"``: the next completion raises that kind (then None)."""
-        self.injected: list[InjectedCompletionError] = []
-        """Errors raised from completions since the engine last took them."""
+        """``"typed"`` or ``"untyped"``: the next ``complete_store``, ``complete_load`` or
+        ``prepare_store`` raises that kind (then None)."""
+        self.injected: list[InjectedManagerFault] = []
+        """Errors raised since the engine last took them."""
         self.injected_total = 0
+        self.injected_by_call: dict[str, int] = {}
+        """How many errors were injected into each call (``prepare_store``, ...)."""
+        self.errors_counted = 0
+        """The scheduler's ``manager_errors`` when the engine last took :attr:`injected`."""
 
     def complete_store(self, keys: Sequence[OffloadKey], ctx: Any, success: bool = True) -> None:
         """Forward; then maybe raise (the manager-error fault)."""
         self._inner.complete_store(keys, ctx, success)
-        self._maybe_fail(keys, ctx, is_store=True)
+        self._maybe_fail("complete_store", keys, ctx)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: Any) -> None:
         """Forward; then maybe raise (the manager-error fault)."""
         self._inner.complete_load(keys, ctx)
-        self._maybe_fail(keys, ctx, is_store=False)
+        self._maybe_fail("complete_load", keys, ctx)
 
-    def _maybe_fail(self, keys: Sequence[OffloadKey], ctx: Any, is_store: bool) -> None:
+    def _maybe_fail(self, call: str, keys: Sequence[OffloadKey], ctx: Any) -> None:
         kind, self.fail_next = self.fail_next, None
         rng = self.fault_rng
         if kind is None and rng is not None and rng.random() < self.fault_rate:
             kind = "typed" if rng.random() < 0.5 else "untyped"
         if kind is None:
             return
-        call = "complete_store" if is_store else "complete_load"
         what = f"{call} for request {ctx.req_id!r} ({len(keys)} keys): injected fault"
         exc: Exception = InjectedManagerError(what) if kind == "typed" else InjectedManagerBug(what)
-        self.injected.append(InjectedCompletionError(exc, ctx.req_id, is_store, tuple(keys)))
+        self.injected.append(InjectedManagerFault(exc, call, ctx.req_id, tuple(keys)))
         self.injected_total += 1
+        self.injected_by_call[call] = self.injected_by_call.get(call, 0) + 1
         raise exc
 
     def __getattr__(self, name: str) -> Any:
@@ -443,8 +471,14 @@ class ObservedManager:
         return getattr(self._inner, name)
 
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: Any) -> Any:
-        """Forward, then check INV-EVICT against the offered keys."""
+        """Maybe raise (the manager-error fault, nothing changed); else forward, then check
+        INV-EVICT against the offered keys."""
         offered = list(keys)
+        try:
+            self._maybe_fail("prepare_store", offered, ctx)
+        except Exception:
+            self.refused.update(offered)  # as no room: the scheduler must offer them again
+            raise
         out = self._inner.prepare_store(offered, ctx)
         self.calls += 1
         if out is None:  # no room now: the scheduler must offer them again later

@@ -295,6 +295,17 @@ def _complete_swallowing_errors(self: OffloadingScheduler, job: Any, success: bo
         self.manager = manager
 
 
+_real_manager_error = OffloadingScheduler._manager_error
+
+
+def _manager_error_escaping_prepare_store(
+    self: OffloadingScheduler, exc: Exception, what: str, then: str
+) -> None:
+    if "prepare_store" in what:
+        raise exc  # out of build_connector_meta, mid-step: the step's metadata is lost
+    _real_manager_error(self, exc, what, then)
+
+
 def _mutant(
     name: str, description: str, bug_class: str, *patches: tuple[Any, str, Any]
 ) -> tuple[str, Mutant]:
@@ -342,6 +353,14 @@ MUTANTS: dict[str, Mutant] = dict(
             "never raised",
             "INV-MGR-ERROR: a tolerated error that nothing counts (a manager's bug goes unseen)",
             (OffloadingScheduler, "complete_job", _complete_swallowing_errors),
+        ),
+        _mutant(
+            "prepare_store_error_escapes",
+            "an error the manager raises from prepare_store leaves build_connector_meta at "
+            "once: the step's metadata is lost, the error goes into the engine",
+            "INV-MGR-ERROR: one manager error in one request's store offer fails the engine "
+            "step (vLLM: the engine)",
+            (OffloadingScheduler, "_manager_error", _manager_error_escaping_prepare_store),
         ),
         _mutant(
             "quorum_of_one",

@@ -325,21 +325,21 @@ def test_reset_rewinds_a_running_request_to_chunk_0(policy: OffloadPolicy) -> No
 
 
 class _ErrorLeavesAViolation(RecordingManager):
-    """Its second ``prepare_store`` breaks the scheduler's state, then raises a typed error
+    """Its second ``lookup_many`` breaks the scheduler's state, then raises a typed error
     (a stand-in for any call interrupted half-way)."""
 
     sched: OffloadingScheduler | None = None
-    stores: int = 0
+    lookups: int = 0
 
-    def prepare_store(self, keys, ctx):  # type: ignore[no-untyped-def]
-        out = super().prepare_store(keys, ctx)
-        self.stores += 1
-        if self.stores < 2:
+    def lookup_many(self, keys, ctx, stop_at_miss=False):  # type: ignore[no-untyped-def]
+        out = super().lookup_many(keys, ctx, stop_at_miss)
+        self.lookups += 1
+        if self.lookups < 2:
             return out
         assert self.sched is not None
         for job in self.sched.jobs.values():
             job.pending = 0  # INV-QUORUM: a live job nobody waits for
-        raise UnknownKeyError(keys[0], "prepare_store")
+        raise UnknownKeyError(keys[0], "lookup")
 
 
 def test_checked_mode_reports_the_call_error_first_and_keeps_the_violation() -> None:
@@ -353,8 +353,8 @@ def test_checked_mode_reports_the_call_error_first_and_keeps_the_violation() -> 
     h.add("a", list(range(8)))
     h.add("b", list(range(50, 58)))
     prefill(h, "a")
-    with pytest.raises(UnknownKeyError, match="prepare_store") as err:
-        prefill(h, "b")
+    with pytest.raises(UnknownKeyError, match="lookup") as err:
+        h.admit("b")
     (note,) = err.value.__notes__
     assert note.startswith("checked mode: after this error, InvariantViolation: INV-QUORUM")
     with pytest.raises(InvariantViolation, match="INV-QUORUM"):  # no error: the violation

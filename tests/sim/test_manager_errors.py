@@ -25,9 +25,9 @@ from statecore.keys import make_offload_key
 from statecore.manager import ReqContext
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.sim.engine import (
-    InjectedCompletionError,
     InjectedManagerBug,
     InjectedManagerError,
+    InjectedManagerFault,
     ObservedManager,
     SimConfig,
 )
@@ -57,7 +57,7 @@ def test_observed_manager_applies_the_completion_then_raises(kind: str) -> None:
     assert cpu.is_ready(KEY), "the manager applied the completion before the error"
     assert obs.fail_next is None and obs.injected_total == 1
     (inj,) = obs.injected
-    assert (inj.req_id, inj.is_store, inj.keys) == ("r1", True, (KEY,))
+    assert (inj.call, inj.req_id, inj.is_store, inj.keys) == ("complete_store", "r1", True, (KEY,))
     assert isinstance(inj.error, ManagerError) == (kind == "typed")
     obs.prepare_load([KEY], ctx)
     obs.complete_load([KEY], ctx)  # unarmed and no rate: forwards only
@@ -65,16 +65,19 @@ def test_observed_manager_applies_the_completion_then_raises(kind: str) -> None:
 
 
 def test_observed_manager_draws_its_rate_from_its_own_stream() -> None:
-    obs = ObservedManager(CPUOffloadingManager(4), random.Random(3), 1.0)
+    cpu = CPUOffloadingManager(4)
+    obs = ObservedManager(cpu, random.Random(3), 1.0)
     ctx = ReqContext("r1")
-    _stored(obs, ctx)
+    _stored(cpu, ctx)
     with pytest.raises((InjectedManagerError, InjectedManagerBug)):
         obs.complete_store([KEY], ctx, False)
-    assert obs.injected_total == 1
+    with pytest.raises((InjectedManagerError, InjectedManagerBug)):
+        obs.prepare_store([KEY], ctx)
+    assert obs.injected_total == 2
 
 
-def _inj(error: Exception, is_store: bool = True) -> InjectedCompletionError:
-    return InjectedCompletionError(error, "r1", is_store, (KEY,))
+def _inj(error: Exception, call: str = "complete_store") -> InjectedManagerFault:
+    return InjectedManagerFault(error, call, "r1", (KEY,))
 
 
 def _job(is_store: bool = True) -> Any:
@@ -126,8 +129,22 @@ def test_oracle_names_each_breach(
 
 
 def test_oracle_matches_a_live_job_by_direction_and_keys() -> None:
-    inj = [_inj(InjectedManagerError("x"), is_store=True)]
+    inj = [_inj(InjectedManagerError("x"))]
     assert manager_error_violation(inj, None, 1, False, lambda rid: [_job(False)]) is None
+    # a prepare_store that raised made no job: a live store of those keys is another one's
+    inj = [_inj(InjectedManagerError("x"), "prepare_store")]
+    assert manager_error_violation(inj, None, 1, False, lambda rid: [_job()]) is None
+
+
+@pytest.mark.parametrize("kind", ["typed", "untyped"])
+def test_observed_manager_fails_a_prepare_store_before_it_changes_anything(kind: str) -> None:
+    cpu = CPUOffloadingManager(4)
+    obs = ObservedManager(cpu)
+    obs.fail_next = kind
+    with pytest.raises(InjectedManagerError if kind == "typed" else InjectedManagerBug):
+        obs.prepare_store([KEY], ReqContext("r1"))
+    assert cpu.counters().keys == 0 and obs.injected[0].call == "prepare_store"
+    assert not obs.injected[0].completion
 
 
 def _scenario(kind: int, checked: bool = False) -> StackHarness:
@@ -149,11 +166,44 @@ def _scenario(kind: int, checked: bool = False) -> StackHarness:
     return h
 
 
+def _store_scenario(kind: int, checked: bool = False) -> StackHarness:
+    """The manager raises from the first prepare_store of a step (two requests offer
+    stores in it); the stack runs on and drains."""
+    h = StackHarness(dataclasses.replace(StackHarness.config, checked=checked))
+    h.new_request(0, 5, 2, False, False)
+    h.new_request(1, 5, 2, False, False)
+    h.manager_error(kind)
+    for _ in range(6):
+        h.step()
+        h.check()
+        while h.outstanding:
+            h.deliver(0)
+            h.check()
+    h.drain_and_check()
+    return h
+
+
+@pytest.mark.parametrize("checked", [False, True])
+@pytest.mark.parametrize("kind", [0, 1])
+def test_a_prepare_store_error_is_no_room_and_the_step_goes_on(kind: int, checked: bool) -> None:
+    h = _store_scenario(kind, checked)
+    obs, c = h.stack.observed, h.stack.scheduler.counters
+    assert obs.injected_by_call == {"prepare_store": 1} and c.manager_errors == 1
+    assert c.jobs_completed > 0  # the offer was retried and stored
+
+
+@pytest.mark.parametrize("kind", [0, 1])
+def test_the_escaping_prepare_store_mutant_breaks_the_scenario(kind: int) -> None:
+    with MUTANTS["prepare_store_error_escapes"].apply(), pytest.raises(InvariantViolation):
+        _store_scenario(kind)
+
+
 @pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("kind", [0, 1])
 def test_a_manager_error_mid_completion_ends_the_job(kind: int, checked: bool) -> None:
     h = _scenario(kind, checked)
-    assert h.stack.observed.injected_total == 1
+    assert sum(h.stack.observed.injected_by_call.values()) == 1
+    assert "prepare_store" not in h.stack.observed.injected_by_call
     assert h.stack.scheduler.counters.manager_errors == 1
 
 
