@@ -480,11 +480,13 @@ INVARIANTS: dict[str, Invariant] = {
             "INV-MGR-ERROR",
             "A manager that raises while a job completes (complete_store/complete_load) does "
             "not leave the job half-ended: the job ends, its request moves on and the rest of "
-            "the report is applied. One whose prepare_store raises does not stop "
-            "build_connector_meta: the offer is taken as no room, the step's metadata is "
-            "whole. Every such error is counted (manager_errors) and reaches the engine as a "
-            "ManagerError from update_connector_output, once its report is applied, when it "
-            "was untyped or checked mode is on, and not at all otherwise.",
+            "the report is applied. One whose prepare_store, lookup_many, on_schedule_end or "
+            "on_request_finished raises does not stop its hook: the offer is taken as no "
+            "room, the lookup as no hit, the finish notice as delivered, the step goes on "
+            "and its metadata is whole. Every such error is counted (manager_errors) and "
+            "reaches the engine as a ManagerError from update_connector_output, once its "
+            "report is applied, when it was untyped or checked mode is on, and not at all "
+            "otherwise.",
             "A job stuck in flight with its fences (the request hangs, its blocks stay "
             "fenced), a step's metadata lost, or an untyped exception into the engine, after "
             "one manager error.",
@@ -557,9 +559,8 @@ def events_violation(
 
 
 class InjectedError(Protocol):
-    """One manager error injected by the world (its record of it): from a completion
-    (``complete_store``/``complete_load``, raised after the manager applied it) or from
-    ``prepare_store`` (raised before: nothing changed)."""
+    """One manager error injected by the world (its record of it): ``call`` names the
+    manager call (``complete_store``, ``complete_load``, ``prepare_store``, ...)."""
 
     @property
     def error(self) -> Exception: ...
@@ -602,8 +603,8 @@ def manager_error_violation(
 ) -> str | None:
     """INV-MGR-ERROR on one ``update_connector_output``, the manager having raised
     ``injected`` since the last one: from completions during the call (each after it had
-    applied the completion) or from ``prepare_store`` in the step's ``build_connector_meta``
-    (nothing changed), which this call raises.
+    applied the completion) or from the step's other calls (a store offer, lookup or
+    schedule end that changed nothing, a finish notice applied), which this call raises.
 
     ``raised`` is what the call raised (None: it returned), ``counted`` how much the
     scheduler's ``manager_errors`` counter grew since the last call, ``checked`` whether the

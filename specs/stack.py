@@ -17,8 +17,9 @@ Hypothesis chooses (and shrinks) the interleaving:
   delivered report, a stale report (a job of an epoch before the last reset), a report for a
   never-issued id, a count-only over-report for a live job, and advance the clock past the
   stall timeout;
-* the manager raises from the next job completion, after it applied it (typed or untyped:
-  INV-MGR-ERROR).
+* the manager's next call of one kind raises, typed or untyped (INV-MGR-ERROR): a job
+  completion (after it applied it), a store offer, a lookup, a schedule end (before it
+  changed anything) or a request's finish (after).
 
 The stack is hybrid by default (a full-attention and a sliding-window KV group, see
 :data:`statecore.sim.engine.GROUP_PRESETS`), freed GPU blocks are reused first, and the
@@ -58,7 +59,24 @@ from statecore.sim.run import SimStack, attach_store_oracle, leaks
 from statecore.sim.workload import Turn, WorkloadConfig
 from statecore.wire import WorkerMetadata
 
-__all__ = ["STACK_CONFIG", "ManualChannel", "Report", "StackHarness", "StackMachine", "TestStack"]
+__all__ = [
+    "MANAGER_ERROR_TARGETS",
+    "STACK_CONFIG",
+    "ManualChannel",
+    "Report",
+    "StackHarness",
+    "StackMachine",
+    "TestStack",
+]
+
+MANAGER_ERROR_TARGETS: tuple[frozenset[str], ...] = (
+    frozenset({"complete_store", "complete_load"}),
+    frozenset({"prepare_store"}),
+    frozenset({"lookup_many"}),
+    frozenset({"on_schedule_end"}),
+    frozenset({"on_request_finished"}),
+)
+"""What :meth:`StackHarness.manager_error` arms, by ``(i >> 1) % 5``."""
 
 STACK_CONFIG = SimConfig(
     seed=7,
@@ -343,10 +361,15 @@ class StackHarness:
         self.engine.feed(None)
 
     def manager_error(self, i: int) -> None:
-        """The manager raises from the next job completion, after applying it: a typed
-        ``ManagerError`` (even ``i``) or an untyped exception, a manager's bug (odd ``i``)."""
+        """The manager's next call of one kind raises: a typed ``ManagerError`` (even ``i``)
+        or an untyped exception, a manager's bug (odd ``i``); the kind is
+        ``MANAGER_ERROR_TARGETS[(i >> 1) % 5]`` (a completion, after the manager applied it;
+        a store offer, a lookup or a schedule end, before it changed anything; a request's
+        finish, after)."""
         self.ops += 1
-        self.stack.observed.fail_next = "untyped" if i & 1 else "typed"
+        obs = self.stack.observed
+        obs.fail_next = "untyped" if i & 1 else "typed"
+        obs.fail_calls = MANAGER_ERROR_TARGETS[(i >> 1) % len(MANAGER_ERROR_TARGETS)]
 
     # -- checks --------------------------------------------------------------------------------
 
@@ -506,9 +529,9 @@ class StackMachine(RuleBasedStateMachine):
         StackMachine.steps_run += 1
         self.h.advance_clock()
 
-    @rule(i=st.integers(0, 1))
+    @rule(i=st.integers(0, 9))
     def manager_error(self, i: int) -> None:
-        """The manager raises from the next completion (typed or untyped)."""
+        """The manager's next call of one kind raises (typed or untyped)."""
         StackMachine.steps_run += 1
         self.h.manager_error(i)
 

@@ -592,6 +592,9 @@ class OffloadingScheduler:
 
         A lookup changes no block list and no store cursor: the allocation that follows it
         (:meth:`update_state_after_alloc`) does. Calling it for a running request only answers.
+        A manager whose ``lookup_many`` raises makes the answer ``(0, False)`` (nothing to
+        load: the request computes); the error is counted (``manager_errors``) and, when it
+        is untyped or checked mode is on, raised by the next :meth:`update_connector_output`.
 
         Raises :class:`~statecore.errors.LifecycleError` for a finished request and
         :class:`~statecore.errors.InvalidMetadataError` for a malformed request view or
@@ -726,11 +729,22 @@ class OffloadingScheduler:
                 if end <= start:  # (start + 1) * tpc > num_computed: nothing loadable
                     return 0
                 window = self._window[g]
-                if window is None:  # (up to and with the first miss)
-                    results = lookup_many(keys[start:end], ctx, True)
+                try:
+                    if window is None:  # (up to and with the first miss)
+                        results = lookup_many(keys[start:end], ctx, True)
+                    else:
+                        results = lookup_many(keys[start:end], ctx)
+                except Exception as exc:  # answered as no hit; raised after the step
+                    self._manager_error(
+                        exc,
+                        f"get_num_new_matched_tokens: the manager's lookup_many for request "
+                        f"{rec.req_id!r}",
+                        "(answered as no hit)",
+                    )
+                    return 0
+                if window is None:
                     hits = kernels.prefix_hits(results, budget_tokens // tpc)
                 else:
-                    results = lookup_many(keys[start:end], ctx)
                     hits = kernels.window_hits(results, window)
                 if hits is None:
                     defer = True
@@ -907,14 +921,21 @@ class OffloadingScheduler:
         stop the step: that offer is taken as no room (retried next step, cursors untouched),
         the error is counted (``manager_errors``) and, when it is untyped or checked mode is
         on, raised by the next :meth:`update_connector_output`, after it applied its report.
-        The step's metadata is whole either way.
+        The step's metadata is whole either way. So are errors of ``on_schedule_end`` (the
+        step goes on) and ``on_request_finished`` (taken as delivered: it is never sent
+        twice).
         """
         validate.scheduler_output(output, self._n_groups, self._where)
         batch = self._batch
         scheduled = self._update_req_states(output)
-        self.manager.on_schedule_end(
-            ScheduleEndContext(output.new_req_ids, output.preempted_req_ids)
-        )
+        try:
+            self.manager.on_schedule_end(
+                ScheduleEndContext(output.new_req_ids, output.preempted_req_ids)
+            )
+        except Exception as exc:  # the step goes on; raised after the step
+            self._manager_error(
+                exc, "build_connector_meta: the manager's on_schedule_end", "(the step went on)"
+            )
         for req_id in output.preempted_req_ids:
             rec = self._reqs.get(req_id)
             if rec is not None and REQUEST.accepts(rec, RE_PREEMPT):
@@ -1669,9 +1690,17 @@ class OffloadingScheduler:
                 self._register_deferred_fence(job)
 
     def notify_finished(self, req: RequestRecord) -> None:
-        """Send ``on_request_finished`` to the manager, exactly once (INV-ORDER)."""
+        """Send ``on_request_finished`` to the manager, exactly once (INV-ORDER); what it
+        raises is counted and raised after the call (the request is released all the same)."""
         req.signalled = True
-        self.manager.on_request_finished(req.ctx)
+        try:
+            self.manager.on_request_finished(req.ctx)
+        except Exception as exc:
+            self._manager_error(
+                exc,
+                f"the manager's on_request_finished for request {req.req_id!r}",
+                "(taken as delivered; the request was released)",
+            )
 
     def release_request(self, req: RequestRecord) -> None:
         """Forget the request (and its sliding-window block positions)."""

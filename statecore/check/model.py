@@ -21,8 +21,9 @@ The environment's moves are :data:`Action` tuples, applied by :meth:`World.apply
   completion than the job still waits for); in a scope with ``manager_errors``,
   ``("okerr", rank, job, typed)`` (the report is delivered and the manager raises from the
   completion it causes, after applying it: a typed ``ManagerError`` or an untyped exception)
-  and ``("steperr", typed)`` (an engine step in which the manager's first completion or
-  ``prepare_store`` raises; a ``prepare_store`` raises before it changes anything);
+  and ``("steperr", call, typed)`` (an engine step in which the manager's first ``call``
+  raises: ``prepare_store``, ``lookup_many`` or ``on_schedule_end`` before it changes
+  anything, ``on_request_finished`` after);
 * ``("jump",)``: the clock passes the stall timeout and the stall check runs;
   ``("reset",)``: the operator calls ``reset_cache``.
 
@@ -135,8 +136,9 @@ class Scope:
         redis_known_keys: the shared tier's ``max_known_keys`` (None: the tier's default); a
             bound below the lookups the requests have pending makes their answers compete.
         manager_errors: the manager may raise from a completion after applying it, or from
-            a ``prepare_store`` before changing anything, typed or untyped (``("okerr", rank,
-            job, typed)`` and ``("steperr", typed)``, faults; INV-MGR-ERROR).
+            a store offer, lookup or schedule end before changing anything, or from a finish,
+            typed or untyped (``("okerr", rank, job, typed)`` and ``("steperr", call,
+            typed)``, faults; INV-MGR-ERROR).
         description: one line for the docs.
     """
 
@@ -206,6 +208,11 @@ def _tier_config(layout: TierLayout, known_keys: int | None = None) -> RedisTier
 
 
 _SERVER_ACTIONS = frozenset(("down", "up", "corrupt", "evict", "peer", "foreign"))
+
+_STEP_CALLS = ("prepare_store", "lookup_many", "on_schedule_end", "on_request_finished")
+"""The manager calls a ``("steperr", call, typed)`` step makes raise (its first one)."""
+
+_COMPLETIONS = frozenset({"complete_store", "complete_load"})
 
 
 class Clock:
@@ -515,7 +522,7 @@ class World:
                         out += [("okerr", rank, job_id, True), ("okerr", rank, job_id, False)]
         if faults_left:
             if self.scope.manager_errors:
-                out += [("steperr", True), ("steperr", False)]
+                out += [("steperr", c, t) for c in _STEP_CALLS for t in (True, False)]
             for rep in self.delivered:
                 out.append(("dup", *rep))
             for job_id in s.jobs:
@@ -556,7 +563,7 @@ class World:
         if kind == "step":
             self.step()
         elif kind == "steperr":
-            self._armed("typed" if action[1] else "untyped", self.step)
+            self._armed("typed" if action[2] else "untyped", self.step, calls={action[1]})
         elif kind == "jump":
             self.jump()
         elif kind == "arrive":
@@ -641,22 +648,24 @@ class World:
         if manager_error is None:
             self.feed(meta)
         else:
-            self._armed(manager_error, self.feed, meta)
+            self._armed(manager_error, self.feed, meta, calls=_COMPLETIONS)
         for j in meta.completed:
             self.delivered.append((rank, j, True))
         for j in meta.failed:
             self.delivered.append((rank, j, False))
 
-    def _armed(self, kind: str, fn: Callable[..., Any], *args: Any) -> None:
-        """``fn(*args)`` with the manager's next completion or ``prepare_store`` raising
-        ``kind``; a fault of the trace only when it did."""
+    def _armed(
+        self, kind: str, fn: Callable[..., Any], *args: Any, calls: set[str] | frozenset[str]
+    ) -> None:
+        """``fn(*args)`` with the manager's next call among ``calls`` raising ``kind``; a
+        fault of the trace only when it did."""
         obs = self.observed
         fired = obs.injected_total
-        obs.fail_next = kind
+        obs.fail_next, obs.fail_calls = kind, frozenset(calls)
         try:
             fn(*args)
         finally:
-            obs.fail_next = None
+            obs.fail_next, obs.fail_calls = None, None
         if obs.injected_total != fired:
             self.faults += 1
 
@@ -1437,8 +1446,7 @@ def format_action(action: Action) -> str:
         "ok": "rank {1} completes job {2}, report delivered",
         "okerr": "rank {1} completes job {2}, report delivered; the manager raises from the "
         "completion (typed={3})",
-        "steperr": "engine step in which the manager's first completion or prepare_store "
-        "raises (typed={1})",
+        "steperr": "engine step in which the manager's first {1} raises (typed={2})",
         "fail": "rank {1} fails job {2} (garbage written), failure reported",
         "lose": "rank {1} completes job {2}, the report is lost",
         "late": "rank {1} completes job {2}, the report arrives after the stall timeout",

@@ -115,7 +115,7 @@ SCOPES: dict[str, Scope] = {
             "manager",
             prompts=(_A, _B),
             manager_errors=True,
-            depth=10,
+            depth=9,
             description="two requests sharing a chunk, one worker; the manager may raise "
             "(typed or untyped) from a completion it applied",
         ),

@@ -64,6 +64,7 @@ from statecore.views import Request, ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, WorkerMetadata
 
 __all__ = [
+    "FAULTY_CALLS",
     "GROUP_PRESETS",
     "ConnectorLike",
     "EngineStats",
@@ -378,9 +379,8 @@ class InjectedManagerFault:
 
     Attributes:
         error: what was raised.
-        call: ``complete_store`` or ``complete_load`` (raised after the manager applied the
-            completion) or ``prepare_store`` (raised before: nothing changed).
-        req_id: the request of the call.
+        call: one of :data:`FAULTY_CALLS`.
+        req_id: the request of the call (empty for ``on_schedule_end``).
         keys: the keys of the call.
     """
 
@@ -392,12 +392,23 @@ class InjectedManagerFault:
     @property
     def is_store(self) -> bool:
         """Whether the call concerns a store (``complete_store`` or ``prepare_store``)."""
-        return self.call != "complete_load"
+        return self.call in ("complete_store", "prepare_store")
 
     @property
     def completion(self) -> bool:
         """Whether the call completes a job."""
         return self.call.startswith("complete_")
+
+
+FAULTY_CALLS: tuple[str, ...] = (
+    "complete_store",
+    "complete_load",
+    "prepare_store",
+    "lookup_many",
+    "on_schedule_end",
+    "on_request_finished",
+)
+"""The manager calls the manager-error fault of :class:`ObservedManager` makes raise."""
 
 
 class ObservedManager:
@@ -408,13 +419,13 @@ class ObservedManager:
     INV-STORE-COMPLETE.
 
     It is also the world's manager-error fault (INV-MGR-ERROR): when :attr:`fail_next` is set
-    (for one call) or a draw of ``fault_rng`` falls under ``fault_rate``, a
-    ``complete_store`` or ``complete_load`` forwards to the manager and then raises, and a
-    ``prepare_store`` raises without forwarding (a typed error of a call that allocates
-    changes nothing): an :class:`InjectedManagerError` (typed) or an
-    :class:`InjectedManagerBug` (untyped). Either way the manager's state is whole, so a
-    scheduler that goes on as it should leaves nothing behind; what was raised waits in
-    :attr:`injected` for the engine's oracle.
+    (for one call) or a draw of ``fault_rng`` falls under ``fault_rate``, one of
+    :data:`FAULTY_CALLS` raises: ``complete_store``, ``complete_load`` and
+    ``on_request_finished`` after forwarding to the manager, ``prepare_store``,
+    ``lookup_many`` and ``on_schedule_end`` without forwarding (nothing changed); an
+    :class:`InjectedManagerError` (typed) or an :class:`InjectedManagerBug` (untyped).
+    Either way the manager's state is whole, so a scheduler that goes on as it should leaves
+    nothing behind; what was raised waits in :attr:`injected` for the engine's oracle.
     """
 
     def __init__(
@@ -430,8 +441,10 @@ class ObservedManager:
         self.fault_rng = fault_rng
         self.fault_rate = fault_rate
         self.fail_next: str | None = None
-        """``"typed"`` or ``"untyped"``: the next ``complete_store``, ``complete_load`` or
-        ``prepare_store`` raises that kind (then None)."""
+        """``"typed"`` or ``"untyped"``: the next call of :attr:`fail_calls` raises that kind
+        (then None)."""
+        self.fail_calls: frozenset[str] | None = None
+        """The calls :attr:`fail_next` may hit (None: any of :data:`FAULTY_CALLS`)."""
         self.injected: list[InjectedManagerFault] = []
         """Errors raised since the engine last took them."""
         self.injected_total = 0
@@ -443,23 +456,45 @@ class ObservedManager:
     def complete_store(self, keys: Sequence[OffloadKey], ctx: Any, success: bool = True) -> None:
         """Forward; then maybe raise (the manager-error fault)."""
         self._inner.complete_store(keys, ctx, success)
-        self._maybe_fail("complete_store", keys, ctx)
+        self._maybe_fail("complete_store", keys, ctx.req_id)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: Any) -> None:
         """Forward; then maybe raise (the manager-error fault)."""
         self._inner.complete_load(keys, ctx)
-        self._maybe_fail("complete_load", keys, ctx)
+        self._maybe_fail("complete_load", keys, ctx.req_id)
 
-    def _maybe_fail(self, call: str, keys: Sequence[OffloadKey], ctx: Any) -> None:
-        kind, self.fail_next = self.fail_next, None
-        rng = self.fault_rng
-        if kind is None and rng is not None and rng.random() < self.fault_rate:
-            kind = "typed" if rng.random() < 0.5 else "untyped"
+    def lookup_many(self, keys: Sequence[OffloadKey], ctx: Any, until_miss: bool = False) -> Any:
+        """Maybe raise (the manager-error fault, nothing changed); else forward: a key found
+        (ready or pending) is known."""
+        self._maybe_fail("lookup_many", keys, ctx.req_id)
+        out = self._inner.lookup_many(keys, ctx, until_miss)
+        self.known.update(k for k, r in zip(keys, out, strict=False) if int(r))
+        return out
+
+    def on_schedule_end(self, ctx: Any) -> None:
+        """Maybe raise (the manager-error fault, nothing changed); else forward."""
+        self._maybe_fail("on_schedule_end", (), "")
+        self._inner.on_schedule_end(ctx)
+
+    def on_request_finished(self, ctx: Any) -> None:
+        """Forward; then maybe raise (the manager-error fault)."""
+        self._inner.on_request_finished(ctx)
+        self._maybe_fail("on_request_finished", (), ctx.req_id)
+
+    def _maybe_fail(self, call: str, keys: Sequence[OffloadKey], req_id: str) -> None:
+        kind = self.fail_next
+        if kind is not None and (self.fail_calls is None or call in self.fail_calls):
+            self.fail_next = None
+        else:
+            kind = None
+            rng = self.fault_rng
+            if rng is not None and rng.random() < self.fault_rate:
+                kind = "typed" if rng.random() < 0.5 else "untyped"
         if kind is None:
             return
-        what = f"{call} for request {ctx.req_id!r} ({len(keys)} keys): injected fault"
+        what = f"{call} for request {req_id!r} ({len(keys)} keys): injected fault"
         exc: Exception = InjectedManagerError(what) if kind == "typed" else InjectedManagerBug(what)
-        self.injected.append(InjectedManagerFault(exc, call, ctx.req_id, tuple(keys)))
+        self.injected.append(InjectedManagerFault(exc, call, req_id, tuple(keys)))
         self.injected_total += 1
         self.injected_by_call[call] = self.injected_by_call.get(call, 0) + 1
         raise exc
@@ -475,7 +510,7 @@ class ObservedManager:
         INV-EVICT against the offered keys."""
         offered = list(keys)
         try:
-            self._maybe_fail("prepare_store", offered, ctx)
+            self._maybe_fail("prepare_store", offered, ctx.req_id)
         except Exception:
             self.refused.update(offered)  # as no room: the scheduler must offer them again
             raise

@@ -79,6 +79,7 @@ MUTANT_SCOPES = {
     "manager_error_mid_completion": "manager",
     "manager_errors_swallowed": "manager",
     "prepare_store_error_escapes": "manager",
+    "lookup_and_signal_errors_escape": "manager",
 }
 """The smallest scope that can express a mutant, where known and not ``one``; a mutant not
 listed is looked for in every scope of :data:`SCOPE_ORDER` in turn."""

@@ -306,6 +306,14 @@ def _manager_error_escaping_prepare_store(
     _real_manager_error(self, exc, what, then)
 
 
+def _manager_error_escaping_lookups(
+    self: OffloadingScheduler, exc: Exception, what: str, then: str
+) -> None:
+    if "lookup_many" in what or "on_schedule_end" in what or "on_request_finished" in what:
+        raise exc  # out of the hook, mid-call, into the engine
+    _real_manager_error(self, exc, what, then)
+
+
 def _mutant(
     name: str, description: str, bug_class: str, *patches: tuple[Any, str, Any]
 ) -> tuple[str, Mutant]:
@@ -361,6 +369,15 @@ MUTANTS: dict[str, Mutant] = dict(
             "INV-MGR-ERROR: one manager error in one request's store offer fails the engine "
             "step (vLLM: the engine)",
             (OffloadingScheduler, "_manager_error", _manager_error_escaping_prepare_store),
+        ),
+        _mutant(
+            "lookup_and_signal_errors_escape",
+            "an error the manager raises from lookup_many, on_schedule_end or "
+            "on_request_finished leaves the hook at once, into the engine",
+            "INV-MGR-ERROR: one manager error in a lookup, a schedule end or a finish "
+            "notice fails the engine (before this session every manager call but the "
+            "completions could)",
+            (OffloadingScheduler, "_manager_error", _manager_error_escaping_lookups),
         ),
         _mutant(
             "quorum_of_one",

@@ -325,21 +325,16 @@ def test_reset_rewinds_a_running_request_to_chunk_0(policy: OffloadPolicy) -> No
 
 
 class _ErrorLeavesAViolation(RecordingManager):
-    """Its second ``lookup_many`` breaks the scheduler's state, then raises a typed error
+    """Its first ``prepare_load`` breaks the scheduler's state, then raises a typed error
     (a stand-in for any call interrupted half-way)."""
 
     sched: OffloadingScheduler | None = None
-    lookups: int = 0
 
-    def lookup_many(self, keys, ctx, stop_at_miss=False):  # type: ignore[no-untyped-def]
-        out = super().lookup_many(keys, ctx, stop_at_miss)
-        self.lookups += 1
-        if self.lookups < 2:
-            return out
+    def prepare_load(self, keys, ctx):  # type: ignore[no-untyped-def]
         assert self.sched is not None
         for job in self.sched.jobs.values():
             job.pending = 0  # INV-QUORUM: a live job nobody waits for
-        raise UnknownKeyError(keys[0], "lookup")
+        raise UnknownKeyError(keys[0], "prepare_load")
 
 
 def test_checked_mode_reports_the_call_error_first_and_keeps_the_violation() -> None:
@@ -350,11 +345,12 @@ def test_checked_mode_reports_the_call_error_first_and_keeps_the_violation() -> 
     h = Harness(manager, config())
     h.sched = OffloadingScheduler(h.config, h.manager, h.clock, checked=True)
     manager.sched = h.sched
-    h.add("a", list(range(8)))
+    offloaded(h, "a", list(range(8)))  # stored: "b" below loads it
     h.add("b", list(range(50, 58)))
-    prefill(h, "a")
-    with pytest.raises(UnknownKeyError, match="lookup") as err:
-        h.admit("b")
+    prefill(h, "b")  # a store in flight (the live job the manager breaks)
+    h.add("c", list(range(8)) + [99])
+    with pytest.raises(UnknownKeyError, match="prepare_load") as err:
+        h.admit("c")
     (note,) = err.value.__notes__
     assert note.startswith("checked mode: after this error, InvariantViolation: INV-QUORUM")
     with pytest.raises(InvariantViolation, match="INV-QUORUM"):  # no error: the violation

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from statecore.specs.invariants import manager_error_violation, raised_by_injection
-from statecore.specs.stack import StackHarness
+from statecore.specs.stack import MANAGER_ERROR_TARGETS, StackHarness
 
 from statecore.errors import InvariantViolation, ManagerError
 from statecore.keys import make_offload_key
@@ -172,7 +172,7 @@ def _store_scenario(kind: int, checked: bool = False) -> StackHarness:
     h = StackHarness(dataclasses.replace(StackHarness.config, checked=checked))
     h.new_request(0, 5, 2, False, False)
     h.new_request(1, 5, 2, False, False)
-    h.manager_error(kind)
+    h.manager_error(kind | 1 << 1)  # the next prepare_store
     for _ in range(6):
         h.step()
         h.check()
@@ -256,3 +256,44 @@ def test_the_default_run_injects_manager_errors() -> None:
     assert rep.ok, rep.format_text()
     fc = rep.faults["manager_error"]
     assert fc.injected > 0 and fc.observed == fc.injected
+
+
+def _any_call_scenario(i: int, checked: bool) -> StackHarness:
+    """The manager's next call of the armed kind raises; requests look up, store, finish and
+    come back with the same prefix; the stack drains."""
+    h = StackHarness(dataclasses.replace(StackHarness.config, checked=checked))
+    h.new_request(0, 5, 1, False, False)
+    h.manager_error(i)
+    for r in range(8):
+        if r == 3:
+            h.new_request(0, 5, 1, False, False)  # the prefix the first one stored
+        h.step()
+        h.check()
+        while h.outstanding:
+            h.deliver(0)
+            h.check()
+        h.finish(0)
+        h.check()
+    h.drain_and_check()
+    return h
+
+
+@pytest.mark.parametrize("checked", [False, True])
+@pytest.mark.parametrize("kind", [0, 1])
+@pytest.mark.parametrize("target", [2, 3, 4])
+def test_lookup_schedule_end_and_finish_errors_are_tolerated(
+    target: int, kind: int, checked: bool
+) -> None:
+    """A lookup that raises answers no hit, a schedule end that raises lets the step go on, a
+    finish that raises is taken as delivered; each counted and raised as the contract says
+    (the engine's oracle checks that at the next update_connector_output)."""
+    h = _any_call_scenario(kind | target << 1, checked)
+    (call,) = MANAGER_ERROR_TARGETS[target]
+    assert h.stack.observed.injected_by_call == {call: 1}
+    assert h.stack.scheduler.counters.manager_errors == 1
+
+
+@pytest.mark.parametrize("target", [2, 3, 4])
+def test_the_escaping_lookup_and_signal_mutant_breaks_the_scenario(target: int) -> None:
+    with MUTANTS["lookup_and_signal_errors_escape"].apply(), pytest.raises(InvariantViolation):
+        _any_call_scenario(target << 1, False)
