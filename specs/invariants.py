@@ -480,10 +480,11 @@ INVARIANTS: dict[str, Invariant] = {
             "INV-MGR-ERROR",
             "A manager that raises while a job completes (complete_store/complete_load) does "
             "not leave the job half-ended: the job ends, its request moves on and the rest of "
-            "the report is applied. One whose prepare_store, lookup_many, on_schedule_end or "
-            "on_request_finished raises does not stop its hook: the offer is taken as no "
-            "room, the lookup as no hit, the finish notice as delivered, the step goes on "
-            "and its metadata is whole. Every such error is counted (manager_errors) and "
+            "the report is applied. One whose prepare_store, prepare_load, lookup_many, "
+            "on_schedule_end or on_request_finished raises does not stop its hook: the offer "
+            "is taken as no room, the load as failed before it started (its blocks reported "
+            "invalid), the lookup as no hit, the finish notice as delivered, the step goes "
+            "on and its metadata is whole. Every such error is counted (manager_errors) and "
             "reaches the engine as a ManagerError from update_connector_output, once its "
             "report is applied, when it was untyped or checked mode is on, and not at all "
             "otherwise.",

@@ -18,8 +18,8 @@ Hypothesis chooses (and shrinks) the interleaving:
   never-issued id, a count-only over-report for a live job, and advance the clock past the
   stall timeout;
 * the manager's next call of one kind raises, typed or untyped (INV-MGR-ERROR): a job
-  completion (after it applied it), a store offer, a lookup, a schedule end (before it
-  changed anything) or a request's finish (after).
+  completion (after it applied it), a store offer, a load's pinning, a lookup, a schedule
+  end (before it changed anything) or a request's finish (after).
 
 The stack is hybrid by default (a full-attention and a sliding-window KV group, see
 :data:`statecore.sim.engine.GROUP_PRESETS`), freed GPU blocks are reused first, and the
@@ -72,11 +72,12 @@ __all__ = [
 MANAGER_ERROR_TARGETS: tuple[frozenset[str], ...] = (
     frozenset({"complete_store", "complete_load"}),
     frozenset({"prepare_store"}),
+    frozenset({"prepare_load"}),
     frozenset({"lookup_many"}),
     frozenset({"on_schedule_end"}),
     frozenset({"on_request_finished"}),
 )
-"""What :meth:`StackHarness.manager_error` arms, by ``(i >> 1) % 5``."""
+"""What :meth:`StackHarness.manager_error` arms, by ``(i >> 1) % 6``."""
 
 STACK_CONFIG = SimConfig(
     seed=7,
@@ -363,9 +364,9 @@ class StackHarness:
     def manager_error(self, i: int) -> None:
         """The manager's next call of one kind raises: a typed ``ManagerError`` (even ``i``)
         or an untyped exception, a manager's bug (odd ``i``); the kind is
-        ``MANAGER_ERROR_TARGETS[(i >> 1) % 5]`` (a completion, after the manager applied it;
-        a store offer, a lookup or a schedule end, before it changed anything; a request's
-        finish, after)."""
+        ``MANAGER_ERROR_TARGETS[(i >> 1) % 6]`` (a completion, after the manager applied it;
+        a store offer, a load's pinning, a lookup or a schedule end, before it changed
+        anything; a request's finish, after)."""
         self.ops += 1
         obs = self.stack.observed
         obs.fail_next = "untyped" if i & 1 else "typed"
@@ -529,7 +530,7 @@ class StackMachine(RuleBasedStateMachine):
         StackMachine.steps_run += 1
         self.h.advance_clock()
 
-    @rule(i=st.integers(0, 9))
+    @rule(i=st.integers(0, 11))
     def manager_error(self, i: int) -> None:
         """The manager's next call of one kind raises (typed or untyped)."""
         StackMachine.steps_run += 1

@@ -794,6 +794,13 @@ class OffloadingScheduler:
         The lists are recorded as the request's fresh allocation: its next
         :class:`~statecore.views.ScheduledRequest` starts from them (see the module docstring).
 
+        A manager whose ``prepare_load`` raises (a typed error changes nothing) fails the load
+        before it starts: no job, the request is reported in the next
+        :meth:`update_connector_output`'s ``finished_loads`` with every block it was to fill
+        invalid (the engine recomputes them, or fails the request under vLLM's default
+        ``kv_load_failure_policy``); the error is counted (``manager_errors``) and, untyped
+        or in checked mode, raised by that call.
+
         Raises :class:`~statecore.errors.UnknownRequestError` for an untracked request,
         :class:`~statecore.errors.LifecycleError` when the request cannot load now (it has
         jobs in flight or finished), :class:`~statecore.errors.InvalidMetadataError` for a
@@ -852,7 +859,18 @@ class OffloadingScheduler:
             starts.append(start)
             if n_gpu > start:
                 keys.extend(gs.keys[start // bpc : end_chunk])
-        src = self.manager.prepare_load(keys, rec.ctx)  # typed error, nothing changed yet
+        try:
+            src = self.manager.prepare_load(keys, rec.ctx)  # a typed error changes nothing
+        except Exception as exc:  # the load fails at once: its blocks are reported invalid
+            self._manager_error(
+                exc,
+                f"update_state_after_alloc: the manager's prepare_load for request {rid!r}",
+                "(the load failed before it started: its blocks are reported invalid)",
+            )
+            self._note_allocation(rec, admitted)
+            self._finished_loads.add(rec.req_id)
+            self._invalid_blocks.update(dst)
+            return
         self._note_allocation(rec, admitted)
         if rec.policy is OffloadPolicy.CHUNK_LEVEL:
             for g, gs in enumerate(rec.groups):

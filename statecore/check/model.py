@@ -22,8 +22,8 @@ The environment's moves are :data:`Action` tuples, applied by :meth:`World.apply
   ``("okerr", rank, job, typed)`` (the report is delivered and the manager raises from the
   completion it causes, after applying it: a typed ``ManagerError`` or an untyped exception)
   and ``("steperr", call, typed)`` (an engine step in which the manager's first ``call``
-  raises: ``prepare_store``, ``lookup_many`` or ``on_schedule_end`` before it changes
-  anything, ``on_request_finished`` after);
+  raises: ``prepare_store``, ``prepare_load``, ``lookup_many`` or ``on_schedule_end``
+  before it changes anything, ``on_request_finished`` after);
 * ``("jump",)``: the clock passes the stall timeout and the stall check runs;
   ``("reset",)``: the operator calls ``reset_cache``.
 
@@ -209,7 +209,13 @@ def _tier_config(layout: TierLayout, known_keys: int | None = None) -> RedisTier
 
 _SERVER_ACTIONS = frozenset(("down", "up", "corrupt", "evict", "peer", "foreign"))
 
-_STEP_CALLS = ("prepare_store", "lookup_many", "on_schedule_end", "on_request_finished")
+_STEP_CALLS = (
+    "prepare_store",
+    "prepare_load",
+    "lookup_many",
+    "on_schedule_end",
+    "on_request_finished",
+)
 """The manager calls a ``("steperr", call, typed)`` step makes raise (its first one)."""
 
 _COMPLETIONS = frozenset({"complete_store", "complete_load"})
@@ -700,6 +706,9 @@ class World:
     def feed(self, meta: WorkerMetadata | None) -> None:
         """``update_connector_output``, then the engine applies the loads that ended."""
         failed = meta.failed if meta is not None else {}
+        for inj in self.observed.injected:
+            if inj.call == "prepare_load":  # a load that failed before it started
+                self.reqs[int(inj.req_id[1:])].load_failed = True
         res, other, bad = update_observed(self.sched, self.observed, meta)
         if bad is not None:
             self.errors.append(bad)

@@ -117,7 +117,8 @@ SCOPES: dict[str, Scope] = {
             manager_errors=True,
             depth=9,
             description="two requests sharing a chunk, one worker; the manager may raise "
-            "(typed or untyped) from a completion it applied",
+            "(typed or untyped) from a completion or a finish it applied, or from a store "
+            "offer, a load, a lookup or a schedule end it refused",
         ),
         _scope(
             "swa2",

@@ -404,6 +404,7 @@ FAULTY_CALLS: tuple[str, ...] = (
     "complete_store",
     "complete_load",
     "prepare_store",
+    "prepare_load",
     "lookup_many",
     "on_schedule_end",
     "on_request_finished",
@@ -422,7 +423,8 @@ class ObservedManager:
     (for one call) or a draw of ``fault_rng`` falls under ``fault_rate``, one of
     :data:`FAULTY_CALLS` raises: ``complete_store``, ``complete_load`` and
     ``on_request_finished`` after forwarding to the manager, ``prepare_store``,
-    ``lookup_many`` and ``on_schedule_end`` without forwarding (nothing changed); an
+    ``prepare_load``, ``lookup_many`` and ``on_schedule_end`` without forwarding (nothing
+    changed); an
     :class:`InjectedManagerError` (typed) or an :class:`InjectedManagerBug` (untyped).
     Either way the manager's state is whole, so a scheduler that goes on as it should leaves
     nothing behind; what was raised waits in :attr:`injected` for the engine's oracle.
@@ -470,6 +472,11 @@ class ObservedManager:
         out = self._inner.lookup_many(keys, ctx, until_miss)
         self.known.update(k for k, r in zip(keys, out, strict=False) if int(r))
         return out
+
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: Any) -> Any:
+        """Maybe raise (the manager-error fault, nothing changed); else forward."""
+        self._maybe_fail("prepare_load", keys, ctx.req_id)
+        return self._inner.prepare_load(keys, ctx)
 
     def on_schedule_end(self, ctx: Any) -> None:
         """Maybe raise (the manager-error fault, nothing changed); else forward."""

@@ -84,7 +84,7 @@ class SimFaults:
                 reset=0.004,
                 delay_store=0.3,
                 report_delay=0.3,
-                manager_error=0.01,
+                manager_error=0.005,
             )
         if name == "heavy":
             return cls(

@@ -80,6 +80,7 @@ MUTANT_SCOPES = {
     "manager_errors_swallowed": "manager",
     "prepare_store_error_escapes": "manager",
     "lookup_and_signal_errors_escape": "manager",
+    "prepare_load_error_escapes": "manager",
 }
 """The smallest scope that can express a mutant, where known and not ``one``; a mutant not
 listed is looked for in every scope of :data:`SCOPE_ORDER` in turn."""

@@ -314,6 +314,14 @@ def _manager_error_escaping_lookups(
     _real_manager_error(self, exc, what, then)
 
 
+def _manager_error_escaping_prepare_load(
+    self: OffloadingScheduler, exc: Exception, what: str, then: str
+) -> None:
+    if "prepare_load" in what:
+        raise exc  # out of update_state_after_alloc: the engine's load is never answered
+    _real_manager_error(self, exc, what, then)
+
+
 def _mutant(
     name: str, description: str, bug_class: str, *patches: tuple[Any, str, Any]
 ) -> tuple[str, Mutant]:
@@ -378,6 +386,13 @@ MUTANTS: dict[str, Mutant] = dict(
             "notice fails the engine (before this session every manager call but the "
             "completions could)",
             (OffloadingScheduler, "_manager_error", _manager_error_escaping_lookups),
+        ),
+        _mutant(
+            "prepare_load_error_escapes",
+            "an error the manager raises from prepare_load leaves update_state_after_alloc "
+            "into the engine, which has allocated the load's blocks",
+            "INV-MGR-ERROR: one manager error while a load is set up fails the engine",
+            (OffloadingScheduler, "_manager_error", _manager_error_escaping_prepare_load),
         ),
         _mutant(
             "quorum_of_one",

@@ -39,7 +39,7 @@ from statecore import (
     SchedulerCounters,
     WorkerMetadata,
 )
-from statecore.errors import ManagerError, UnknownKeyError
+from statecore.errors import ManagerError, ManagerStateError, UnknownKeyError
 from statecore.manager import OffloadPolicy
 
 
@@ -325,16 +325,21 @@ def test_reset_rewinds_a_running_request_to_chunk_0(policy: OffloadPolicy) -> No
 
 
 class _ErrorLeavesAViolation(RecordingManager):
-    """Its first ``prepare_load`` breaks the scheduler's state, then raises a typed error
+    """Its second ``on_new_request`` breaks the scheduler's state, then raises a typed error
     (a stand-in for any call interrupted half-way)."""
 
     sched: OffloadingScheduler | None = None
+    new: int = 0
 
-    def prepare_load(self, keys, ctx):  # type: ignore[no-untyped-def]
+    def on_new_request(self, ctx):  # type: ignore[no-untyped-def]
+        out = super().on_new_request(ctx)
+        self.new += 1
+        if self.new < 2:
+            return out
         assert self.sched is not None
         for job in self.sched.jobs.values():
             job.pending = 0  # INV-QUORUM: a live job nobody waits for
-        raise UnknownKeyError(keys[0], "prepare_load")
+        raise ManagerStateError(f"request {ctx.req_id!r}", "new", "on_new_request")
 
 
 def test_checked_mode_reports_the_call_error_first_and_keeps_the_violation() -> None:
@@ -345,12 +350,10 @@ def test_checked_mode_reports_the_call_error_first_and_keeps_the_violation() -> 
     h = Harness(manager, config())
     h.sched = OffloadingScheduler(h.config, h.manager, h.clock, checked=True)
     manager.sched = h.sched
-    offloaded(h, "a", list(range(8)))  # stored: "b" below loads it
-    h.add("b", list(range(50, 58)))
-    prefill(h, "b")  # a store in flight (the live job the manager breaks)
-    h.add("c", list(range(8)) + [99])
-    with pytest.raises(UnknownKeyError, match="prepare_load") as err:
-        h.admit("c")
+    h.add("a", list(range(8)))
+    prefill(h, "a")  # a store in flight (the live job the manager breaks)
+    with pytest.raises(ManagerStateError, match="on_new_request") as err:
+        h.add("b", list(range(50, 58)))
     (note,) = err.value.__notes__
     assert note.startswith("checked mode: after this error, InvariantViolation: INV-QUORUM")
     with pytest.raises(InvariantViolation, match="INV-QUORUM"):  # no error: the violation
