@@ -77,7 +77,7 @@ from statecore.managers.filetier import InlineExecutor
 from statecore.managers.redistier import RedisTier, RedisTierConfig, TierLayout
 from statecore.managers.tiering import TieringOffloadingManager
 from statecore.scheduler import OffloadingScheduler
-from statecore.sim.engine import ObservedManager, update_observed
+from statecore.sim.engine import ObservedManager, reraise, update_observed
 from statecore.sim.hashing import ROOT_HASH, chain_hash, extend_block_hashes
 from statecore.views import Request, ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, GPULoadStoreSpec, TransferJob, WorkerMetadata
@@ -333,10 +333,6 @@ class EngineRequest:
         self.aborted = False
         self.epoch = 0  # the world's reset count at arrival (INV-STORE-COMPLETE)
         self.covered = 0  # tokens an admission with a load covered (never offered again)
-
-
-def _reraise(exc: Exception) -> None:
-    raise exc
 
 
 def _guarded(world: World, call: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -713,7 +709,7 @@ class World:
         if bad is not None:
             self.errors.append(bad)
         if other is not None:
-            _guarded(self, "update_connector_output", _reraise, other)
+            _guarded(self, "update_connector_output", reraise, other)
         stalled = self.sched.stalled_jobs
         for r in self.reqs:
             if r.status == LOADING and (r.load_job in failed or r.load_job in stalled):

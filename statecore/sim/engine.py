@@ -79,6 +79,7 @@ __all__ = [
     "SimRequest",
     "Status",
     "kv_groups",
+    "reraise",
     "update_observed",
 ]
 
@@ -323,7 +324,9 @@ def _oracles() -> Any:
     return importlib.import_module("statecore.specs.invariants")
 
 
-def _reraise(exc: Exception) -> None:
+def reraise(exc: Exception) -> None:
+    """Raise ``exc`` again: hands an exception :func:`update_observed` returned to a guard
+    that classifies what a call raises (the engine's ``_guard``, the model checker's)."""
     raise exc
 
 
@@ -798,7 +801,7 @@ class SimEngine:
         if bad is not None:
             self._violation(bad)
         if other is not None:
-            self._guard("update_connector_output", _reraise, other)
+            self._guard("update_connector_output", reraise, other)
         return result
 
     def _register_chunks(self, hashes: Sequence[bytes]) -> None:

@@ -242,84 +242,38 @@ def _keep_block_lists(self: OffloadingScheduler, req: Any) -> None:
     return None  # the preempted request keeps the block lists the engine just freed
 
 
-_real_complete_job = OffloadingScheduler.complete_job
-
-
-class _CompletionsDone:
-    """Stands in for the manager while the real completion path runs, after the mutant
-    already called the manager itself."""
-
-    def complete_store(self, keys: Any, ctx: Any, success: bool = True) -> None:
-        return None
-
-    def complete_load(self, keys: Any, ctx: Any) -> None:
-        return None
-
-
-_DONE = _CompletionsDone()
-
-
-def _complete_raising_midway(self: OffloadingScheduler, job: Any, success: bool) -> None:
-    # before 95eb2e7: the manager's error left the completion before the job's bookkeeping
-    manager = self.manager
-    try:
-        if job.is_store:
-            manager.complete_store(job.keys, job.req.ctx, success)
-        elif not job.carried:
-            manager.complete_load(job.keys, job.req.ctx)
-    except ManagerError:
-        self.counters.manager_errors += 1
-        if self.checked:
-            raise  # typed, from inside the completion: the job stays in flight
-    # anything else escapes untyped, from inside the completion
-    self.manager = _DONE  # type: ignore[assignment]
-    try:
-        _real_complete_job(self, job, success)
-    finally:
-        self.manager = manager
-
-
-def _complete_swallowing_errors(self: OffloadingScheduler, job: Any, success: bool) -> None:
-    manager = self.manager
-    try:
-        if job.is_store:
-            manager.complete_store(job.keys, job.req.ctx, success)
-        elif not job.carried:
-            manager.complete_load(job.keys, job.req.ctx)
-    except Exception:
-        pass
-    self.manager = _DONE  # type: ignore[assignment]
-    try:
-        _real_complete_job(self, job, success)
-    finally:
-        self.manager = manager
-
-
 _real_manager_error = OffloadingScheduler._manager_error
 
 
-def _manager_error_escaping_prepare_store(
+def _escaping(*calls: str) -> Any:
+    """A ``_manager_error`` that lets the error of a manager call named in ``calls`` leave
+    its hook at once, from where it was caught (the handling before this was mended)."""
+
+    def manager_error(self: OffloadingScheduler, exc: Exception, what: str, then: str) -> None:
+        if any(call in what for call in calls):
+            raise exc
+        _real_manager_error(self, exc, what, then)
+
+    return manager_error
+
+
+def _completion_error_midway(
     self: OffloadingScheduler, exc: Exception, what: str, then: str
 ) -> None:
-    if "prepare_store" in what:
-        raise exc  # out of build_connector_meta, mid-step: the step's metadata is lost
-    _real_manager_error(self, exc, what, then)
+    # before 95eb2e7: a typed error was counted and raised at once in checked mode, anything
+    # else escaped untyped; either way from inside the completion, before its bookkeeping
+    if "complete_" not in what:
+        _real_manager_error(self, exc, what, then)
+        return
+    if isinstance(exc, ManagerError):
+        self.counters.manager_errors += 1
+        if not self.checked:
+            return
+    raise exc
 
 
-def _manager_error_escaping_lookups(
-    self: OffloadingScheduler, exc: Exception, what: str, then: str
-) -> None:
-    if "lookup_many" in what or "on_schedule_end" in what or "on_request_finished" in what:
-        raise exc  # out of the hook, mid-call, into the engine
-    _real_manager_error(self, exc, what, then)
-
-
-def _manager_error_escaping_prepare_load(
-    self: OffloadingScheduler, exc: Exception, what: str, then: str
-) -> None:
-    if "prepare_load" in what:
-        raise exc  # out of update_state_after_alloc: the engine's load is never answered
-    _real_manager_error(self, exc, what, then)
+def _manager_error_ignored(self: OffloadingScheduler, exc: Exception, what: str, then: str) -> None:
+    return None  # silently tolerated: never counted, never raised
 
 
 def _mutant(
@@ -361,14 +315,13 @@ MUTANTS: dict[str, Mutant] = dict(
             "once: the job stays in flight with its fences, an untyped error escapes untyped",
             "INV-MGR-ERROR: one manager error hangs a request (fixed in 95eb2e7; no verifier "
             "injected manager errors before)",
-            (OffloadingScheduler, "complete_job", _complete_raising_midway),
+            (OffloadingScheduler, "_manager_error", _completion_error_midway),
         ),
         _mutant(
             "manager_errors_swallowed",
-            "every manager error during a completion is silently dropped: not counted, "
-            "never raised",
+            "every manager error a hook catches is silently dropped: not counted, never raised",
             "INV-MGR-ERROR: a tolerated error that nothing counts (a manager's bug goes unseen)",
-            (OffloadingScheduler, "complete_job", _complete_swallowing_errors),
+            (OffloadingScheduler, "_manager_error", _manager_error_ignored),
         ),
         _mutant(
             "prepare_store_error_escapes",
@@ -376,7 +329,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "once: the step's metadata is lost, the error goes into the engine",
             "INV-MGR-ERROR: one manager error in one request's store offer fails the engine "
             "step (vLLM: the engine)",
-            (OffloadingScheduler, "_manager_error", _manager_error_escaping_prepare_store),
+            (OffloadingScheduler, "_manager_error", _escaping("prepare_store")),
         ),
         _mutant(
             "lookup_and_signal_errors_escape",
@@ -385,14 +338,18 @@ MUTANTS: dict[str, Mutant] = dict(
             "INV-MGR-ERROR: one manager error in a lookup, a schedule end or a finish "
             "notice fails the engine (before this session every manager call but the "
             "completions could)",
-            (OffloadingScheduler, "_manager_error", _manager_error_escaping_lookups),
+            (
+                OffloadingScheduler,
+                "_manager_error",
+                _escaping("lookup_many", "on_schedule_end", "on_request_finished"),
+            ),
         ),
         _mutant(
             "prepare_load_error_escapes",
             "an error the manager raises from prepare_load leaves update_state_after_alloc "
             "into the engine, which has allocated the load's blocks",
             "INV-MGR-ERROR: one manager error while a load is set up fails the engine",
-            (OffloadingScheduler, "_manager_error", _manager_error_escaping_prepare_load),
+            (OffloadingScheduler, "_manager_error", _escaping("prepare_load")),
         ),
         _mutant(
             "quorum_of_one",

@@ -147,38 +147,22 @@ def test_observed_manager_fails_a_prepare_store_before_it_changes_anything(kind:
     assert not obs.injected[0].completion
 
 
-def _scenario(kind: int, checked: bool = False) -> StackHarness:
-    """A request stores its chunks; the manager raises from the first completion; the stack
-    runs on and drains."""
+def _scenario(i: int, checked: bool = False) -> StackHarness:
+    """The manager's next call of the armed kind raises; requests look up, store, finish and
+    come back with the same prefix; the stack drains."""
     h = StackHarness(dataclasses.replace(StackHarness.config, checked=checked))
-    h.new_request(0, 5, 2, False, False)
-    for _ in range(3):
-        h.step()
-        h.check()
-    h.manager_error(kind)
-    for _ in range(5):
-        while h.outstanding:
-            h.deliver(0)
-            h.check()
-        h.step()
-        h.check()
-    h.drain_and_check()
-    return h
-
-
-def _store_scenario(kind: int, checked: bool = False) -> StackHarness:
-    """The manager raises from the first prepare_store of a step (two requests offer
-    stores in it); the stack runs on and drains."""
-    h = StackHarness(dataclasses.replace(StackHarness.config, checked=checked))
-    h.new_request(0, 5, 2, False, False)
-    h.new_request(1, 5, 2, False, False)
-    h.manager_error(kind | 1 << 1)  # the next prepare_store
-    for _ in range(6):
+    h.new_request(0, 5, 1, False, False)
+    h.manager_error(i)
+    for r in range(8):
+        if r == 3:
+            h.new_request(0, 5, 1, False, False)  # the prefix the first one stored
         h.step()
         h.check()
         while h.outstanding:
             h.deliver(0)
             h.check()
+        h.finish(0)
+        h.check()
     h.drain_and_check()
     return h
 
@@ -186,7 +170,7 @@ def _store_scenario(kind: int, checked: bool = False) -> StackHarness:
 @pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("kind", [0, 1])
 def test_a_prepare_store_error_is_no_room_and_the_step_goes_on(kind: int, checked: bool) -> None:
-    h = _store_scenario(kind, checked)
+    h = _scenario(kind | 1 << 1, checked)  # the next prepare_store
     obs, c = h.stack.observed, h.stack.scheduler.counters
     assert obs.injected_by_call == {"prepare_store": 1} and c.manager_errors == 1
     assert c.jobs_completed > 0  # the offer was retried and stored
@@ -195,7 +179,7 @@ def test_a_prepare_store_error_is_no_room_and_the_step_goes_on(kind: int, checke
 @pytest.mark.parametrize("kind", [0, 1])
 def test_the_escaping_prepare_store_mutant_breaks_the_scenario(kind: int) -> None:
     with MUTANTS["prepare_store_error_escapes"].apply(), pytest.raises(InvariantViolation):
-        _store_scenario(kind)
+        _scenario(kind | 1 << 1)
 
 
 @pytest.mark.parametrize("checked", [False, True])
@@ -258,26 +242,6 @@ def test_the_default_run_injects_manager_errors() -> None:
     assert fc.injected > 0 and fc.observed == fc.injected
 
 
-def _any_call_scenario(i: int, checked: bool) -> StackHarness:
-    """The manager's next call of the armed kind raises; requests look up, store, finish and
-    come back with the same prefix; the stack drains."""
-    h = StackHarness(dataclasses.replace(StackHarness.config, checked=checked))
-    h.new_request(0, 5, 1, False, False)
-    h.manager_error(i)
-    for r in range(8):
-        if r == 3:
-            h.new_request(0, 5, 1, False, False)  # the prefix the first one stored
-        h.step()
-        h.check()
-        while h.outstanding:
-            h.deliver(0)
-            h.check()
-        h.finish(0)
-        h.check()
-    h.drain_and_check()
-    return h
-
-
 @pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("kind", [0, 1])
 @pytest.mark.parametrize("target", [3, 4, 5])
@@ -287,7 +251,7 @@ def test_lookup_schedule_end_and_finish_errors_are_tolerated(
     """A lookup that raises answers no hit, a schedule end that raises lets the step go on, a
     finish that raises is taken as delivered; each counted and raised as the contract says
     (the engine's oracle checks that at the next update_connector_output)."""
-    h = _any_call_scenario(kind | target << 1, checked)
+    h = _scenario(kind | target << 1, checked)
     (call,) = MANAGER_ERROR_TARGETS[target]
     assert h.stack.observed.injected_by_call == {call: 1}
     assert h.stack.scheduler.counters.manager_errors == 1
@@ -296,4 +260,4 @@ def test_lookup_schedule_end_and_finish_errors_are_tolerated(
 @pytest.mark.parametrize("target", [3, 4, 5])
 def test_the_escaping_lookup_and_signal_mutant_breaks_the_scenario(target: int) -> None:
     with MUTANTS["lookup_and_signal_errors_escape"].apply(), pytest.raises(InvariantViolation):
-        _any_call_scenario(target << 1, False)
+        _scenario(target << 1, False)
