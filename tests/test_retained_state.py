@@ -143,11 +143,7 @@ def tiering_grown(tier_dir: Path) -> Grown:
         cpu_slots=64,
         num_gpu_blocks=96,
         workload=WorkloadConfig(num_requests=10**6),
-        # without manager errors: with them this seed's engine model ends up with its GPU
-        # blocks held by waiting requests and nothing running (a limit of the engine model,
-        # see docs/guides/simulator.md), and too few chunks pass through the tiers for the
-        # bound to mean anything
-        faults=dataclasses.replace(SimFaults.preset("default"), manager_error=0.0),
+        faults=SimFaults.preset("default"),
     )
     with LocalRedis() as srv:
         stack = _TieredStack(cfg, tier_dir, srv.url)

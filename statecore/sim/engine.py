@@ -2,7 +2,9 @@
 
 Per step, in the order vLLM's engine uses (see the module docs of :mod:`statecore.sim`):
 
-1. waiting requests, in order: local GPU prefix-cache hit, then
+1. waiting requests, those that hold KV blocks first (a load ended, failed or not), then the
+   others, each in arrival order (vLLM 0.33's ``kv_holding_waiting`` queue): local GPU
+   prefix-cache hit, then
    ``get_num_new_matched_tokens``; ``None`` keeps the request waiting; an asynchronous hit
    allocates blocks, calls ``update_state_after_alloc`` and parks the request until its id
    appears in ``finished_loads``; otherwise the request is allocated and scheduled;
@@ -18,6 +20,11 @@ Per step, in the order vLLM's engine uses (see the module docs of :mod:`statecor
 After every step: ``scheduler.check_invariants()``, the data oracle over every valid GPU block,
 the allocator's own consistency, and INV-LIVE (no request deferred or waiting on a load for
 more than a bounded number of steps; a deferral counts the steps in which the engine asked).
+Engine progress (:meth:`SimEngine._note_progress`): requests waiting with nothing running,
+none of them loading or deferred, for as many steps as INV-LIVE allows, is a jam of the engine
+model (a GPU pool too small for what its waiting requests hold; the connector owes them
+nothing, so it is not a failure of the connector). The report warns of it: the figures after
+it measure nothing.
 
 KV-cache groups (``SimConfig.groups``, see :data:`GROUP_PRESETS`): every group has its own
 block size, its own canonical tensors and its own block table per request; the block ids come
@@ -310,6 +317,8 @@ class EngineStats:
     stores_checked: int = 0
     completeness_checked: int = 0
     harness_anomalies: list[str] = field(default_factory=list)
+    jams: list[str] = field(default_factory=list)
+    """Where the engine model stopped making progress (:meth:`SimEngine._note_progress`)."""
     hung: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     data_errors: list[str] = field(default_factory=list)
@@ -640,6 +649,7 @@ class SimEngine:
         self.step_no = 0
         self.epoch = 0
         self._live_bound = cfg.live_bound()
+        self._stuck_since: int | None = None
         self._cum_hit = 0
         self._cum_prompt = 0
         self.arrived = 0
@@ -727,6 +737,10 @@ class SimEngine:
         if self.observed is not None:
             self.observed.refused.clear()
         scheduled, new_ids, preempted = self._schedule(k)
+        if scheduled or self.running or not self.waiting:
+            self._stuck_since = None
+        else:
+            self._note_progress(k)
         foreign = self._schedule_foreign(admit)
         output = SchedulerOutput(
             scheduled=tuple(
@@ -1164,6 +1178,18 @@ class SimEngine:
 
     # -- scheduling ----------------------------------------------------------------------------
 
+    def _waiting_order(self) -> list[SimRequest]:
+        """The order step 1 tries the waiting requests in: those holding KV blocks (a load
+        ended, failed or not; they only need their remaining blocks) first, then the others,
+        each in queue order, as vLLM 0.33 drains its ``kv_holding_waiting`` queue before
+        ``waiting``. (In queue order alone, a first request too large for the free blocks
+        keeps them waiting behind it, with nothing running to free any: a jam.)"""
+        waiting = self.waiting
+        holding = [r for r in waiting if r.has_blocks()]
+        if not holding:
+            return list(waiting)
+        return holding + [r for r in waiting if not r.has_blocks()]
+
     def _schedule(
         self, k: int
     ) -> tuple[list[tuple[SimRequest, int, list[list[int]], bool]], set[str], set[str]]:
@@ -1174,8 +1200,8 @@ class SimEngine:
         preempted: set[str] = set()
         running_before = list(self.running)
 
-        # 1. waiting requests, in order
-        for r in list(self.waiting):
+        # 1. waiting requests
+        for r in self._waiting_order():
             if budget <= 0 or len(self.running) >= cfg.max_running:
                 break
             if r.status is Status.LOADING or r.turn.req_id in self._preempted_next:
@@ -1455,6 +1481,10 @@ class SimEngine:
             r.req.num_computed_tokens = computed
             r.load = None
             r.status = Status.WAITING
+            if computed == 0 and not r.aborted:
+                # nothing valid: vLLM frees the blocks (a retry may hit the local cache), and
+                # the request starts over with a fresh lookup
+                self._release_all(r)
             if r.aborted:
                 self._retire(r, completed=False)
         stray = invalid - claimed
@@ -1478,6 +1508,30 @@ class SimEngine:
             f"step {k}: request {rid}: load job {job_id} ended with invalid blocks though no "
             "rank failed it and it did not stall (vLLM's default kv_load_failure_policy "
             "'fail' would fail the request)"
+        )
+
+    def _note_progress(self, k: int) -> None:
+        """Engine progress: step ``k`` scheduled nothing, with requests waiting and none
+        running. When that lasts INV-LIVE's bound with none of them loading or deferred (the
+        connector owes them nothing), the engine model is jammed: recorded in
+        :attr:`EngineStats.jams` once per jam, naming what holds the blocks (the report warns
+        of it)."""
+        if any(r.status is Status.LOADING or r.deferred_last == k for r in self.waiting):
+            self._stuck_since = None
+            return
+        if self._stuck_since is None:
+            self._stuck_since = k
+        if k - self._stuck_since != self._live_bound:
+            return
+        holders = [r for r in self.waiting if r.has_blocks()]
+        held = sum(len(b) for r in holders for b in r.blocks)
+        head = self.waiting[0]
+        self.stats.jams.append(
+            f"step {k}: the engine made no progress in {self._live_bound} steps: "
+            f"{len(self.waiting)} requests waiting (none loading or deferred), none running, "
+            f"{self.pool.num_free} GPU blocks free, {held} held by {len(holders)} waiting "
+            f"requests; the first waiting is {head.turn.req_id!r} "
+            f"({head.req.num_tokens} tokens)"
         )
 
     # -- checks --------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ class SimReport:
     leaked_state: list[str] = field(default_factory=list)
     engine_errors: list[str] = field(default_factory=list)
     harness_anomalies: list[str] = field(default_factory=list)
+    engine_jams: list[str] = field(default_factory=list)
     unobserved_faults: list[str] = field(default_factory=list)
     series: dict[str, list[float]] = field(default_factory=dict)
 
@@ -93,6 +94,11 @@ class SimReport:
                 f"only {arrived} of {self.requests_wanted} requests arrived within "
                 f"{self.steps} steps; the figures cover those {arrived} (raise --steps)"
             )
+        out.extend(
+            f"{jam}: the engine model jammed (its GPU pool is too small for the blocks its "
+            "waiting requests hold; raise --gpu-blocks); later figures measure nothing"
+            for jam in self.engine_jams
+        )
         return out
 
     def to_dict(self, with_series: bool = False) -> dict[str, Any]:

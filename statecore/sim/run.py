@@ -575,6 +575,7 @@ def _report(cfg: SimConfig, stack: SimStack, engine: SimEngine) -> SimReport:
     rep.leaked_state = leaks(stack, engine)
     rep.engine_errors = list(st.errors)
     rep.harness_anomalies = list(st.harness_anomalies)
+    rep.engine_jams = list(st.jams)
     rep.series = {
         "hit_rate": list(st.hit_rate_series),
         "in_flight_jobs": [float(x) for x in st.in_flight_series],
