@@ -1022,8 +1022,11 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool | None:
         """Drop everything offloaded: every in-flight job is flushed; loads the workers run
-        are carried over and complete normally (no request fails)."""
-        self._sched().reset_cache()
+        are carried over and complete normally (no request fails). ``False`` (vLLM's
+        ``reset_connector_cache`` then returns False) when the manager's reset raised: it may
+        still hold its chunks; calling again retries."""
+        if not self._sched().reset_cache():
+            return False
         if self.events is not None:
             self.events.reset()
         return True

@@ -484,7 +484,10 @@ INVARIANTS: dict[str, Invariant] = {
             "on_schedule_end or on_request_finished raises does not stop its hook: the offer "
             "is taken as no room, the load as failed before it started (its blocks reported "
             "invalid), the lookup as no hit, the finish notice as delivered, the step goes "
-            "on and its metadata is whole. Every such error is counted (manager_errors) and "
+            "on and its metadata is whole. One whose reset_cache raises makes reset_cache "
+            "return False and keeps the manager's reset pending: no lookup hits until a "
+            "retry (each build_connector_meta) succeeds, so neither pre-reset chunks nor the "
+            "discarded jobs' keys outlive it. Every such error is counted (manager_errors) and "
             "reaches the engine as a ManagerError from update_connector_output, once its "
             "report is applied, when it was untyped or checked mode is on, and not at all "
             "otherwise.",

@@ -431,6 +431,10 @@ class OffloadingScheduler:
         # same) or while build_connector_meta offered a store (taken as no room), each with
         # what raised it; raised by update_connector_output once it applied everything else
         self._manager_failures: list[tuple[Exception, str]] = []
+        # the manager's reset_cache raised: it may still hold pre-reset chunks and the
+        # write-pending and pinned keys of the jobs the reset discarded; no lookup hits until
+        # a retry (each build_connector_meta, each reset_cache) succeeds
+        self._manager_reset_pending = False
         # Requests whose store cap is below their store floor (no chunk can become storable,
         # e.g. a prompt-only request whose prompt is stored): their columnar entries without
         # new blocks are skipped. Left when the floor is reset (allocation, preemption,
@@ -642,7 +646,7 @@ class OffloadingScheduler:
         self._update_keys(rec)
         rec.num_local_computed = num_computed_tokens
         hits: int | None = 0
-        if not request.skip_reading_prefix_cache:
+        if not (request.skip_reading_prefix_cache or self._manager_reset_pending):
             hits = self._lookup(rec, num_computed_tokens, max_num_new_tokens)
         REQUEST.fire(rec, RE_LOOKUP)
         if hits is None:
@@ -944,6 +948,8 @@ class OffloadingScheduler:
         twice).
         """
         validate.scheduler_output(output, self._n_groups, self._where)
+        if self._manager_reset_pending:
+            self._reset_manager()
         batch = self._batch
         scheduled = self._update_req_states(output)
         try:
@@ -1538,8 +1544,9 @@ class OffloadingScheduler:
         manager work pending."""
         return bool(self._jobs or self._awaiting_signal or self.manager.has_pending_work())
 
-    def reset_cache(self) -> None:
-        """Drop everything offloaded (sleep, weight update).
+    def reset_cache(self) -> bool:
+        """Drop everything offloaded (sleep, weight update); ``False`` when the manager's
+        ``reset_cache`` raised.
 
         Every in-flight and stalled job is put in the next ``jobs_to_flush``, and the stale
         threshold moves to the next job id (INV-EPOCH). Stores, stalled jobs and loads not
@@ -1555,6 +1562,17 @@ class OffloadingScheduler:
         The engine learns about the loads that ended here from the *next*
         :meth:`update_connector_output` (call it with ``None`` if no report is due): their
         requests are in ``finished_loads`` and their blocks in ``invalid_block_ids``.
+
+        The scheduler's side of the reset is whole before the manager is asked (the stale
+        threshold has moved, the reset is counted). A manager whose ``reset_cache`` raises
+        may still hold its pre-reset chunks, and the write-pending and pinned keys of the jobs
+        the reset discarded (which get no completion: INV-TERM). The call then returns
+        ``False`` (vLLM's "the connector's reset failed") and the manager's reset stays
+        pending: every ``build_connector_meta`` retries it before anything else, no lookup
+        hits until it succeeds (nothing from before the reset is loaded), and calling
+        ``reset_cache`` again retries too. Each error is counted (``manager_errors``) and,
+        when it is untyped or checked mode is on, raised by the next
+        :meth:`update_connector_output`.
         """
         batch = self._batch
         flush, threshold = kernels.reset_plan(
@@ -1580,9 +1598,27 @@ class OffloadingScheduler:
         for rec in list(self._reqs.values()):
             REQUEST.fire(rec, RE_RESET)
         self._awaiting_signal.clear()
-        self.manager.reset_cache()
         self._stale_threshold = threshold
         self.counters.resets += 1
+        return self._reset_manager()
+
+    def _reset_manager(self) -> bool:
+        """``manager.reset_cache()``; on an error, the reset stays pending (no lookup hits,
+        retried by the next ``build_connector_meta`` or ``reset_cache``) and the error is
+        taken as :meth:`_manager_error` takes any. Whether the manager is reset now."""
+        try:
+            self.manager.reset_cache()
+        except Exception as exc:  # the scheduler's side is reset; the engine hears False
+            self._manager_reset_pending = True
+            self._manager_error(
+                exc,
+                "the manager's reset_cache",
+                "(the scheduler's state was reset; the manager's reset is retried by the "
+                "next build_connector_meta, and no lookup hits until it succeeds)",
+            )
+            return False
+        self._manager_reset_pending = False
+        return True
 
     def shutdown(self) -> None:
         """Shut the manager down."""

@@ -1140,7 +1140,8 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
             if due and (not sc.reset_with_loads or last_loads[0]):
                 c["resets"] = 1
                 c["loads_in_flight_at_reset"] = last_loads[0]
-                engine.reset_connector_cache()
+                if engine.reset_connector_cache() is False:  # the connector's reset failed
+                    c["resets_failed"] = 1
             if step < sc.steps:
                 while len(live) < sc.concurrency:
                     rid, prompt, out_len = wl.new()

@@ -25,7 +25,9 @@ The environment's moves are :data:`Action` tuples, applied by :meth:`World.apply
   raises: ``prepare_store``, ``prepare_load``, ``lookup_many`` or ``on_schedule_end``
   before it changes anything, ``on_request_finished`` after);
 * ``("jump",)``: the clock passes the stall timeout and the stall check runs;
-  ``("reset",)``: the operator calls ``reset_cache``.
+  ``("reset",)``: the operator calls ``reset_cache``; with ``manager_errors``,
+  ``("reseterr", typed)``: the same, the manager's ``reset_cache`` raising before it changes
+  anything.
 
 A scope with ``redis=True`` (one worker) puts the real tiering manager over the CPU tier with
 the real :class:`~statecore.managers.redistier.RedisTier` below it, on a server double
@@ -514,6 +516,8 @@ class World:
                     out.append(("abort", r.idx))
         if self.resets < self.scope.max_resets:
             out.append(("reset",))
+            if self.scope.manager_errors and self.faults < self.scope.max_faults:
+                out += [("reseterr", True), ("reseterr", False)]
         faults_left = self.faults < self.scope.max_faults
         for rank, be in enumerate(self.backends):
             for job_id in be.submitted:
@@ -579,6 +583,16 @@ class World:
         elif kind == "reset":
             self.resets += 1
             _guarded(self, "reset_cache", self.sched.reset_cache)
+        elif kind == "reseterr":
+            self.resets += 1
+            self._armed(
+                "typed" if action[1] else "untyped",
+                _guarded,
+                self,
+                "reset_cache",
+                self.sched.reset_cache,
+                calls={"reset_cache"},
+            )
         elif kind in ("ok", "fail", "lose", "late"):
             self.report(kind, action[1], action[2])
         elif kind == "okerr":
@@ -1212,6 +1226,7 @@ class World:
             tuple(sorted(s._finished_loads)),
             tuple(sorted(s._invalid_blocks)),
             now > s._last_stall_check,
+            s._manager_reset_pending,
         )
         m = self.manager
         ends = m._schedule_ends
@@ -1444,6 +1459,7 @@ def format_action(action: Action) -> str:
         "step": "engine step",
         "jump": "clock jumps past the stall timeout",
         "reset": "operator: reset_cache",
+        "reseterr": "operator: reset_cache, the manager's reset raising (typed={1})",
         "arrive": "request r{1} arrives",
         "finish": "request r{1} finishes (stop)",
         "abort": "request r{1} is aborted",

@@ -225,7 +225,7 @@ class ConnectorLike(Protocol):
     def update_connector_output(self, meta: WorkerMetadata | None) -> Any: ...
     def request_finished(self, request: Any) -> tuple[bool, None]: ...
     def has_pending_push_work(self) -> bool: ...
-    def reset_cache(self) -> None: ...
+    def reset_cache(self) -> bool | None: ...
     def check_invariants(self) -> None: ...
     def take_events(self) -> Sequence[OffloadingEvent]: ...
 
@@ -420,6 +420,7 @@ FAULTY_CALLS: tuple[str, ...] = (
     "lookup_many",
     "on_schedule_end",
     "on_request_finished",
+    "reset_cache",
 )
 """The manager calls the manager-error fault of :class:`ObservedManager` makes raise."""
 
@@ -435,8 +436,8 @@ class ObservedManager:
     (for one call) or a draw of ``fault_rng`` falls under ``fault_rate``, one of
     :data:`FAULTY_CALLS` raises: ``complete_store``, ``complete_load`` and
     ``on_request_finished`` after forwarding to the manager, ``prepare_store``,
-    ``prepare_load``, ``lookup_many`` and ``on_schedule_end`` without forwarding (nothing
-    changed); an
+    ``prepare_load``, ``lookup_many``, ``on_schedule_end`` and ``reset_cache`` without
+    forwarding (nothing changed: a failed reset leaves the manager's contents); an
     :class:`InjectedManagerError` (typed) or an :class:`InjectedManagerBug` (untyped).
     Either way the manager's state is whole, so a scheduler that goes on as it should leaves
     nothing behind; what was raised waits in :attr:`injected` for the engine's oracle.
@@ -553,7 +554,9 @@ class ObservedManager:
         return r
 
     def reset_cache(self) -> None:
-        """Forward; nothing is known any more."""
+        """Maybe raise (the manager-error fault, nothing changed); else forward: nothing is
+        known any more."""
+        self._maybe_fail("reset_cache", (), "")
         self._inner.reset_cache()
         self.known.clear()
 

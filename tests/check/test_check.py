@@ -81,6 +81,8 @@ MUTANT_SCOPES = {
     "prepare_store_error_escapes": "manager",
     "lookup_and_signal_errors_escape": "manager",
     "prepare_load_error_escapes": "manager",
+    "reset_error_escapes": "manager",
+    "failed_reset_not_retried": "manager",
 }
 """The smallest scope that can express a mutant, where known and not ``one``; a mutant not
 listed is looked for in every scope of :data:`SCOPE_ORDER` in turn."""

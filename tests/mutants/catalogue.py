@@ -257,6 +257,16 @@ def _escaping(*calls: str) -> Any:
     return manager_error
 
 
+def _reset_not_retried(self: OffloadingScheduler) -> bool:
+    # the first mend of a raising manager reset: caught and counted, nothing pending
+    try:
+        self.manager.reset_cache()
+    except Exception as exc:
+        self._manager_error(exc, "the manager's reset_cache", "(returned False)")
+        return False
+    return True
+
+
 def _completion_error_midway(
     self: OffloadingScheduler, exc: Exception, what: str, then: str
 ) -> None:
@@ -350,6 +360,21 @@ MUTANTS: dict[str, Mutant] = dict(
             "into the engine, which has allocated the load's blocks",
             "INV-MGR-ERROR: one manager error while a load is set up fails the engine",
             (OffloadingScheduler, "_manager_error", _escaping("prepare_load")),
+        ),
+        _mutant(
+            "failed_reset_not_retried",
+            "a manager's reset_cache error is counted and reset_cache returns False, but the "
+            "manager's reset is never retried: it keeps the write-pending and pinned keys of "
+            "the jobs the reset discarded (which get no completion), and its pre-reset chunks",
+            "INV-TERM / INV-LIVE: one failed manager reset leaks slots for good",
+            (OffloadingScheduler, "_reset_manager", _reset_not_retried),
+        ),
+        _mutant(
+            "reset_error_escapes",
+            "an error the manager raises from reset_cache leaves the scheduler's reset_cache "
+            "into the engine (before this was mended, the stale threshold had not moved yet)",
+            "INV-MGR-ERROR: one manager error during an operator's reset fails the engine",
+            (OffloadingScheduler, "_manager_error", _escaping("reset_cache")),
         ),
         _mutant(
             "quorum_of_one",

@@ -126,6 +126,29 @@ def test_reset_with_a_load_in_flight_fails_no_request() -> None:
     assert ours.counters.get("loads_carried", 0) > 0
 
 
+def test_a_failed_manager_reset_reaches_vllm_and_is_retried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from statecore.errors import ManagerError
+    from statecore.managers.cpu import CPUOffloadingManager
+
+    real = CPUOffloadingManager.reset_cache
+    calls: list[int] = []
+
+    def refused_once(self: CPUOffloadingManager) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ManagerError("injected: the CPU tier refused its reset")
+        real(self)
+
+    monkeypatch.setattr(CPUOffloadingManager, "reset_cache", refused_once)
+    ours = run_vllm(SCENARIOS["reset_loads"], "statecore")
+    assert ours.counters["resets_failed"] == 1  # vLLM's reset_connector_cache said False
+    assert len(calls) == 2  # the next build_connector_meta retried it, and it took
+    assert ours.errors == []
+    assert all(v == 0 for v in ours.leftovers.values()), ours.leftovers
+
+
 def test_preemption_is_frequent() -> None:
     assert run("preemption", "statecore").counters.get("preempted", 0) >= 10
 
