@@ -449,8 +449,9 @@ INVARIANTS: dict[str, Invariant] = {
         ),
         Invariant(
             "INV-ORDER",
-            "on_request_finished reaches the manager exactly once per tracked request, after "
-            "its last prepare_store/prepare_load; secondary tiers are finalised only when the "
+            "on_request_finished reaches the manager exactly once per request it took "
+            "(on_new_request returned), after its last prepare_store/prepare_load, and never "
+            "for one it did not take; secondary tiers are finalised only when the "
             "request finished and has no pending primary stores.",
             "Tiering KeyError on a store completing after finalisation (upstream #49635).",
             ("lifecycle table", "unit tests", "conformance"),
@@ -487,7 +488,10 @@ INVARIANTS: dict[str, Invariant] = {
             "on and its metadata is whole. One whose reset_cache raises makes reset_cache "
             "return False and keeps the manager's reset pending: no lookup hits until a "
             "retry (each build_connector_meta) succeeds, so neither pre-reset chunks nor the "
-            "discarded jobs' keys outlive it. Every such error is counted (manager_errors) and "
+            "discarded jobs' keys outlive it. One whose on_new_request raises leaves the "
+            "request tracked but unknown to it: no lookup hits, no offers, no finish notice, "
+            "until a retry (its next lookup or store) succeeds. Every such error is counted "
+            "(manager_errors) and "
             "reaches the engine as a ManagerError from update_connector_output, once its "
             "report is applied, when it was untyped or checked mode is on, and not at all "
             "otherwise.",

@@ -133,6 +133,7 @@ class RequestRecord:
         "num_scheduled",
         "owner",
         "policy",
+        "registered",
         "req_id",
         "request",
         "signalled",
@@ -157,6 +158,9 @@ class RequestRecord:
         self.request = request
         self.ctx = ctx
         self.policy = policy
+        self.registered = True
+        """The manager's ``on_new_request`` took the request (false while it raised: no
+        lookup hits, no stores, no finish notice; retried by the next lookup or store)."""
         self.groups = [GroupState() for _ in range(n_groups)]
         self.jobs: set[int] = set()
         self.max_load_tokens: int | None = None
@@ -568,8 +572,9 @@ class OffloadingScheduler:
             rid = request.request_id
         params = request.kv_transfer_params
         ctx = ReqContext(rid, params)
-        policy = self.manager.on_new_request(ctx).policy
-        rec = RequestRecord(self, request, ctx, policy, self._n_groups, rid)
+        rec = RequestRecord(self, request, ctx, OffloadPolicy.CHUNK_LEVEL, self._n_groups, rid)
+        rec.registered = False
+        self._register(rec)
         rec.hashes_ok = len(request.block_hashes)  # the caller validated the view
         rec.max_load_tokens, bad_load = _param(params, "max_load_tokens")
         rec.max_offload_tokens, bad_off = _param(params, "max_offload_tokens")
@@ -580,6 +585,23 @@ class OffloadingScheduler:
             rec.store_cap = min(rec.store_cap, request.num_prompt_tokens)
         self._reqs[rec.req_id] = rec
         return rec
+
+    def _register(self, rec: RequestRecord) -> bool:
+        """``manager.on_new_request`` for ``rec``; on an error the request stays unregistered
+        (tracked all the same; no lookup hits, no stores, no finish notice until a retry, at
+        its next lookup or store, succeeds) and the error is taken as :meth:`_manager_error`
+        takes any. Whether the manager knows the request now."""
+        try:
+            rec.policy = self.manager.on_new_request(rec.ctx).policy
+        except Exception as exc:
+            self._manager_error(
+                exc,
+                f"the manager's on_new_request for request {rec.req_id!r}",
+                "(tracked without offloading until a retry succeeds)",
+            )
+            return False
+        rec.registered = True
+        return True
 
     def get_num_new_matched_tokens(
         self,
@@ -646,7 +668,11 @@ class OffloadingScheduler:
         self._update_keys(rec)
         rec.num_local_computed = num_computed_tokens
         hits: int | None = 0
-        if not (request.skip_reading_prefix_cache or self._manager_reset_pending):
+        if not (
+            request.skip_reading_prefix_cache
+            or self._manager_reset_pending
+            or not (rec.registered or self._register(rec))
+        ):
             hits = self._lookup(rec, num_computed_tokens, max_num_new_tokens)
         REQUEST.fire(rec, RE_LOOKUP)
         if hits is None:
@@ -1166,6 +1192,8 @@ class OffloadingScheduler:
             return  # the common decode step: no new whole chunk yet
         if not REQUEST.accepts(rec, RE_STORE_CREATED):
             return  # loading or draining: INV-EXCL, retried in a later step
+        if not (rec.registered or self._register(rec)):
+            return  # the manager does not know the request: nothing to offer it yet
         self._update_keys(rec)  # keys of the blocks hashed since they were last needed
         self._store_chunks(rec, n_off, store_jobs, finished)
         chunk_level = rec.policy is OffloadPolicy.CHUNK_LEVEL
@@ -1504,8 +1532,16 @@ class OffloadingScheduler:
             ctx = ReqContext(
                 req_id=request.request_id, kv_transfer_params=request.kv_transfer_params
             )
-            self.manager.on_new_request(ctx)
-            self.manager.on_request_finished(ctx)
+            try:
+                self.manager.on_new_request(ctx)
+                self.manager.on_request_finished(ctx)
+            except Exception as exc:  # the finish goes on; raised after the next report
+                self._manager_error(
+                    exc,
+                    f"request_finished of untracked request {rid!r}: the manager's "
+                    "on_new_request or on_request_finished",
+                    "(the request was finished all the same)",
+                )
             return False, None
         REQUEST.require(rec, RE_FINISH)
         rec.request = request
@@ -1747,6 +1783,8 @@ class OffloadingScheduler:
         """Send ``on_request_finished`` to the manager, exactly once (INV-ORDER); what it
         raises is counted and raised after the call (the request is released all the same)."""
         req.signalled = True
+        if not req.registered:
+            return  # the manager never took the request: nothing to finish there
         try:
             self.manager.on_request_finished(req.ctx)
         except Exception as exc:

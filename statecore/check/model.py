@@ -27,7 +27,8 @@ The environment's moves are :data:`Action` tuples, applied by :meth:`World.apply
 * ``("jump",)``: the clock passes the stall timeout and the stall check runs;
   ``("reset",)``: the operator calls ``reset_cache``; with ``manager_errors``,
   ``("reseterr", typed)``: the same, the manager's ``reset_cache`` raising before it changes
-  anything.
+  anything, and ``("arriveerr", r, typed)``: request ``r`` arrives and the manager's
+  ``on_new_request`` raises (the manager does not take it).
 
 A scope with ``redis=True`` (one worker) puts the real tiering manager over the CPU tier with
 the real :class:`~statecore.managers.redistier.RedisTier` below it, on a server double
@@ -507,6 +508,8 @@ class World:
             st = r.status
             if st == UNARRIVED:
                 out.append(("arrive", r.idx))
+                if self.scope.manager_errors and self.faults < self.scope.max_faults:
+                    out += [("arriveerr", r.idx, True), ("arriveerr", r.idx, False)]
             elif st != DONE:
                 if st == RUNNING:
                     out.append(("preempt", r.idx))
@@ -574,6 +577,9 @@ class World:
             self.jump()
         elif kind == "arrive":
             self.arrive(self.reqs[action[1]])
+        elif kind == "arriveerr":
+            kind_ = "typed" if action[2] else "untyped"
+            self._armed(kind_, self.arrive, self.reqs[action[1]], calls={"on_new_request"})
         elif kind == "finish":
             self.finish(self.reqs[action[1]])
         elif kind == "abort":
@@ -786,6 +792,8 @@ class World:
         req = r.req
         if r.epoch != self.resets or req.is_aborted:
             return  # a reset during the request's life or an abort: nothing is promised
+        if req.request_id not in self.observed.registered:
+            return  # the manager never took the request (its on_new_request raised)
         n_off = min(max(req.num_prompt_tokens, req.num_tokens - 1), req.num_computed_tokens)
         keys = _invariants().store_complete_keys(
             req.block_hashes, n_off, r.covered, self._groups, self.tpb, 1
@@ -1177,6 +1185,7 @@ class World:
                     rec.n_hashes,
                     rec.deferred_since is None,  # only whether it is set is ever read
                     rec.signalled,
+                    rec.registered,
                     rec.store_floor,
                     rec.store_cap,
                     rec.policy is chunk,
@@ -1236,6 +1245,7 @@ class World:
             tuple(m._free),
             m._high_water,
             tuple(sorted(self.observed.known)),
+            tuple(sorted(self.observed.registered)),
             tuple([(slot, rel - ends) for slot, rel in m._quarantine.items()]),
         )
         workers_key = tuple(
@@ -1461,6 +1471,7 @@ def format_action(action: Action) -> str:
         "reset": "operator: reset_cache",
         "reseterr": "operator: reset_cache, the manager's reset raising (typed={1})",
         "arrive": "request r{1} arrives",
+        "arriveerr": "request r{1} arrives; the manager's on_new_request raises (typed={2})",
         "finish": "request r{1} finishes (stop)",
         "abort": "request r{1} is aborted",
         "preempt": "request r{1} is preempted",

@@ -118,7 +118,8 @@ SCOPES: dict[str, Scope] = {
             depth=9,
             description="two requests sharing a chunk, one worker; the manager may raise "
             "(typed or untyped) from a completion or a finish it applied, or from a store "
-            "offer, a load, a lookup, a schedule end or an operator's reset it refused",
+            "offer, a load, a lookup, a schedule end, an operator's reset or a new request "
+            "it refused",
         ),
         _scope(
             "swa2",

@@ -421,6 +421,7 @@ FAULTY_CALLS: tuple[str, ...] = (
     "on_schedule_end",
     "on_request_finished",
     "reset_cache",
+    "on_new_request",
 )
 """The manager calls the manager-error fault of :class:`ObservedManager` makes raise."""
 
@@ -436,8 +437,9 @@ class ObservedManager:
     (for one call) or a draw of ``fault_rng`` falls under ``fault_rate``, one of
     :data:`FAULTY_CALLS` raises: ``complete_store``, ``complete_load`` and
     ``on_request_finished`` after forwarding to the manager, ``prepare_store``,
-    ``prepare_load``, ``lookup_many``, ``on_schedule_end`` and ``reset_cache`` without
-    forwarding (nothing changed: a failed reset leaves the manager's contents); an
+    ``prepare_load``, ``lookup_many``, ``on_schedule_end``, ``reset_cache`` and
+    ``on_new_request`` without forwarding (nothing changed: a failed reset leaves the
+    manager's contents, a failed registration leaves the request unknown to it); an
     :class:`InjectedManagerError` (typed) or an :class:`InjectedManagerBug` (untyped).
     Either way the manager's state is whole, so a scheduler that goes on as it should leaves
     nothing behind; what was raised waits in :attr:`injected` for the engine's oracle.
@@ -467,6 +469,17 @@ class ObservedManager:
         """How many errors were injected into each call (``prepare_store``, ...)."""
         self.errors_counted = 0
         """The scheduler's ``manager_errors`` when the engine last took :attr:`injected`."""
+        self.registered: set[str] = set()
+        """Requests the manager took (``on_new_request`` forwarded) and has not finished:
+        INV-STORE-COMPLETE promises nothing for a request it never took."""
+
+    def on_new_request(self, ctx: Any) -> Any:
+        """Maybe raise (the manager-error fault: the request stays unknown to the manager);
+        else forward."""
+        self._maybe_fail("on_new_request", (), ctx.req_id)
+        out = self._inner.on_new_request(ctx)
+        self.registered.add(ctx.req_id)
+        return out
 
     def complete_store(self, keys: Sequence[OffloadKey], ctx: Any, success: bool = True) -> None:
         """Forward; then maybe raise (the manager-error fault)."""
@@ -499,6 +512,7 @@ class ObservedManager:
     def on_request_finished(self, ctx: Any) -> None:
         """Forward; then maybe raise (the manager-error fault)."""
         self._inner.on_request_finished(ctx)
+        self.registered.discard(ctx.req_id)
         self._maybe_fail("on_request_finished", (), ctx.req_id)
 
     def _maybe_fail(self, call: str, keys: Sequence[OffloadKey], req_id: str) -> None:
@@ -984,6 +998,9 @@ class SimEngine:
         req = r.req
         if r.epoch != self.epoch or req.is_aborted:
             return  # a reset during the request's life or an abort: nothing is promised
+        obs = self.observed
+        if obs is not None and r.turn.req_id not in obs.registered:
+            return  # the manager never took the request (its on_new_request raised)
         n_off = min(max(req.num_prompt_tokens, req.num_tokens - 1), req.num_computed_tokens)
         keys: list[OffloadKey] = _oracles().store_complete_keys(
             req.block_hashes,

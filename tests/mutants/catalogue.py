@@ -370,6 +370,13 @@ MUTANTS: dict[str, Mutant] = dict(
             (OffloadingScheduler, "_reset_manager", _reset_not_retried),
         ),
         _mutant(
+            "new_request_error_escapes",
+            "an error the manager raises from on_new_request leaves the hook that tracks the "
+            "request (on_new_request, a lookup, an untracked finish) into the engine",
+            "INV-MGR-ERROR: one manager error on a request's arrival fails the engine",
+            (OffloadingScheduler, "_manager_error", _escaping("on_new_request")),
+        ),
+        _mutant(
             "reset_error_escapes",
             "an error the manager raises from reset_cache leaves the scheduler's reset_cache "
             "into the engine (before this was mended, the stale threshold had not moved yet)",

@@ -325,21 +325,21 @@ def test_reset_rewinds_a_running_request_to_chunk_0(policy: OffloadPolicy) -> No
 
 
 class _ErrorLeavesAViolation(RecordingManager):
-    """Its second ``on_new_request`` breaks the scheduler's state, then raises a typed error
-    (a stand-in for any call interrupted half-way)."""
+    """Its first ``complete_store`` applies the store, breaks the scheduler's state, then
+    raises a typed error (a stand-in for any call interrupted half-way)."""
 
     sched: OffloadingScheduler | None = None
-    new: int = 0
+    done: int = 0
 
-    def on_new_request(self, ctx):  # type: ignore[no-untyped-def]
-        out = super().on_new_request(ctx)
-        self.new += 1
-        if self.new < 2:
-            return out
+    def complete_store(self, keys, ctx, success=True):  # type: ignore[no-untyped-def]
+        super().complete_store(keys, ctx, success)
+        self.done += 1
+        if self.done > 1:
+            return
         assert self.sched is not None
         for job in self.sched.jobs.values():
             job.pending = 0  # INV-QUORUM: a live job nobody waits for
-        raise ManagerStateError(f"request {ctx.req_id!r}", "new", "on_new_request")
+        raise ManagerStateError(f"request {ctx.req_id!r}", "storing", "complete_store")
 
 
 def test_checked_mode_reports_the_call_error_first_and_keeps_the_violation() -> None:
@@ -351,9 +351,12 @@ def test_checked_mode_reports_the_call_error_first_and_keeps_the_violation() -> 
     h.sched = OffloadingScheduler(h.config, h.manager, h.clock, checked=True)
     manager.sched = h.sched
     h.add("a", list(range(8)))
-    prefill(h, "a")  # a store in flight (the live job the manager breaks)
-    with pytest.raises(ManagerStateError, match="on_new_request") as err:
-        h.add("b", list(range(50, 58)))
+    (job_a,) = prefill(h, "a")
+    h.add("b", list(range(50, 58)))
+    prefill(h, "b")  # a second store in flight: the live job the manager breaks
+    # the completion's error is raised once the report is applied (checked mode)
+    with pytest.raises(ManagerStateError, match="complete_store") as err:
+        h.report([job_a])
     (note,) = err.value.__notes__
     assert note.startswith("checked mode: after this error, InvariantViolation: INV-QUORUM")
     with pytest.raises(InvariantViolation, match="INV-QUORUM"):  # no error: the violation

@@ -2,21 +2,26 @@
 vLLM 0.33 does), and a jam of the engine model is detected and reported, not silent.
 
 A jam: requests waiting, none running, none of them loading or deferred, so the connector owes
-them nothing and nothing will ever free a block. The scenarios are a GPU pool of 64 blocks
-shared by two KV-cache groups (``hybrid``) under the default faults: ended and failed loads
-leave waiting requests holding blocks. Tried in queue order alone (the engine model before
-this check), a first waiting request larger than the free blocks kept every other one waiting
-behind it, and the run only warned that fewer requests arrived than were asked for.
+them nothing and nothing will ever free a block. A GPU pool of 64 blocks shared by two
+KV-cache groups (``hybrid``) under the default faults jams on some seeds: ended and failed
+loads leave waiting requests holding blocks, and the first waiting request needs more than
+the rest. Before this check the run only warned that fewer requests arrived than were asked
+for.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from statecore.sim.engine import SimConfig, SimEngine, SimRequest
 from statecore.sim.faults import SimFaults
+from statecore.sim.report import SimReport
 from statecore.sim.run import SimStack, attach_store_oracle, simulate
 from statecore.sim.workload import WorkloadConfig
 
-STEPS = 1500
+SEEDS = range(8)
+"""Seeds tried for a jam (at the time of writing, within 1,500 steps, seeds 0, 5 and 6 jam the
+engine model, and 2, 5, 6 and 7 the queue-order one)."""
 
 
 class QueueOrderEngine(SimEngine):
@@ -26,7 +31,7 @@ class QueueOrderEngine(SimEngine):
         return list(self.waiting)
 
 
-def _config(seed: int, requests: int = 10**6, steps: int = 10**9) -> SimConfig:
+def _config(seed: int, requests: int = 300, steps: int = 2000) -> SimConfig:
     return SimConfig(
         seed=seed,
         steps=steps,
@@ -37,36 +42,56 @@ def _config(seed: int, requests: int = 10**6, steps: int = 10**9) -> SimConfig:
     )
 
 
-def _run(engine_cls: type[SimEngine], seed: int) -> SimEngine:
-    cfg = _config(seed)
+def test_waiting_requests_that_hold_blocks_are_tried_first() -> None:
+    cfg = _config(0)
     stack = SimStack(cfg)
     try:
-        engine = engine_cls(cfg, stack.scheduler, stack.ranks, stack.kv, stack.clock)
-        attach_store_oracle(stack, engine)
-        for _ in range(STEPS):
-            engine.step()
+        engine = SimEngine(cfg, stack.scheduler, stack.ranks, stack.kv, stack.clock)
+        holds = {"a": False, "b": True, "c": False, "d": True}
+        reqs = [SimpleNamespace(name=n, has_blocks=lambda h=h: h) for n, h in holds.items()]
+        engine.waiting = reqs  # type: ignore[assignment]
+        a, b, c, d = reqs
+        assert engine._waiting_order() == [b, d, a, c]
+        engine.waiting = [a, c]  # type: ignore[list-item]
+        assert engine._waiting_order() == [a, c]
     finally:
         stack.close()
-    return engine
 
 
-def test_queue_order_jams_where_holders_first_goes_on() -> None:
-    old = _run(QueueOrderEngine, 1)
-    assert len(old.stats.jams) == 1, old.stats.jams
-    assert "none running" in old.stats.jams[0] and "held by" in old.stats.jams[0]
-    assert not old.running and old.waiting
-    new = _run(SimEngine, 1)
-    assert not new.stats.jams
-    assert not (new.stats.harness_anomalies or new.stats.hung or new.stats.violations)
-    # 146 finish in these steps; the queue-order model finished 92 before it jammed
-    assert new.stats.requests_finished > 120 > old.stats.requests_finished
+def _first_jam(engine_cls: type[SimEngine]) -> tuple[int, SimEngine] | None:
+    for seed in SEEDS:
+        cfg = _config(seed, requests=10**6, steps=10**9)
+        stack = SimStack(cfg)
+        try:
+            engine = engine_cls(cfg, stack.scheduler, stack.ranks, stack.kv, stack.clock)
+            attach_store_oracle(stack, engine)
+            for _ in range(1500):
+                engine.step()
+                if engine.stats.jams:
+                    return seed, engine
+        finally:
+            stack.close()
+    return None
+
+
+def test_a_jam_is_detected_once_and_names_who_holds_the_blocks() -> None:
+    for cls in (QueueOrderEngine, SimEngine):
+        found = _first_jam(cls)
+        assert found is not None, f"{cls.__name__}: no seed of {SEEDS} jams any more"
+        seed, engine = found
+        (jam,) = engine.stats.jams
+        assert "none running" in jam and "held by" in jam, jam
+        assert not engine.running and engine.waiting
+        assert not (engine.stats.harness_anomalies or engine.stats.hung), seed
 
 
 def test_a_jam_is_reported_as_a_warning_and_is_not_the_connectors_failure() -> None:
-    # seed 2 jams even with holders first: four waiting requests hold 36 of the 64 blocks
-    # and the first needs more than the rest (vLLM, too, never preempts a waiting request)
-    report = simulate(_config(2, requests=300, steps=2000))
-    assert len(report.engine_jams) == 1, report.engine_jams
+    report: SimReport | None = None
+    for seed in SEEDS:
+        report = simulate(_config(seed))
+        if report.engine_jams:
+            break
+    assert report is not None and len(report.engine_jams) == 1, "no seed jams any more"
     assert report.ok, report.format_text()
     jam = [w for w in report.warnings if "the engine model jammed" in w]
     assert len(jam) == 1 and "raise --gpu-blocks" in jam[0]

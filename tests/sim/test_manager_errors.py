@@ -327,3 +327,59 @@ def test_no_lookup_hits_while_the_manager_reset_is_pending() -> None:
 def test_the_escaping_reset_mutant_breaks_the_scenario(kind: int) -> None:
     with MUTANTS["reset_error_escapes"].apply(), pytest.raises(InvariantViolation):
         _reset_scenario(kind)
+
+
+@pytest.mark.parametrize("checked", [False, True])
+@pytest.mark.parametrize("kind", [0, 1])
+def test_a_failed_registration_is_retried_at_the_next_lookup(kind: int, checked: bool) -> None:
+    h = StackHarness(dataclasses.replace(StackHarness.config, checked=checked))
+    h.manager_error(kind | MANAGER_ERROR_TARGETS.index(frozenset({"on_new_request"})) << 1)
+    h.new_request(0, 5, 1, False, False)  # its on_new_request raises: tracked, unregistered
+    h.check()
+    sched, obs = h.stack.scheduler, h.stack.observed
+    (rec,) = sched._reqs.values()
+    assert not rec.registered and obs.injected_by_call == {"on_new_request": 1}
+    for r in range(6):
+        if r == 2:
+            h.new_request(0, 5, 1, False, False)
+        h.step()
+        h.check()
+        while h.outstanding:
+            h.deliver(0)
+            h.check()
+        h.finish(0)
+        h.check()
+    h.drain_and_check()
+    assert sched.counters.manager_errors == 1
+    assert sched.counters.jobs_completed > 0  # registered at its lookup, then stored
+
+
+def test_an_unregistered_request_is_never_offered_nor_finished_to_the_manager() -> None:
+    h = StackHarness(StackHarness.config)
+    inner = h.stack.observed._inner
+    calls: list[str] = []
+
+    def refuse(ctx: ReqContext) -> Any:
+        calls.append("on_new_request")
+        raise ManagerError(f"request {ctx.req_id!r}: no room for another request")
+
+    inner.on_new_request = refuse
+    for name in ("prepare_store", "lookup_many", "on_request_finished"):
+        real = getattr(inner, name)
+
+        def spy(*a: Any, _n: str = name, _r: Any = real) -> Any:
+            calls.append(_n)
+            return _r(*a)
+
+        setattr(inner, name, spy)
+    h.new_request(0, 5, 1, False, False)
+    for _ in range(4):
+        h.step()
+        while h.outstanding:
+            h.deliver(0)
+    h.finish(0)
+    h.step()
+    h.drain_and_check()
+    # retried at its lookup and at each store it could have made, never anything else
+    assert set(calls) == {"on_new_request"} and len(calls) >= 2
+    assert h.stack.scheduler.counters.manager_errors == len(calls)
