@@ -267,11 +267,19 @@ class OffloadingManager(ABC):
 
         The scheduler puts every in-flight job in the next step's flush; until the workers
         have executed it, the slots of write-pending and pinned keys fall under the slot-reuse
-        rule (class docstring).
+        rule (class docstring). Raise only having changed nothing: the scheduler then answers
+        no lookup with a hit and calls ``reset_cache`` again at the start of every step
+        (``build_connector_meta``) until it returns; the jobs the reset discarded get no
+        completion either way.
         """
 
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
-        """First sighting of a request; answers its offload policy (default chunk level)."""
+        """First sighting of a request; answers its offload policy (default chunk level).
+
+        Raise only having changed nothing: until a later call returns (the scheduler asks
+        again at the request's next lookup or store), the request gets no lookup, no store
+        offer and no ``on_request_finished``.
+        """
         return RequestOffloadingContext()
 
     def on_request_finished(self, ctx: ReqContext) -> None:  # noqa: B027
