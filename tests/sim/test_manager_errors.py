@@ -147,12 +147,28 @@ def test_observed_manager_fails_a_prepare_store_before_it_changes_anything(kind:
     assert not obs.injected[0].completion
 
 
-def _scenario(i: int, checked: bool = False) -> StackHarness:
+def _target(call: str) -> int:
+    """The ``i >> 1`` of :meth:`StackHarness.manager_error` that arms ``call``."""
+    return MANAGER_ERROR_TARGETS.index(frozenset({call}))
+
+
+def _scenario(i: int, checked: bool = False, when: str = "start") -> StackHarness:
     """The manager's next call of the armed kind raises; requests look up, store, finish and
-    come back with the same prefix; the stack drains."""
+    come back with the same prefix; the stack drains. ``when``: the fault is armed after the
+    first request arrived (``start``), before it arrives (``arrival``), or once its first
+    store is in flight, followed by an operator's reset (``reset``)."""
     h = StackHarness(dataclasses.replace(StackHarness.config, checked=checked))
+    if when == "arrival":
+        h.manager_error(i)
     h.new_request(0, 5, 1, False, False)
-    h.manager_error(i)
+    if when == "start":
+        h.manager_error(i)
+    elif when == "reset":
+        h.step()
+        assert h.stack.scheduler.jobs, "a store in flight when the reset comes"
+        h.manager_error(i)
+        h.reset_cache()
+    h.check()
     for r in range(8):
         if r == 3:
             h.new_request(0, 5, 1, False, False)  # the prefix the first one stored
@@ -263,34 +279,10 @@ def test_the_escaping_lookup_and_signal_mutant_breaks_the_scenario(target: int) 
         _scenario(target << 1, False)
 
 
-def _reset_scenario(kind: int, checked: bool = False) -> StackHarness:
-    """A store in flight, then an operator's reset whose manager reset raises; the stack goes
-    on with the same prefix and drains."""
-    h = StackHarness(dataclasses.replace(StackHarness.config, checked=checked))
-    h.new_request(0, 5, 1, False, False)
-    h.step()
-    assert h.stack.scheduler.jobs, "a store in flight when the reset comes"
-    h.manager_error(kind | MANAGER_ERROR_TARGETS.index(frozenset({"reset_cache"})) << 1)
-    h.reset_cache()
-    h.check()
-    for r in range(6):
-        if r == 2:
-            h.new_request(0, 5, 1, False, False)
-        h.step()
-        h.check()
-        while h.outstanding:
-            h.deliver(0)
-            h.check()
-        h.finish(0)
-        h.check()
-    h.drain_and_check()
-    return h
-
-
 @pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("kind", [0, 1])
 def test_a_failed_manager_reset_is_retried_and_nothing_leaks(kind: int, checked: bool) -> None:
-    h = _reset_scenario(kind, checked)
+    h = _scenario(kind | _target("reset_cache") << 1, checked, "reset")
     obs, sched = h.stack.observed, h.stack.scheduler
     assert obs.injected_by_call == {"reset_cache": 1}
     assert sched.counters.manager_errors == 1 and sched.counters.resets == 1
@@ -326,30 +318,15 @@ def test_no_lookup_hits_while_the_manager_reset_is_pending() -> None:
 @pytest.mark.parametrize("kind", [0, 1])
 def test_the_escaping_reset_mutant_breaks_the_scenario(kind: int) -> None:
     with MUTANTS["reset_error_escapes"].apply(), pytest.raises(InvariantViolation):
-        _reset_scenario(kind)
+        _scenario(kind | _target("reset_cache") << 1, when="reset")
 
 
 @pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("kind", [0, 1])
 def test_a_failed_registration_is_retried_at_the_next_lookup(kind: int, checked: bool) -> None:
-    h = StackHarness(dataclasses.replace(StackHarness.config, checked=checked))
-    h.manager_error(kind | MANAGER_ERROR_TARGETS.index(frozenset({"on_new_request"})) << 1)
-    h.new_request(0, 5, 1, False, False)  # its on_new_request raises: tracked, unregistered
-    h.check()
+    h = _scenario(kind | _target("on_new_request") << 1, checked, "arrival")
     sched, obs = h.stack.scheduler, h.stack.observed
-    (rec,) = sched._reqs.values()
-    assert not rec.registered and obs.injected_by_call == {"on_new_request": 1}
-    for r in range(6):
-        if r == 2:
-            h.new_request(0, 5, 1, False, False)
-        h.step()
-        h.check()
-        while h.outstanding:
-            h.deliver(0)
-            h.check()
-        h.finish(0)
-        h.check()
-    h.drain_and_check()
+    assert obs.injected_by_call == {"on_new_request": 1}
     assert sched.counters.manager_errors == 1
     assert sched.counters.jobs_completed > 0  # registered at its lookup, then stored
 
