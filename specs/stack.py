@@ -78,8 +78,9 @@ MANAGER_ERROR_TARGETS: tuple[frozenset[str], ...] = (
     frozenset({"on_request_finished"}),
     frozenset({"reset_cache"}),
     frozenset({"on_new_request"}),
+    frozenset({"take_events"}),
 )
-"""What :meth:`StackHarness.manager_error` arms, by ``(i >> 1) % 8``."""
+"""What :meth:`StackHarness.manager_error` arms, by ``(i >> 1) % 9``."""
 
 STACK_CONFIG = SimConfig(
     seed=7,
@@ -366,9 +367,10 @@ class StackHarness:
     def manager_error(self, i: int) -> None:
         """The manager's next call of one kind raises: a typed ``ManagerError`` (even ``i``)
         or an untyped exception, a manager's bug (odd ``i``); the kind is
-        ``MANAGER_ERROR_TARGETS[(i >> 1) % 8]`` (a completion, after the manager applied it;
-        a store offer, a load's pinning, a lookup, a schedule end, a reset or a new request's
-        registration, before it changed anything; a request's finish, after)."""
+        ``MANAGER_ERROR_TARGETS[(i >> 1) % 9]`` (a completion, after the manager applied it;
+        a store offer, a load's pinning, a lookup, a schedule end, a reset, a new request's
+        registration or the taking of its events, before it changed anything; a request's
+        finish, after)."""
         self.ops += 1
         obs = self.stack.observed
         obs.fail_next = "untyped" if i & 1 else "typed"

@@ -1551,8 +1551,20 @@ class OffloadingScheduler:
         return False, None
 
     def take_events(self) -> list[OffloadingEvent]:
-        """The manager's stored/removed events since the last call."""
-        return list(self.manager.take_events())
+        """The manager's stored/removed events since the last call.
+
+        A manager whose ``take_events`` raises (having changed nothing: its events stay
+        queued for the next call) gives none this time; the error is counted
+        (``manager_errors``) and, when it is untyped or checked mode is on, raised by the
+        next :meth:`update_connector_output`.
+        """
+        try:
+            return list(self.manager.take_events())
+        except Exception as exc:  # the engine's step goes on; the events come next time
+            self._manager_error(
+                exc, "the manager's take_events", "(no events this time; they stay queued)"
+            )
+            return []
 
     def get_stats(self) -> dict[str, Any]:
         """Counters since the last call (counters add up) merged with the manager's stats.

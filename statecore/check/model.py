@@ -27,8 +27,9 @@ The environment's moves are :data:`Action` tuples, applied by :meth:`World.apply
 * ``("jump",)``: the clock passes the stall timeout and the stall check runs;
   ``("reset",)``: the operator calls ``reset_cache``; with ``manager_errors``,
   ``("reseterr", typed)``: the same, the manager's ``reset_cache`` raising before it changes
-  anything, and ``("arriveerr", r, typed)``: request ``r`` arrives and the manager's
-  ``on_new_request`` raises (the manager does not take it).
+  anything, ``("arriveerr", r, typed)``: request ``r`` arrives and the manager's
+  ``on_new_request`` raises (the manager does not take it), and ``("takeerr", typed)``: the
+  engine takes the KV events and the manager's ``take_events`` raises (they stay queued).
 
 A scope with ``redis=True`` (one worker) puts the real tiering manager over the CPU tier with
 the real :class:`~statecore.managers.redistier.RedisTier` below it, on a server double
@@ -521,6 +522,8 @@ class World:
             out.append(("reset",))
             if self.scope.manager_errors and self.faults < self.scope.max_faults:
                 out += [("reseterr", True), ("reseterr", False)]
+        if self.scope.manager_errors and self.faults < self.scope.max_faults:
+            out += [("takeerr", True), ("takeerr", False)]
         faults_left = self.faults < self.scope.max_faults
         for rank, be in enumerate(self.backends):
             for job_id in be.submitted:
@@ -577,6 +580,10 @@ class World:
             self.jump()
         elif kind == "arrive":
             self.arrive(self.reqs[action[1]])
+        elif kind == "takeerr":
+            self._armed(
+                "typed" if action[1] else "untyped", self._take_events, calls={"take_events"}
+            )
         elif kind == "arriveerr":
             kind_ = "typed" if action[2] else "untyped"
             self._armed(kind_, self.arrive, self.reqs[action[1]], calls={"on_new_request"})
@@ -629,11 +636,15 @@ class World:
         if obs.violations:
             self.errors += obs.violations
             obs.violations.clear()
-        # taken after every action (events and allocation statistics would only grow); the
-        # CPU tier's are replayed for INV-EVENTS
-        _invariants().replay_events_into(self.announced, self.top.take_events(), Medium.CPU)
+        # taken after every action, through the scheduler as an engine takes them (events and
+        # allocation statistics would only grow); the CPU tier's are replayed for INV-EVENTS
+        self._take_events()
         self.top.get_stats()
         self._prune_delivered()
+
+    def _take_events(self) -> None:
+        events = _guarded(self, "take_events", self.sched.take_events)
+        _invariants().replay_events_into(self.announced, events or (), Medium.CPU)
 
     def _prune_delivered(self) -> None:
         if self.delivered:
@@ -1236,6 +1247,9 @@ class World:
             tuple(sorted(s._invalid_blocks)),
             now > s._last_stall_check,
             s._manager_reset_pending,
+            # errors caught and not yet raised, injected and not yet judged (INV-MGR-ERROR)
+            tuple([type(exc).__name__ for exc, _ in s._manager_failures]),
+            tuple([(i.call, type(i.error).__name__) for i in self.observed.injected]),
         )
         m = self.manager
         ends = m._schedule_ends
@@ -1472,6 +1486,7 @@ def format_action(action: Action) -> str:
         "reseterr": "operator: reset_cache, the manager's reset raising (typed={1})",
         "arrive": "request r{1} arrives",
         "arriveerr": "request r{1} arrives; the manager's on_new_request raises (typed={2})",
+        "takeerr": "the engine takes the KV events; the manager's take_events raises (typed={1})",
         "finish": "request r{1} finishes (stop)",
         "abort": "request r{1} is aborted",
         "preempt": "request r{1} is preempted",

@@ -422,6 +422,7 @@ FAULTY_CALLS: tuple[str, ...] = (
     "on_request_finished",
     "reset_cache",
     "on_new_request",
+    "take_events",
 )
 """The manager calls the manager-error fault of :class:`ObservedManager` makes raise."""
 
@@ -437,9 +438,10 @@ class ObservedManager:
     (for one call) or a draw of ``fault_rng`` falls under ``fault_rate``, one of
     :data:`FAULTY_CALLS` raises: ``complete_store``, ``complete_load`` and
     ``on_request_finished`` after forwarding to the manager, ``prepare_store``,
-    ``prepare_load``, ``lookup_many``, ``on_schedule_end``, ``reset_cache`` and
-    ``on_new_request`` without forwarding (nothing changed: a failed reset leaves the
-    manager's contents, a failed registration leaves the request unknown to it); an
+    ``prepare_load``, ``lookup_many``, ``on_schedule_end``, ``reset_cache``,
+    ``on_new_request`` and ``take_events`` without forwarding (nothing changed: a failed reset
+    leaves the manager's contents, a failed registration leaves the request unknown to it,
+    failed event taking leaves the events queued); an
     :class:`InjectedManagerError` (typed) or an :class:`InjectedManagerBug` (untyped).
     Either way the manager's state is whole, so a scheduler that goes on as it should leaves
     nothing behind; what was raised waits in :attr:`injected` for the engine's oracle.
@@ -469,9 +471,22 @@ class ObservedManager:
         """How many errors were injected into each call (``prepare_store``, ...)."""
         self.errors_counted = 0
         """The scheduler's ``manager_errors`` when the engine last took :attr:`injected`."""
+        self.events_held_back = False
+        """The last ``take_events`` raised: the manager still holds events the engine has not
+        seen (INV-EVENTS waits for the next call that takes them)."""
         self.registered: set[str] = set()
         """Requests the manager took (``on_new_request`` forwarded) and has not finished:
         INV-STORE-COMPLETE promises nothing for a request it never took."""
+
+    def take_events(self) -> Any:
+        """Maybe raise (the manager-error fault: the events stay queued); else forward."""
+        try:
+            self._maybe_fail("take_events", (), "")
+        except Exception:
+            self.events_held_back = True
+            raise
+        self.events_held_back = False
+        return self._inner.take_events()
 
     def on_new_request(self, ctx: Any) -> Any:
         """Maybe raise (the manager-error fault: the request stays unknown to the manager);
@@ -914,6 +929,8 @@ class SimEngine:
         if ready is None:
             return
         self._take_events()  # what happened since the step (a reset between steps, say)
+        if self.observed is not None and self.observed.events_held_back:
+            return  # the manager's take_events raised: its events come with the next one
         held = ready()
         bad = _oracles().events_violation(self._announced, held)
         if bad is not None:

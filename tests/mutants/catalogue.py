@@ -377,6 +377,13 @@ MUTANTS: dict[str, Mutant] = dict(
             (OffloadingScheduler, "_manager_error", _escaping("on_new_request")),
         ),
         _mutant(
+            "take_events_error_escapes",
+            "an error the manager raises from take_events leaves the scheduler's take_events "
+            "into the engine, which takes the events after every step",
+            "INV-MGR-ERROR: one manager error while events are taken fails the engine's step",
+            (OffloadingScheduler, "_manager_error", _escaping("take_events")),
+        ),
+        _mutant(
             "reset_error_escapes",
             "an error the manager raises from reset_cache leaves the scheduler's reset_cache "
             "into the engine (before this was mended, the stale threshold had not moved yet)",

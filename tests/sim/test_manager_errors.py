@@ -360,3 +360,29 @@ def test_an_unregistered_request_is_never_offered_nor_finished_to_the_manager() 
     # retried at its lookup and at each store it could have made, never anything else
     assert set(calls) == {"on_new_request"} and len(calls) >= 2
     assert h.stack.scheduler.counters.manager_errors == len(calls)
+
+
+@pytest.mark.parametrize("checked", [False, True])
+@pytest.mark.parametrize("kind", [0, 1])
+def test_a_take_events_error_loses_no_event(kind: int, checked: bool) -> None:
+    h = _scenario(kind | _target("take_events") << 1, checked)
+    sched, obs = h.stack.scheduler, h.stack.observed
+    assert obs.injected_by_call == {"take_events": 1}
+    assert sched.counters.manager_errors == 1
+    assert not obs.events_held_back  # a later take delivered them; INV-EVENTS held throughout
+
+
+def test_events_held_back_by_an_error_come_with_the_next_take() -> None:
+    h = StackHarness(StackHarness.config)
+    sched, obs = h.stack.scheduler, h.stack.observed
+    h.new_request(0, 5, 1, False, False)
+    while not sched.counters.jobs_completed:  # every take raises until the store completed
+        obs.fail_next, obs.fail_calls = "typed", frozenset({"take_events"})
+        h.step()
+        while h.outstanding:
+            h.deliver(0)
+    announced = h.engine._announced
+    assert obs.events_held_back and not announced  # the stored event waits in the manager
+    h.check()  # its take succeeds: INV-EVENTS holds, one take late
+    assert not obs.events_held_back and announced == set(h.engine.cpu_ready_keys()) != set()
+    assert sched.counters.manager_errors == obs.injected_by_call["take_events"] >= 1
