@@ -79,8 +79,9 @@ MANAGER_ERROR_TARGETS: tuple[frozenset[str], ...] = (
     frozenset({"reset_cache"}),
     frozenset({"on_new_request"}),
     frozenset({"take_events"}),
+    frozenset({"get_stats"}),
 )
-"""What :meth:`StackHarness.manager_error` arms, by ``(i >> 1) % 9``."""
+"""What :meth:`StackHarness.manager_error` arms, by ``(i >> 1) % 10``."""
 
 STACK_CONFIG = SimConfig(
     seed=7,
@@ -226,9 +227,11 @@ class StackHarness:
         self.engine.arrive(turn)
 
     def step(self) -> list[Report]:
-        """One engine step; returns the workers' reports (now outstanding)."""
+        """One engine step, then the connector's stats as vLLM's engine takes them every
+        step; returns the workers' reports (now outstanding)."""
         self.ops += 1
         self.engine.step(admit=False)
+        self.engine.take_stats()
         fresh, self.channel.fresh = self.channel.fresh, []
         self.outstanding.extend(fresh)
         return fresh
@@ -367,10 +370,10 @@ class StackHarness:
     def manager_error(self, i: int) -> None:
         """The manager's next call of one kind raises: a typed ``ManagerError`` (even ``i``)
         or an untyped exception, a manager's bug (odd ``i``); the kind is
-        ``MANAGER_ERROR_TARGETS[(i >> 1) % 9]`` (a completion, after the manager applied it;
+        ``MANAGER_ERROR_TARGETS[(i >> 1) % 10]`` (a completion, after the manager applied it;
         a store offer, a load's pinning, a lookup, a schedule end, a reset, a new request's
-        registration or the taking of its events, before it changed anything; a request's
-        finish, after)."""
+        registration, the taking of its events or of its stats, before it changed anything;
+        a request's finish, after)."""
         self.ops += 1
         obs = self.stack.observed
         obs.fail_next = "untyped" if i & 1 else "typed"

@@ -1569,6 +1569,11 @@ class OffloadingScheduler:
     def get_stats(self) -> dict[str, Any]:
         """Counters since the last call (counters add up) merged with the manager's stats.
 
+        A manager whose ``get_stats`` raises (having changed nothing: its figures come with
+        the next call) leaves only the scheduler's own; the error is counted
+        (``manager_errors``) and, when it is untyped or checked mode is on, raised by the next
+        :meth:`update_connector_output`.
+
         Transfer metrics use upstream's names (``kv_offload_load_bytes``, ...); statecore's
         own counters keep their :class:`SchedulerCounters` names.
         """
@@ -1584,7 +1589,14 @@ class OffloadingScheduler:
         delta["live_jobs"] = len(self._jobs)
         delta["stalled_ledger"] = len(self._stalled)
         delta["tracked_requests"] = len(self._reqs)
-        delta.update(self.manager.get_stats())
+        try:
+            delta.update(self.manager.get_stats())
+        except Exception as exc:  # the engine's metrics go on with the scheduler's own
+            self._manager_error(
+                exc,
+                "the manager's get_stats",
+                "(the scheduler's own stats only; the manager's come with the next call)",
+            )
         return delta
 
     def has_pending_push_work(self) -> bool:

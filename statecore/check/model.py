@@ -29,7 +29,8 @@ The environment's moves are :data:`Action` tuples, applied by :meth:`World.apply
   ``("reseterr", typed)``: the same, the manager's ``reset_cache`` raising before it changes
   anything, ``("arriveerr", r, typed)``: request ``r`` arrives and the manager's
   ``on_new_request`` raises (the manager does not take it), and ``("takeerr", typed)``: the
-  engine takes the KV events and the manager's ``take_events`` raises (they stay queued).
+  engine takes the KV events and the manager's ``take_events`` raises (they stay queued), and
+  ``("statserr", typed)``: the same for the connector's stats and ``get_stats``.
 
 A scope with ``redis=True`` (one worker) puts the real tiering manager over the CPU tier with
 the real :class:`~statecore.managers.redistier.RedisTier` below it, on a server double
@@ -524,6 +525,7 @@ class World:
                 out += [("reseterr", True), ("reseterr", False)]
         if self.scope.manager_errors and self.faults < self.scope.max_faults:
             out += [("takeerr", True), ("takeerr", False)]
+            out += [("statserr", True), ("statserr", False)]
         faults_left = self.faults < self.scope.max_faults
         for rank, be in enumerate(self.backends):
             for job_id in be.submitted:
@@ -584,6 +586,11 @@ class World:
             self._armed(
                 "typed" if action[1] else "untyped", self._take_events, calls={"take_events"}
             )
+        elif kind == "statserr":
+            kind_ = "typed" if action[1] else "untyped"
+            self._armed(
+                kind_, _guarded, self, "get_stats", self.sched.get_stats, calls={"get_stats"}
+            )
         elif kind == "arriveerr":
             kind_ = "typed" if action[2] else "untyped"
             self._armed(kind_, self.arrive, self.reqs[action[1]], calls={"on_new_request"})
@@ -639,7 +646,7 @@ class World:
         # taken after every action, through the scheduler as an engine takes them (events and
         # allocation statistics would only grow); the CPU tier's are replayed for INV-EVENTS
         self._take_events()
-        self.top.get_stats()
+        _guarded(self, "get_stats", self.sched.get_stats)
         self._prune_delivered()
 
     def _take_events(self) -> None:
@@ -1487,6 +1494,8 @@ def format_action(action: Action) -> str:
         "arrive": "request r{1} arrives",
         "arriveerr": "request r{1} arrives; the manager's on_new_request raises (typed={2})",
         "takeerr": "the engine takes the KV events; the manager's take_events raises (typed={1})",
+        "statserr": "the engine takes the connector's stats; the manager's get_stats raises "
+        "(typed={1})",
         "finish": "request r{1} finishes (stop)",
         "abort": "request r{1} is aborted",
         "preempt": "request r{1} is preempted",

@@ -229,6 +229,8 @@ class ConnectorLike(Protocol):
     def check_invariants(self) -> None: ...
     def take_events(self) -> Sequence[OffloadingEvent]: ...
 
+    def get_stats(self) -> dict[str, Any]: ...
+
 
 class RankStack(Protocol):
     """One worker rank as the engine sees it."""
@@ -423,6 +425,7 @@ FAULTY_CALLS: tuple[str, ...] = (
     "reset_cache",
     "on_new_request",
     "take_events",
+    "get_stats",
 )
 """The manager calls the manager-error fault of :class:`ObservedManager` makes raise."""
 
@@ -439,9 +442,9 @@ class ObservedManager:
     :data:`FAULTY_CALLS` raises: ``complete_store``, ``complete_load`` and
     ``on_request_finished`` after forwarding to the manager, ``prepare_store``,
     ``prepare_load``, ``lookup_many``, ``on_schedule_end``, ``reset_cache``,
-    ``on_new_request`` and ``take_events`` without forwarding (nothing changed: a failed reset
-    leaves the manager's contents, a failed registration leaves the request unknown to it,
-    failed event taking leaves the events queued); an
+    ``on_new_request``, ``take_events`` and ``get_stats`` without forwarding (nothing changed:
+    a failed reset leaves the manager's contents, a failed registration leaves the request
+    unknown to it, failed event or stats taking leaves them for the next call); an
     :class:`InjectedManagerError` (typed) or an :class:`InjectedManagerBug` (untyped).
     Either way the manager's state is whole, so a scheduler that goes on as it should leaves
     nothing behind; what was raised waits in :attr:`injected` for the engine's oracle.
@@ -487,6 +490,12 @@ class ObservedManager:
             raise
         self.events_held_back = False
         return self._inner.take_events()
+
+    def get_stats(self) -> Any:
+        """Maybe raise (the manager-error fault: the stats stay for the next call); else
+        forward."""
+        self._maybe_fail("get_stats", (), "")
+        return self._inner.get_stats()
 
     def on_new_request(self, ctx: Any) -> Any:
         """Maybe raise (the manager-error fault: the request stays unknown to the manager);
@@ -916,6 +925,11 @@ class SimEngine:
                 f"step {self.step_no}: {call}: untyped {type(exc).__name__}: {exc!r}"
             )
         return None
+
+    def take_stats(self) -> None:
+        """Take the connector's stats, as vLLM's engine does after every step (the fuzzers'
+        harness does; the simulator's report reads the manager's own at the end instead)."""
+        self._guard("get_stats", self.conn.get_stats)
 
     def _take_events(self) -> None:
         """Take the connector's KV events, as an engine that publishes them does after every

@@ -377,6 +377,13 @@ MUTANTS: dict[str, Mutant] = dict(
             (OffloadingScheduler, "_manager_error", _escaping("on_new_request")),
         ),
         _mutant(
+            "get_stats_error_escapes",
+            "an error the manager raises from get_stats leaves the scheduler's get_stats into "
+            "the engine, which takes the stats after every step",
+            "INV-MGR-ERROR: one manager error while metrics are taken fails the engine's step",
+            (OffloadingScheduler, "_manager_error", _escaping("get_stats")),
+        ),
+        _mutant(
             "take_events_error_escapes",
             "an error the manager raises from take_events leaves the scheduler's take_events "
             "into the engine, which takes the events after every step",

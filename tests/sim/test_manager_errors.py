@@ -386,3 +386,22 @@ def test_events_held_back_by_an_error_come_with_the_next_take() -> None:
     h.check()  # its take succeeds: INV-EVENTS holds, one take late
     assert not obs.events_held_back and announced == set(h.engine.cpu_ready_keys()) != set()
     assert sched.counters.manager_errors == obs.injected_by_call["take_events"] >= 1
+
+
+@pytest.mark.parametrize("checked", [False, True])
+@pytest.mark.parametrize("kind", [0, 1])
+def test_a_get_stats_error_leaves_the_schedulers_own_stats(kind: int, checked: bool) -> None:
+    h = _scenario(kind | _target("get_stats") << 1, checked)
+    sched, obs = h.stack.scheduler, h.stack.observed
+    assert obs.injected_by_call == {"get_stats": 1}
+    assert sched.counters.manager_errors == 1
+
+
+def test_the_managers_stats_come_with_the_next_call() -> None:
+    h = StackHarness(StackHarness.config)
+    sched, obs = h.stack.scheduler, h.stack.observed
+    whole = set(sched.get_stats())
+    obs.fail_next, obs.fail_calls = "typed", frozenset({"get_stats"})
+    own = set(sched.get_stats())
+    assert "live_jobs" in own and own < whole  # the manager's part is missing this time
+    assert set(sched.get_stats()) == whole and sched.counters.manager_errors == 1
