@@ -944,8 +944,11 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: VllmSchedulerOutput) -> KVConnectorMetadata:
         """This step's jobs, plus the failed loads to echo back through the workers."""
         sched = self._sched()
+        reset_pending = sched.manager_reset_pending
         inner = sched.build_connector_meta(to_scheduler_output(scheduler_output, self._num_groups))
         events = self.events
+        if reset_pending and events is not None and not sched.manager_reset_pending:
+            events.reset()  # the manager's reset, retried by that call, took at last
         if events is not None and events.enabled:
             for job_id in inner.store_jobs:
                 job = sched.jobs.get(job_id)
@@ -1024,7 +1027,8 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         """Drop everything offloaded: every in-flight job is flushed; loads the workers run
         are carried over and complete normally (no request fails). ``False`` (vLLM's
         ``reset_connector_cache`` then returns False) when the manager's reset raised: it may
-        still hold its chunks; calling again retries."""
+        still hold its chunks, and the KV-event payloads stay theirs until the reset, retried
+        by every ``build_connector_meta``, takes."""
         if not self._sched().reset_cache():
             return False
         if self.events is not None:

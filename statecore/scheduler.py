@@ -1604,6 +1604,12 @@ class OffloadingScheduler:
         manager work pending."""
         return bool(self._jobs or self._awaiting_signal or self.manager.has_pending_work())
 
+    @property
+    def manager_reset_pending(self) -> bool:
+        """The manager's ``reset_cache`` raised and has not succeeded since: every
+        ``build_connector_meta`` retries it first (see :meth:`reset_cache`)."""
+        return self._manager_reset_pending
+
     def reset_cache(self) -> bool:
         """Drop everything offloaded (sleep, weight update); ``False`` when the manager's
         ``reset_cache`` raised.

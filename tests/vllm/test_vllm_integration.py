@@ -141,11 +141,24 @@ def test_a_failed_manager_reset_reaches_vllm_and_is_retried(
             raise ManagerError("injected: the CPU tier refused its reset")
         real(self)
 
+    from statecore.adapters.vllm import EventPayloads
+
+    payload_resets: list[int] = []
+    real_payload_reset = EventPayloads.reset
+
+    def counted(self: EventPayloads) -> None:
+        payload_resets.append(len(calls))
+        real_payload_reset(self)
+
     monkeypatch.setattr(CPUOffloadingManager, "reset_cache", refused_once)
-    ours = run_vllm(SCENARIOS["reset_loads"], "statecore")
+    monkeypatch.setattr(EventPayloads, "reset", counted)
+    sc = dataclasses.replace(SCENARIOS["reset_loads"], kv_events=True)
+    ours = run_vllm(sc, "statecore")
     assert ours.counters["resets_failed"] == 1  # vLLM's reset_connector_cache said False
     assert len(calls) == 2  # the next build_connector_meta retried it, and it took
-    assert ours.errors == []
+    # the KV-event payloads went stale with the reset that took, not the one that failed
+    assert payload_resets == [2]
+    assert ours.errors == [] and ours.events
     assert all(v == 0 for v in ours.leftovers.values()), ours.leftovers
 
 
