@@ -158,7 +158,7 @@ class RequestRecord:
         self.request = request
         self.ctx = ctx
         self.policy = policy
-        self.registered = True
+        self.registered = False
         """The manager's ``on_new_request`` took the request (false while it raised: no
         lookup hits, no stores, no finish notice; retried by the next lookup or store)."""
         self.groups = [GroupState() for _ in range(n_groups)]
@@ -573,8 +573,7 @@ class OffloadingScheduler:
         params = request.kv_transfer_params
         ctx = ReqContext(rid, params)
         rec = RequestRecord(self, request, ctx, OffloadPolicy.CHUNK_LEVEL, self._n_groups, rid)
-        rec.registered = False
-        self._register(rec)
+        self._register(rec)  # the manager's answer sets the policy
         rec.hashes_ok = len(request.block_hashes)  # the caller validated the view
         rec.max_load_tokens, bad_load = _param(params, "max_load_tokens")
         rec.max_offload_tokens, bad_off = _param(params, "max_offload_tokens")
