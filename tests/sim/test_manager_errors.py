@@ -152,6 +152,23 @@ def _target(call: str) -> int:
     return MANAGER_ERROR_TARGETS.index(frozenset({call}))
 
 
+def _served_request(steps: int) -> StackHarness:
+    """One request, ``steps`` engine steps with every report delivered, then its finish (the
+    setting of the tests that arm a fault by hand)."""
+    h = StackHarness(StackHarness.config)
+    h.new_request(0, 5, 1, False, False)
+    for _ in range(steps):
+        _step_delivered(h)
+    h.finish(0)
+    return h
+
+
+def _step_delivered(h: StackHarness) -> None:
+    h.step()
+    while h.outstanding:
+        h.deliver(0)
+
+
 def _scenario(i: int, checked: bool = False, when: str = "start") -> StackHarness:
     """The manager's next call of the armed kind raises; requests look up, store, finish and
     come back with the same prefix; the stack drains. ``when``: the fault is armed after the
@@ -288,22 +305,16 @@ def test_a_failed_manager_reset_is_retried_and_nothing_leaks(kind: int, checked:
     assert sched.counters.manager_errors == 1 and sched.counters.resets == 1
     # the retry dropped the discarded store's write-pending key (INV-TERM: it gets no
     # completion); drain_and_check found nothing left behind
-    assert not sched._manager_reset_pending
+    assert not sched.manager_reset_pending
 
 
 def test_no_lookup_hits_while_the_manager_reset_is_pending() -> None:
-    h = StackHarness(StackHarness.config)
-    h.new_request(0, 5, 1, False, False)
-    for _ in range(3):
-        h.step()
-        while h.outstanding:
-            h.deliver(0)
-    h.finish(0)
+    h = _served_request(3)
     h.step()
     sched = h.stack.scheduler
     obs = h.stack.observed
     obs.fail_next, obs.fail_calls = "typed", frozenset({"reset_cache"})
-    assert sched.reset_cache() is False and sched._manager_reset_pending
+    assert sched.reset_cache() is False and sched.manager_reset_pending
     held = h.stack.manager.counters().keys
     assert held, "the manager kept its chunks: its reset raised"
     hits_before = sched.counters.lookup_hit_tokens
@@ -312,7 +323,7 @@ def test_no_lookup_hits_while_the_manager_reset_is_pending() -> None:
     assert sched.get_num_new_matched_tokens(r.req, 0) == (0, False)
     assert sched.counters.lookup_hit_tokens == hits_before
     h.step()  # build_connector_meta retries the manager's reset first
-    assert not sched._manager_reset_pending and sched.reset_cache() is True
+    assert not sched.manager_reset_pending and sched.reset_cache() is True
 
 
 @pytest.mark.parametrize("kind", [0, 1])
@@ -332,14 +343,14 @@ def test_a_failed_registration_is_retried_at_the_next_lookup(kind: int, checked:
 
 
 def test_an_unregistered_request_is_never_offered_nor_finished_to_the_manager() -> None:
-    h = StackHarness(StackHarness.config)
-    inner = h.stack.observed._inner
     calls: list[str] = []
 
     def refuse(ctx: ReqContext) -> Any:
         calls.append("on_new_request")
         raise ManagerError(f"request {ctx.req_id!r}: no room for another request")
 
+    h = StackHarness(StackHarness.config)
+    inner = h.stack.observed._inner
     inner.on_new_request = refuse
     for name in ("prepare_store", "lookup_many", "on_request_finished"):
         real = getattr(inner, name)
@@ -351,9 +362,7 @@ def test_an_unregistered_request_is_never_offered_nor_finished_to_the_manager() 
         setattr(inner, name, spy)
     h.new_request(0, 5, 1, False, False)
     for _ in range(4):
-        h.step()
-        while h.outstanding:
-            h.deliver(0)
+        _step_delivered(h)
     h.finish(0)
     h.step()
     h.drain_and_check()
@@ -378,9 +387,7 @@ def test_events_held_back_by_an_error_come_with_the_next_take() -> None:
     h.new_request(0, 5, 1, False, False)
     while not sched.counters.jobs_completed:  # every take raises until the store completed
         obs.fail_next, obs.fail_calls = "typed", frozenset({"take_events"})
-        h.step()
-        while h.outstanding:
-            h.deliver(0)
+        _step_delivered(h)
     announced = h.engine._announced
     assert obs.events_held_back and not announced  # the stored event waits in the manager
     h.check()  # its take succeeds: INV-EVENTS holds, one take late
