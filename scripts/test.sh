@@ -32,6 +32,7 @@ CROSSHAIR_MODULES=(
     statecore.kernels
     statecore.worker
     statecore.managers.policies
+    statecore.managers.cpu
 )
 CROSSHAIR_PER_CONDITION_TIMEOUT="${CROSSHAIR_PER_CONDITION_TIMEOUT:-2}"
 CROSSHAIR_TOTAL_TIMEOUT="${CROSSHAIR_TOTAL_TIMEOUT:-300}"

@@ -24,13 +24,13 @@ Quarantined slots are always free slots; they count in ``num_free``.
 from __future__ import annotations
 
 import importlib
-from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from functools import partial
-from itertools import filterfalse, takewhile
-from operator import is_not
+from itertools import compress, filterfalse, takewhile
+from operator import add, gt, is_not
 from typing import Any
 
 from statecore import validate
@@ -138,6 +138,64 @@ def _slot(entry: _Entry) -> int:
     return entry & _MASK
 
 
+_TWO = 2 * _ONE
+"""Entries below this are write-pending or idle; at or above it, pinned."""
+_THREE = 3 * _ONE
+# (C-speed maps over entries: operator functions, which also take CrossHair's symbolic ints)
+_add_one = partial(add, _ONE)
+_drop_one = partial(add, -_ONE)
+_below_two = partial(gt, _TWO)
+_below_three = partial(gt, _THREE)
+
+
+def pinned_entries(entries: list[_Entry], evictable: int) -> tuple[list[_Entry], int]:
+    """The entries of distinct ready keys after one more pin each, and the evictable count.
+
+    The batch form of :func:`~statecore.managers.policies.pin_counts`, over entries (a pin
+    adds one reference: ``_ONE``); the keys that were idle leave the evictable count.
+
+    pre: all(e >= _ONE for e in entries)
+    pre: evictable >= sum(1 for e in entries if e < _TWO)
+    post: len(__return__[0]) == len(entries)
+    post: all(_ref(a) == _ref(e) + 1 for a, e in zip(__return__[0], entries))
+    post: all(_slot(a) == _slot(e) for a, e in zip(__return__[0], entries))
+    post: __return__[1] == evictable - sum(1 for e in entries if _ref(e) == 0)
+    post: __return__[1] >= 0
+    """
+    return list(map(_add_one, entries)), evictable - sum(map(_below_two, entries))
+
+
+def unpinned_entries(entries: list[_Entry], evictable: int) -> tuple[list[_Entry], int]:
+    """The entries of distinct pinned keys after one pin each is released, and the evictable
+    count (the keys whose last pin this was join it).
+
+    The batch form of :func:`~statecore.managers.policies.unpin_counts`, over entries.
+
+    pre: all(e >= _TWO for e in entries)
+    pre: evictable >= 0
+    post: len(__return__[0]) == len(entries)
+    post: all(_ref(a) == _ref(e) - 1 >= 0 for a, e in zip(__return__[0], entries))
+    post: all(_slot(a) == _slot(e) for a, e in zip(__return__[0], entries))
+    post: __return__[1] == evictable + sum(1 for e in entries if _ref(e) == 1)
+    """
+    return list(map(_drop_one, entries)), evictable + sum(map(_below_three, entries))
+
+
+def _batch_form(policy: CachePolicy, hook: str) -> Callable[[list[OffloadKey]], None] | None:
+    """``policy``'s optional batch form of ``hook`` (``hook + "_many"``), or ``None``: when the
+    policy has none, or its batch form is inherited from above the class that defines ``hook``
+    (a subclass that overrides only the single-key hook must have that override called)."""
+    many = getattr(policy, hook + "_many", None)
+    if many is None:
+        return None
+    mro = type(policy).__mro__
+    single_owner = next((c for c in mro if hook in vars(c)), None)
+    many_owner = next((c for c in mro if hook + "_many" in vars(c)), None)
+    if single_owner is None or many_owner is None:  # set on the instance: trust it
+        return many  # type: ignore[no-any-return]
+    return many if issubclass(many_owner, single_owner) else None
+
+
 def _resolve_policy(policy: str | CachePolicy, capacity: int) -> CachePolicy:
     if not isinstance(policy, str):
         if not isinstance(policy, CachePolicy):
@@ -202,6 +260,7 @@ class CPUOffloadingManager(OffloadingManager):
         validate.config_int(owner, "max_tracker_size", max_tracker_size, 1)
         self.capacity = num_slots
         self.policy: CachePolicy = _resolve_policy(policy, num_slots)
+        self._pin_many = _batch_form(self.policy, "mark_non_evictable")
         self.enable_events = enable_events
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
@@ -406,9 +465,26 @@ class CPUOffloadingManager(OffloadingManager):
 
     def prepare_read(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
         """Pin ``keys`` for any reader (GPU load or cascade to a secondary tier)."""
-        slots = self._validate_pinnable(keys, "prepare_load")
         entries = self._entries
         policy = self.policy
+        got: list[Any] = []
+        if type(keys) in _SEQ:  # (a one-shot iterable goes the slow path, which refuses it)
+            try:
+                got = list(map(entries.get, keys))
+            except TypeError:  # an unhashable key: the slow path says which
+                got = []
+        if got and None not in got and min(got) >= _ONE and len(set(keys)) == len(got):
+            # the usual load: distinct ready keys (present keys are valid keys); at C speed
+            idle = list(compress(keys, map(_below_two, got)))
+            if idle:
+                if self._pin_many is not None:
+                    self._pin_many(idle)
+                else:  # a policy without the optional batch form (or that overrides the other)
+                    deque(map(policy.mark_non_evictable, idle), 0)
+            new, self._evictable = pinned_entries(got, self._evictable)
+            entries.update(zip(keys, new, strict=True))
+            return CPULoadStoreSpec(tuple(map(_MASK.__and__, got)))
+        slots = self._validate_pinnable(keys, "prepare_load")
         evictable = self._evictable
         for key, slot in zip(keys, slots, strict=True):
             ref = _ref(entries[key])  # (read again: a key listed twice is pinned twice)
@@ -428,6 +504,20 @@ class CPUOffloadingManager(OffloadingManager):
         call = "complete_load"
         entries = self._entries
         get = entries.get
+        got: list[Any] = []
+        if type(keys) in _SEQ:  # (a one-shot iterable goes the slow path, which refuses it)
+            try:
+                got = list(map(get, keys))
+            except TypeError:  # an unhashable key: the slow path says which
+                got = []
+        if got and None not in got and min(got) >= _TWO and len(set(keys)) == len(got):
+            # the usual completion: distinct pinned keys, each released once; at C speed
+            new, self._evictable = unpinned_entries(got, self._evictable)
+            entries.update(zip(keys, new, strict=True))
+            idle = list(compress(keys, map(_below_three, got)))
+            if idle:  # (in key order, as the per-key path marks them)
+                self.policy.mark_evictable_many(idle)
+            return
         try:  # validation by lookup, as in _validate_pinnable
             for key in keys:
                 entry = get(key)

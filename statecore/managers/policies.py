@@ -11,7 +11,10 @@ slot). The manager tells the policy about every state change through four hooks:
 A store job's keys arrive together, so the first two hooks also come in batch form, which
 the manager uses on its hot paths: ``insert_many(keys)`` and ``mark_evictable_many(keys)``
 must leave the policy exactly as calling ``insert`` / ``mark_evictable`` on each key in
-order would (a subclass that overrides one form overrides the other).
+order would (a subclass that overrides one form overrides the other). A load pins its keys
+together: a policy may also define ``mark_non_evictable_many(keys)`` (the same rule; the
+built-in ones do), and the manager calls ``mark_non_evictable`` on each key where it does
+not (the batch form is optional, so a policy written before it still works).
 
 ``evict(n, protected)`` is atomic: it returns exactly ``n`` victims (all idle, none in
 ``protected``) and forgets them, or returns ``None`` and changes nothing (INV-EVICT).
@@ -24,9 +27,10 @@ PEP 316 contract (``pre:``/``post:`` lines) that CrossHair checks::
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
+from itertools import repeat
 from typing import Protocol, TypeVar, runtime_checkable
 
 from statecore.keys import OffloadKey
@@ -333,6 +337,10 @@ class LRUCachePolicy:
         """Take ``key`` out of the evictable list."""
         self.evictable_blocks.pop(key, None)
 
+    def mark_non_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
+        """``mark_non_evictable`` of each key (one load's idle keys)."""
+        deque(map(self.evictable_blocks.pop, keys, repeat(None)), 0)
+
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Move idle ``keys`` to the recent end, the first key last (most recent)."""
         ev = self.evictable_blocks
@@ -421,6 +429,10 @@ class ARCCachePolicy:
     def mark_non_evictable(self, key: OffloadKey) -> None:
         """``key`` is pinned."""
         self._idle.discard(key)
+
+    def mark_non_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
+        """``mark_non_evictable`` of each key."""
+        self._idle.difference_update(keys)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Record a use of ``keys`` (processed last to first) and adapt the target."""

@@ -27,6 +27,7 @@ from statecore.manager import (
 )
 from statecore.managers import CPUOffloadingManager, MemoryTier, TieringOffloadingManager
 from statecore.managers.cpu import MAX_SLOTS, CPUManagerCounters, _entry
+from statecore.managers.policies import LRUCachePolicy
 from statecore.pool import CPUPool
 
 CTX = ReqContext("r")
@@ -359,4 +360,69 @@ def test_quarantine_marks_expire_one_by_one_after_many_schedule_ends() -> None:
     m.on_schedule_end(end)
     assert not m.is_quarantined(0) and m.is_quarantined(1)
     assert m.counters().quarantined == 1
+    m.check_invariants()
+
+
+# -- a load's pins in one batch: the policy's optional batch form, and who it must not skip ----
+
+
+class _SingleKeyPinsOnly:
+    """A policy written before the optional ``mark_non_evictable_many``: an LRU whose
+    single-key pin hook counts its calls."""
+
+    def __init__(self, capacity: int) -> None:
+        self.inner = LRUCachePolicy(capacity)
+        self.pins = 0
+        for name in ("insert", "insert_many", "remove", "mark_evictable", "touch", "clear"):
+            setattr(self, name, getattr(self.inner, name))
+        self.mark_evictable_many = self.inner.mark_evictable_many
+        self.evict = self.inner.evict
+        self.evictable_keys = self.inner.evictable_keys
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        self.pins += 1
+        self.inner.mark_non_evictable(key)
+
+
+class _CountingPinLRU(LRUCachePolicy):
+    """Overrides only the single-key pin hook: the inherited batch form must not bypass it."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.pins = 0
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        self.pins += 1
+        super().mark_non_evictable(key)
+
+
+@pytest.mark.parametrize("policy_cls", [_SingleKeyPinsOnly, _CountingPinLRU])
+def test_a_load_pins_through_the_single_key_hook_where_the_policy_has_no_own_batch_form(
+    policy_cls: type[_SingleKeyPinsOnly] | type[_CountingPinLRU],
+) -> None:
+    policy = policy_cls(8)
+    m = CPUOffloadingManager(8, policy)  # type: ignore[arg-type]
+    keys = [k(i) for i in range(4)]
+    m.prepare_store(keys, CTX)
+    m.complete_store(keys, CTX)
+    m.prepare_load(keys[:3], CTX)  # three idle keys pinned: three single-key calls
+    assert policy.pins == 3
+    assert policy.evictable_keys() == [k(3)]  # type: ignore[operator]
+    m.prepare_load(keys[:2], CTX)  # already pinned: the policy hears nothing
+    assert policy.pins == 3
+    m.check_invariants()
+
+
+def test_a_load_of_idle_and_pinned_keys_pins_each_once_and_releases_in_key_order() -> None:
+    m = CPUOffloadingManager(8, "lru")
+    keys = [k(i) for i in range(5)]
+    m.prepare_store(keys, CTX)
+    m.complete_store(keys, CTX)
+    m.prepare_load([k(1), k(3)], CTX)
+    m.prepare_load([k(4), k(3), k(1), k(0)], CTX)  # k1, k3 pinned twice now
+    assert [m.ref_count(key) for key in keys] == [1, 2, 0, 2, 1]
+    assert m.counters().evictable == 1
+    m.complete_load((k(4), k(3), k(1), k(0)), CTX)  # k4 and k0 become idle, in that order
+    assert m.policy.evictable_keys() == [k(2), k(4), k(0)]  # type: ignore[attr-defined]
+    assert [m.ref_count(key) for key in keys] == [0, 1, 0, 1, 0]
     m.check_invariants()

@@ -151,16 +151,16 @@ _ids = st.lists(st.integers(0, 7), max_size=8)
     policy=st.sampled_from([LRUCachePolicy, ARCCachePolicy]),
     history=st.lists(st.tuples(st.sampled_from(["ins", "ready", "pin", "touch", "evict"]), _ids)),
     batch=_ids,
-    ready=st.booleans(),
+    form=st.sampled_from(["insert", "ready", "pin"]),
 )
 def test_batch_hooks_equal_the_single_key_hooks_in_order(
     policy: type[LRUCachePolicy] | type[ARCCachePolicy],
     history: list[tuple[str, list[int]]],
     batch: list[int],
-    ready: bool,
+    form: str,
 ) -> None:
-    """insert_many / mark_evictable_many leave a policy as the single-key calls in order do,
-    whatever came before (ghosts, idle keys, repeated keys)."""
+    """insert_many / mark_evictable_many / mark_non_evictable_many leave a policy as the
+    single-key calls in order do, whatever came before (ghosts, idle keys, repeated keys)."""
     a, b = policy(4), policy(4)
     for p in (a, b):
         for op, ids in history:
@@ -179,10 +179,14 @@ def test_batch_hooks_equal_the_single_key_hooks_in_order(
             else:
                 p.evict(len(ids) % 3, frozenset())
     keys = [k(i) for i in batch]
-    if ready:
+    if form == "ready":
         a.mark_evictable_many(keys)
         for key in keys:
             b.mark_evictable(key)
+    elif form == "pin":
+        a.mark_non_evictable_many(keys)
+        for key in keys:
+            b.mark_non_evictable(key)
     else:
         a.insert_many(keys)
         for key in keys:

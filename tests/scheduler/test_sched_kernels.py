@@ -225,6 +225,21 @@ def test_window_hits_table(results: list[int], window: int, expected: int | None
     assert kernels.window_hits(results, window) == expected
 
 
+@given(st.lists(st.sampled_from([M, H, P, R]), max_size=12), st.integers(0, 6), st.integers(1, 4))
+def test_a_lookup_kernel_answers_the_same_over_its_own_answers_range(
+    results: list[int], budget: int, window: int
+) -> None:
+    """What lets a single-group lookup stop after one pass: asking again over the chunks the
+    first answer chose (the same manager answers, cut there) gives the same answer."""
+    for decide in (
+        lambda r: kernels.prefix_hits(r, budget),
+        lambda r: kernels.window_hits(r, window),
+    ):
+        hits = decide(results)
+        if hits:
+            assert decide(results[:hits]) == hits
+
+
 # -- fence index ---------------------------------------------------------------------------------
 
 
