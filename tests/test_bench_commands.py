@@ -12,6 +12,8 @@ from statecore.bench.scheduler import (
     Collection,
     GCRecorder,
     HookTimer,
+    engine_step_line,
+    engine_step_summary,
     gc_line,
     gc_summary,
 )
@@ -188,3 +190,37 @@ def test_gc_summary_subtracts_in_hook_pauses_and_counts_tail_steps() -> None:
     assert g["p99_us"] == 1100 and g["net_p99_us"] == 100
     assert g["tail_steps"] == 2 and g["tail_steps_with_gc"] == 2
     assert "gen1 1 (1 in hooks, 1.0-1.0 ms)" in gc_line(g)
+
+
+def test_engine_step_summary_subtracts_only_the_pauses_inside_the_engines_step() -> None:
+    steps = [(1, dict.fromkeys(HOOKS, 0))] * 99 + [(0, dict.fromkeys(HOOKS, 0))]
+    engine_ns = [1_000_000] * 97 + [5_000_000, 5_000_000, 9_000_000]  # the last: no tokens
+    events = [
+        Collection(97, 0, "build_connector_meta", 4_000_000, True),  # in schedule(): 4 ms
+        Collection(98, 0, None, 4_000_000, True),  # in update_from_output: 4 ms
+        Collection(3, 0, None, 500_000, False),  # in the workers' part of the loop: kept
+        Collection(99, 0, None, 1_000_000, True),  # a step that scheduled nothing
+    ]
+    e = engine_step_summary(engine_ns, steps, 0, 100, events)
+    assert e["steps"] == 99
+    assert e["median_us"] == 1000 and e["p99_us"] == 5000
+    assert e["collections"] == 2 and e["steps_with_pause"] == 2
+    assert e["pause_max_ms"] == 4.0
+    assert e["net_p99_us"] == 1000 and e["net_median_us"] == 1000
+    line = engine_step_line("statecore", e)
+    assert "median 1000.0 p99 5000.0" in line and "collections in it 2 (in 2 steps" in line
+    plain = engine_step_summary(engine_ns, steps, 0, 100, None)  # without --gc-stats
+    assert "collections" not in plain and plain["p99_us"] == 5000
+    assert "collections" not in engine_step_line("x", plain)
+    assert engine_step_summary([], [], 0, 10, None) == {"steps": 0}
+
+
+def test_gc_recorder_marks_a_collection_inside_the_engines_step() -> None:
+    timer = HookTimer(_Hooks(0), lambda n, a, r: None, "thread", track=True)
+    with GCRecorder(timer) as rec:
+        timer.in_engine_step = True
+        gc.collect(0)
+        timer.in_engine_step = False
+        gc.collect(0)
+    marks = [c.in_engine_step for c in rec.collections if c.generation == 0]
+    assert marks[:1] == [True] and marks[-1:] == [False]

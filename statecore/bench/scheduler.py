@@ -249,6 +249,9 @@ class HookTimer:
         self.target = target
         self.current: str | None = None
         """The hook running now (kept only with ``track``), for :class:`GCRecorder`."""
+        self.in_engine_step = False
+        """Whether the engine's own step (vLLM's ``schedule``/``update_from_output``) runs
+        now: set by the loop, for :class:`GCRecorder`."""
         # thread CPU time: ratios between runs hold on a loaded machine (no preemption noise)
         pc = time.thread_time_ns if clock == "thread" else time.perf_counter_ns
         self.clock = pc
@@ -281,6 +284,22 @@ class HookTimer:
         self.ns = dict.fromkeys(HOOKS, 0)
 
 
+class _NoHooks:
+    """The timer's target in a run without a connector: the four hooks, never called."""
+
+    def get_num_new_matched_tokens(self, *args: Any) -> Any:
+        return None
+
+    def update_state_after_alloc(self, *args: Any) -> Any:
+        return None
+
+    def build_connector_meta(self, *args: Any) -> Any:
+        return None
+
+    def update_connector_output(self, *args: Any) -> Any:
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class Collection:
     """One collection of the cyclic garbage collector during a run."""
@@ -292,6 +311,9 @@ class Collection:
     """The connector hook it started in, or None (the engine's own code)."""
     pause_ns: int
     """Its duration on the hooks' clock."""
+    in_engine_step: bool = False
+    """Whether it started inside the engine's ``schedule`` or ``update_from_output`` (vLLM
+    runs: what :func:`engine_step_summary` subtracts)."""
 
 
 class GCRecorder:
@@ -306,17 +328,17 @@ class GCRecorder:
     def __init__(self, timer: HookTimer) -> None:
         self.timer = timer
         self.collections: list[Collection] = []
-        self._start: tuple[int, str | None] | None = None
+        self._start: tuple[int, str | None, bool] | None = None
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
         t = self.timer
         if phase == "start":
-            self._start = (t.clock(), t.current)
+            self._start = (t.clock(), t.current, t.in_engine_step)
         elif self._start is not None:
-            t0, hook = self._start
+            t0, hook, in_engine = self._start
             self._start = None
             self.collections.append(
-                Collection(len(t.steps), int(info["generation"]), hook, t.clock() - t0)
+                Collection(len(t.steps), int(info["generation"]), hook, t.clock() - t0, in_engine)
             )
 
     def __enter__(self) -> GCRecorder:
@@ -389,6 +411,63 @@ def gc_line(g: dict[str, Any]) -> str:
     )
 
 
+def engine_step_summary(
+    engine_ns: Sequence[int],
+    steps: Sequence[tuple[int, dict[str, int]]],
+    warmup: int,
+    last: int,
+    collections: Sequence[Collection] | None,
+) -> dict[str, Any]:
+    """The engine's whole step (vLLM's ``schedule`` plus ``update_from_output``, the hooks
+    inside them) over the steps :func:`summarize` counts: median, p99 (µs); with
+    ``collections``, also how many collections started inside it, their pauses, and the
+    median and p99 with those pauses subtracted."""
+    counted = [i for i in range(warmup, min(last, len(steps), len(engine_ns))) if steps[i][0] > 0]
+    if not counted:
+        return {"steps": 0}
+    plain = [engine_ns[i] / 1e3 for i in counted]
+    out: dict[str, Any] = {
+        "steps": len(plain),
+        "median_us": statistics.median(plain),
+        "p99_us": _pct(plain, 99),
+    }
+    if collections is not None:
+        wanted = set(counted)
+        paused: dict[int, int] = {}
+        pauses: list[float] = []
+        for c in collections:
+            if c.in_engine_step and c.step in wanted:
+                paused[c.step] = paused.get(c.step, 0) + c.pause_ns
+                pauses.append(c.pause_ns / 1e6)
+        net = [(engine_ns[i] - paused.get(i, 0)) / 1e3 for i in counted]
+        out.update(
+            collections=len(pauses),
+            steps_with_pause=len(paused),
+            pause_max_ms=max(pauses, default=0.0),
+            pause_share=sum(paused.values()) / max(sum(engine_ns[i] for i in counted), 1),
+            net_median_us=statistics.median(net),
+            net_p99_us=_pct(net, 99),
+        )
+    return out
+
+
+def engine_step_line(label: str, e: dict[str, Any]) -> str:
+    """One line of :func:`engine_step_summary`."""
+    if not e.get("steps"):
+        return f"  engine step, {label}: no timed steps"
+    line = (
+        f"  engine step, {label}: median {e['median_us']:.1f} p99 {e['p99_us']:.1f} µs "
+        f"(p99/median {e['p99_us'] / max(e['median_us'], 1e-9):.2f})"
+    )
+    if "collections" in e:
+        line += (
+            f"; collections in it {e['collections']} (in {e['steps_with_pause']} steps, "
+            f"up to {e['pause_max_ms']:.1f} ms, {100 * e['pause_share']:.1f}% of its time); "
+            f"without them median {e['net_median_us']:.1f} p99 {e['net_p99_us']:.1f}"
+        )
+    return line
+
+
 def _pct(xs: Sequence[float], p: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
@@ -441,6 +520,8 @@ class RunResult:
     """The connector's KV events in order, as comparable tuples (engine step first)."""
     gc: dict[str, Any] = field(default_factory=dict)
     """With ``Scenario.gc_stats``: :func:`gc_summary` of the run."""
+    engine_step: dict[str, Any] = field(default_factory=dict)
+    """vLLM runs: :func:`engine_step_summary` (the engine's whole step, hooks included)."""
 
     def as_json(self) -> dict[str, Any]:
         """The JSON-able form."""
@@ -945,7 +1026,9 @@ def _chunk_count(spec: Any) -> int:
 
 def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> RunResult:
     """The scenario on vLLM's engine ``Scheduler`` with ``connector`` = ``"vllm"`` (vLLM's
-    OffloadingConnector) or ``"statecore"`` (:class:`StatecoreOffloadingConnector`).
+    OffloadingConnector), ``"statecore"`` (:class:`StatecoreOffloadingConnector`) or
+    ``"none"`` (no KV connector: the engine's own step cost, the baseline of
+    :attr:`RunResult.engine_step`; nothing is offloaded).
 
     ``probe`` is called after every step as in :func:`run_standalone` (the timer's target is
     the scheduler-role connector; jobs submitted by the first worker); returning True ends
@@ -998,7 +1081,10 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
         "engine_id": engine_id,
         "kv_load_failure_policy": sc.failure_policy,
     }
-    if connector == "vllm":
+    ktc: Any
+    if connector == "none":
+        ktc = None
+    elif connector == "vllm":
         ktc = vcfg.KVTransferConfig(kv_connector="OffloadingConnector", **common)
     else:
         ktc = vcfg.KVTransferConfig(
@@ -1057,7 +1143,7 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
     role = base.KVConnectorRole.WORKER
     workers: list[Any] = []
     delayed: list[Any] = []
-    for rank in range(sc.num_workers):
+    for rank in range(sc.num_workers if conn is not None else 0):
         if connector == "vllm":
             w = type(conn)(vc, role, kcc)
             eng: Any = _VllmDelayedEngine(clock, sc.load_delay, sc.store_delay)
@@ -1111,7 +1197,8 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
             return st
 
         conn.get_kv_connector_stats = stats_hook
-    timer = HookTimer(conn, on_call, sc.clock, sc.gc_stats)
+    timer = HookTimer(conn if conn is not None else _NoHooks(), on_call, sc.clock, sc.gc_stats)
+    engine_ns: list[int] = []
     if sc.kv_events:
         publish = engine.kv_event_publisher.publish
 
@@ -1137,7 +1224,7 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
                 raise RuntimeError(f"vLLM engine with {connector} connector did not drain")
             due = sc.reset_at is not None and step >= sc.reset_at and "resets" not in c
             # with reset_with_loads: only once the last step sent a load (still in flight)
-            if due and (not sc.reset_with_loads or last_loads[0]):
+            if due and conn is not None and (not sc.reset_with_loads or last_loads[0]):
                 c["resets"] = 1
                 c["loads_in_flight_at_reset"] = last_loads[0]
                 if engine.reset_connector_cache() is False:  # the connector's reset failed
@@ -1156,11 +1243,20 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
                     )
                     engine.add_request(req)
                     live[rid] = req
+            timer.in_engine_step = True
+            t_step = timer.clock()
             so = engine.schedule()
+            t_step = timer.clock() - t_step
+            timer.in_engine_step = False
             if so.preempted_req_ids:
                 c["preempted"] = c.get("preempted", 0) + len(so.preempted_req_ids)
             meta = so.kv_connector_metadata
             ids = list(so.num_scheduled_tokens)
+            sampled: list[list[int]] = []  # a token for each request whose prefill is done
+            for rid in ids:
+                r = engine.requests[rid]
+                done = r.num_computed_tokens >= r.num_tokens
+                sampled.append([token_rng.randrange(3, 50000)] if done else [])
             outs: list[Any] = []
             for rank, w in enumerate(workers):
                 wmeta = meta
@@ -1184,11 +1280,6 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
                 )
                 w.clear_connector_metadata()
                 if rank == 0:
-                    sampled: list[list[int]] = []
-                    for rid in ids:
-                        r = engine.requests[rid]
-                        done = r.num_computed_tokens >= r.num_tokens
-                        sampled.append([token_rng.randrange(3, 50000)] if done else [])
                     outs.append(
                         outputs_mod.ModelRunnerOutput(
                             req_ids=ids,
@@ -1203,7 +1294,19 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
                             req_ids=[], req_id_to_index={}, kv_connector_output=kvo
                         )
                     )
-            engine.update_from_output(so, aggregator.aggregate(outs, output_rank=0))
+            if conn is None:  # the model runner's output alone
+                report = outputs_mod.ModelRunnerOutput(
+                    req_ids=ids,
+                    req_id_to_index={r: i for i, r in enumerate(ids)},
+                    sampled_token_ids=sampled,
+                )
+            else:
+                report = aggregator.aggregate(outs, output_rank=0)
+            timer.in_engine_step = True
+            t_update = timer.clock()
+            engine.update_from_output(so, report)
+            engine_ns.append(t_step + timer.clock() - t_update)
+            timer.in_engine_step = False
             for rid in [r for r, q in live.items() if q.is_finished()]:
                 q = live.pop(rid)
                 res.outputs[rid] = int(q.num_output_tokens)
@@ -1212,7 +1315,7 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
                 wl.finished(list(q.all_token_ids))
             timer.end_step(int(so.total_num_scheduled_tokens))
             if probe is not None and probe(
-                step, timer, res, int(getattr(delayed[0], "submitted", 0))
+                step, timer, res, int(getattr(delayed[0], "submitted", 0)) if delayed else 0
             ):
                 break
             step += 1
@@ -1222,9 +1325,18 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
     res.summary = summarize(timer.steps, sc.warmup_steps, sc.steps)
     if recorder is not None:
         res.gc = gc_summary(recorder.collections, timer.steps, sc.warmup_steps, sc.steps)
+    res.engine_step = engine_step_summary(
+        engine_ns,
+        timer.steps,
+        sc.warmup_steps,
+        sc.steps,
+        recorder.collections if recorder is not None else None,
+    )
     res.counters["requests"] = wl.next_id
     pending = sum(e.pending() for e in delayed)
-    if connector == "vllm":
+    if conn is None:
+        res.leftovers = {}
+    elif connector == "vllm":
         cs = conn.connector_scheduler
         res.leftovers = {
             "requests": len(cs._req_status),
@@ -1247,7 +1359,8 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
         }
     res.leftovers["engine_requests"] = len(engine.requests)
     if tier_dir is not None:
-        conn.shutdown()
+        if conn is not None:
+            conn.shutdown()
         tier_dir.cleanup()
     return res
 
@@ -1429,7 +1542,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if runs:
             print(f"memory per in-flight job: {runs[0].bytes_per_job:.0f} B (target <= 1024)")
     if use_vllm:
-        print(f"\nvLLM {_m('vllm').__version__} engine Scheduler, same scenario, both connectors")
+        print(
+            f"\nvLLM {_m('vllm').__version__} engine Scheduler, same scenario, both connectors "
+            "(and the engine's whole step: schedule + update_from_output, hooks included, also "
+            "without a connector)"
+        )
         print(_header() + f" {'ratio':>7}")
         for n in vns:
             sc = Scenario(
@@ -1440,9 +1557,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 **shape,
                 gc_stats=a.gc_stats,
             )
+            rn = run_vllm(sc, "none")
             rv = run_vllm(sc, "vllm")
             rs = run_vllm(sc, "statecore")
-            runs += [rv, rs]
+            runs += [rn, rv, rs]
             print(_row(f"N={n} vLLM OffloadingConnector", rv.summary))
             if rv.gc:
                 print(gc_line(rv.gc))
@@ -1452,6 +1570,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(_row(f"N={n} statecore", rs.summary) + f" {ratio:>7.2f}")
             if rs.gc:
                 print(gc_line(rs.gc))
+            for label, r in (("no connector", rn), ("vLLM's", rv), ("statecore", rs)):
+                print(engine_step_line(label, r.engine_step))
     if a.json:
         with open(a.json, "w") as f:
             json.dump([r.as_json() for r in runs], f, indent=1)

@@ -337,3 +337,18 @@ def test_connector_state_stays_bounded_when_stats_are_never_asked() -> None:
     assert "connector.scheduler.manager._entries" in sizes  # the walk reached the manager
     grown = {where: n for where, n in sizes.items() if n > bound}
     assert grown == {}, f"containers beyond the live bound {bound}: {grown}"
+
+
+def test_the_engine_without_a_connector_is_the_engine_step_baseline() -> None:
+    """The no-connector run: the same request stream, finished with the same outputs as both
+    connectors where those outputs are the engine's alone (no CPU hit changes a token), and
+    an engine-step summary for each run, hooks included."""
+    sc = dataclasses.replace(BASE, gc_stats=True)
+    none, ours = run_vllm(sc, "none"), run_vllm(sc, "statecore")
+    assert not none.errors and len(none.outputs) == none.counters["requests"]
+    assert none.outputs == ours.outputs  # sampled tokens do not depend on where KV came from
+    assert none.summary["sum of 4 hooks"]["median_us"] == 0  # no hook ran
+    for res in (none, ours):
+        e = res.engine_step
+        assert e["steps"] > 0 and e["median_us"] > 0 and "collections" in e
+    assert ours.engine_step["median_us"] > ours.summary["sum of 4 hooks"]["median_us"]
