@@ -184,12 +184,13 @@ def test_gc_summary_subtracts_in_hook_pauses_and_counts_tail_steps() -> None:
     g = gc_summary(events, steps, 0, 100)
     assert g["steps"] == 100
     assert g["generations"] == {
-        "1": {"count": 1, "in_hooks": 1, "hook_pauses_ms": [1.0]},
-        "0": {"count": 2, "in_hooks": 1, "hook_pauses_ms": [1.0]},
+        "1": {"count": 1, "in_hooks": 1, "hook_pauses_ms": [1.0], "max_pause_ms": 1.0},
+        "0": {"count": 2, "in_hooks": 1, "hook_pauses_ms": [1.0], "max_pause_ms": 1.0},
     }
     assert g["p99_us"] == 1100 and g["net_p99_us"] == 100
     assert g["tail_steps"] == 2 and g["tail_steps_with_gc"] == 2
-    assert "gen1 1 (1 in hooks, 1.0-1.0 ms)" in gc_line(g)
+    assert "gen1 1 (1 in hooks, 1.0-1.0 ms; longest 1.0 ms)" in gc_line(g)
+    assert gc_line(g, hooks=False).endswith("gen1 1 (1 in hooks, 1.0-1.0 ms; longest 1.0 ms)")
 
 
 def test_engine_step_summary_subtracts_only_the_pauses_inside_the_engines_step() -> None:

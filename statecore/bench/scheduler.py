@@ -250,8 +250,8 @@ class HookTimer:
         self.current: str | None = None
         """The hook running now (kept only with ``track``), for :class:`GCRecorder`."""
         self.in_engine_step = False
-        """Whether the engine's own step (vLLM's ``schedule``/``update_from_output``) runs
-        now: set by the loop, for :class:`GCRecorder`."""
+        """Whether the engine's own step (vLLM's request intake, ``schedule`` and
+        ``update_from_output``) runs now: set by the loop, for :class:`GCRecorder`."""
         # thread CPU time: ratios between runs hold on a loaded machine (no preemption noise)
         pc = time.thread_time_ns if clock == "thread" else time.perf_counter_ns
         self.clock = pc
@@ -312,8 +312,8 @@ class Collection:
     pause_ns: int
     """Its duration on the hooks' clock."""
     in_engine_step: bool = False
-    """Whether it started inside the engine's ``schedule`` or ``update_from_output`` (vLLM
-    runs: what :func:`engine_step_summary` subtracts)."""
+    """Whether it started inside the engine's own step (request intake, ``schedule`` or
+    ``update_from_output``; vLLM runs: what :func:`engine_step_summary` subtracts)."""
 
 
 class GCRecorder:
@@ -356,7 +356,8 @@ def gc_summary(
     last: int,
 ) -> dict[str, Any]:
     """The collections of the steps :func:`summarize` counts (``warmup..last``, tokens > 0):
-    per generation, how many, how many started in a hook and their pauses (ms); and the
+    per generation, how many, how many started in a hook and their pauses (ms), the longest
+    pause of any of them (``max_pause_ms``, wherever it started); and the
     per-step cost (sum of the four hooks) with the in-hook pauses subtracted (median, p99 µs),
     next to how many of the steps at or above the plain p99 had an in-hook pause."""
     counted = {i for i in range(warmup, min(last, len(steps))) if steps[i][0] > 0}
@@ -365,8 +366,11 @@ def gc_summary(
     for c in collections:
         if c.step not in counted:
             continue
-        g = gens.setdefault(str(c.generation), {"count": 0, "in_hooks": 0, "hook_pauses_ms": []})
+        g = gens.setdefault(
+            str(c.generation), {"count": 0, "in_hooks": 0, "hook_pauses_ms": [], "max_pause_ms": 0}
+        )
         g["count"] += 1
+        g["max_pause_ms"] = max(g["max_pause_ms"], round(c.pause_ns / 1e6, 3))
         if c.hook is not None:
             g["in_hooks"] += 1
             g["hook_pauses_ms"].append(round(c.pause_ns / 1e6, 3))
@@ -391,8 +395,9 @@ def gc_summary(
     return out
 
 
-def gc_line(g: dict[str, Any]) -> str:
-    """One line of :func:`gc_summary` for the table."""
+def gc_line(g: dict[str, Any], hooks: bool = True) -> str:
+    """One line of :func:`gc_summary` for the table (``hooks=False``: the collections alone,
+    for a run without a connector)."""
     if not g.get("steps"):
         return "  gc: no timed steps"
     parts = []
@@ -400,7 +405,10 @@ def gc_line(g: dict[str, Any]) -> str:
         d = g["generations"][gen]
         pauses = d["hook_pauses_ms"]
         span = f", {min(pauses):.1f}-{max(pauses):.1f} ms" if pauses else ""
-        parts.append(f"gen{gen} {d['count']} ({d['in_hooks']} in hooks{span})")
+        longest = f"; longest {d['max_pause_ms']:.1f} ms" if d.get("max_pause_ms") else ""
+        parts.append(f"gen{gen} {d['count']} ({d['in_hooks']} in hooks{span}{longest})")
+    if not hooks:
+        return f"  gc: {'; '.join(parts) or 'no collections'}"
     return (
         f"  gc: {'; '.join(parts) or 'no collections'}; in-hook pauses "
         f"{100 * g['hook_pause_share']:.1f}% of hook time; tail steps (>= p99) with one: "
@@ -418,10 +426,11 @@ def engine_step_summary(
     last: int,
     collections: Sequence[Collection] | None,
 ) -> dict[str, Any]:
-    """The engine's whole step (vLLM's ``schedule`` plus ``update_from_output``, the hooks
-    inside them) over the steps :func:`summarize` counts: median, p99 (µs); with
-    ``collections``, also how many collections started inside it, their pauses, and the
-    median and p99 with those pauses subtracted."""
+    """The engine's whole step (vLLM's intake of the step's new requests, ``schedule`` and
+    ``update_from_output``, the hooks inside them: what an engine core process runs) over
+    the steps :func:`summarize` counts: median, p99 (µs); with ``collections``, also how
+    many collections started inside it, their pauses, and the median and p99 with those
+    pauses subtracted."""
     counted = [i for i in range(warmup, min(last, len(steps), len(engine_ns))) if steps[i][0] > 0]
     if not counted:
         return {"steps": 0}
@@ -1229,9 +1238,12 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
                 c["loads_in_flight_at_reset"] = last_loads[0]
                 if engine.reset_connector_cache() is False:  # the connector's reset failed
                     c["resets_failed"] = 1
+            t_step = 0  # the engine's step: its arrivals, schedule, update_from_output
             if step < sc.steps:
                 while len(live) < sc.concurrency:
-                    rid, prompt, out_len = wl.new()
+                    rid, prompt, out_len = wl.new()  # (the client's part: not timed)
+                    timer.in_engine_step = True
+                    t_arrival = timer.clock()
                     sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
                     sp.update_from_generation_config({}, None)
                     req = VRequest(
@@ -1242,11 +1254,13 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
                         block_hasher=hasher,
                     )
                     engine.add_request(req)
+                    t_step += timer.clock() - t_arrival
+                    timer.in_engine_step = False
                     live[rid] = req
             timer.in_engine_step = True
-            t_step = timer.clock()
+            t_schedule = timer.clock()
             so = engine.schedule()
-            t_step = timer.clock() - t_step
+            t_step += timer.clock() - t_schedule
             timer.in_engine_step = False
             if so.preempted_req_ids:
                 c["preempted"] = c.get("preempted", 0) + len(so.preempted_req_ids)
@@ -1544,8 +1558,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if use_vllm:
         print(
             f"\nvLLM {_m('vllm').__version__} engine Scheduler, same scenario, both connectors "
-            "(and the engine's whole step: schedule + update_from_output, hooks included, also "
-            "without a connector)"
+            "(and the engine's whole step: new requests' intake, schedule, update_from_output, "
+            "hooks included; also without a connector)"
         )
         print(_header() + f" {'ratio':>7}")
         for n in vns:
@@ -1572,6 +1586,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(gc_line(rs.gc))
             for label, r in (("no connector", rn), ("vLLM's", rv), ("statecore", rs)):
                 print(engine_step_line(label, r.engine_step))
+            if rn.gc:  # where the collector ran without a connector, and how long
+                print(gc_line(rn.gc, hooks=False).replace("  gc:", "  gc without a connector:"))
     if a.json:
         with open(a.json, "w") as f:
             json.dump([r.as_json() for r in runs], f, indent=1)
