@@ -618,9 +618,7 @@ class CPUOffloadingManager(OffloadingManager):
             if chosen is None:
                 return None
             victims = chosen
-            free = self._free
-            for key in victims:
-                free.append(entries.pop(key) & _MASK)
+            self._free.extend(map(_MASK.__and__, map(entries.pop, victims)))  # idle: ref 0
             self._evictable -= len(victims)
             if self.enable_events:
                 self._events.append(OffloadingEvent(tuple(victims), Medium.CPU, removed=True))

@@ -28,9 +28,9 @@ PEP 316 contract (``pre:``/``post:`` lines) that CrossHair checks::
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import repeat
+from itertools import filterfalse, islice, repeat
 from typing import Protocol, TypeVar, runtime_checkable
 
 from statecore.keys import OffloadKey
@@ -72,7 +72,10 @@ def lru_select_victims(
     """
     if n == 0:
         return []
-    out: list[K] = []
+    if isinstance(candidates, Mapping | AbstractSet):  # distinct keys: the scan at C speed
+        out = list(islice(filterfalse(protected.__contains__, candidates), n))
+        return out if len(out) == n else None
+    out = []
     seen: set[K] = set()
     for key in candidates:
         if key in protected or key in seen:
@@ -353,8 +356,7 @@ class LRUCachePolicy:
         victims = lru_select_victims(self.evictable_blocks, protected, n)
         if victims is None:
             return None
-        for key in victims:
-            del self.evictable_blocks[key]
+        deque(map(self.evictable_blocks.__delitem__, victims), 0)
         return victims
 
     def clear(self) -> None:
