@@ -897,12 +897,21 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         return StatecoreWorkerMetadata(report)
 
     def shutdown(self) -> None:
-        """Shut down whichever side this connector runs (and forget a registered pool)."""
-        if self.worker is not None:
-            self.worker.shutdown()
-        if self.scheduler is not None:
-            self.scheduler.shutdown()
-            _WORKER_POOLS.pop(_engine_id(self._vllm_config), None)
+        """Shut down whichever side this connector runs (and forget a registered pool).
+
+        Both sides are shut down and the pool forgotten even when one of them raises; the
+        error is raised after (a :class:`~statecore.errors.ManagerError` when the manager's
+        shutdown raised; when both sides raise, the scheduler's, the worker's as its
+        context)."""
+        try:
+            if self.worker is not None:
+                self.worker.shutdown()
+        finally:
+            if self.scheduler is not None:
+                try:
+                    self.scheduler.shutdown()
+                finally:
+                    _WORKER_POOLS.pop(_engine_id(self._vllm_config), None)
 
     # -- scheduler role ---------------------------------------------------------------------
 

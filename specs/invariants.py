@@ -492,12 +492,13 @@ INVARIANTS: dict[str, Invariant] = {
             "request tracked but unknown to it: no lookup hits, no offers, no finish notice, "
             "until a retry (its next lookup or store) succeeds. One whose take_events "
             "raises gives no events that time, one whose get_stats raises only the "
-            "scheduler's own stats; the rest come with the next call. Every such "
-            "error is counted "
-            "(manager_errors) and "
-            "reaches the engine as a ManagerError from update_connector_output, once its "
-            "report is applied, when it was untyped or checked mode is on, and not at all "
-            "otherwise.",
+            "scheduler's own stats; the rest come with the next call. One whose "
+            "has_pending_work raises is answered for as having none (the engine, which asks "
+            "before every step, may idle; nothing of the scheduler's is pending then). Every "
+            "such error is counted (manager_errors) and reaches the engine as a ManagerError "
+            "from update_connector_output, once its report is applied, when it was untyped or "
+            "checked mode is on, and not at all otherwise; an error of the manager's shutdown "
+            "is raised from shutdown as a ManagerError.",
             "A job stuck in flight with its fences (the request hangs, its blocks stay "
             "fenced), a step's metadata lost, or an untyped exception into the engine, after "
             "one manager error.",

@@ -80,8 +80,9 @@ MANAGER_ERROR_TARGETS: tuple[frozenset[str], ...] = (
     frozenset({"on_new_request"}),
     frozenset({"take_events"}),
     frozenset({"get_stats"}),
+    frozenset({"has_pending_work"}),
 )
-"""What :meth:`StackHarness.manager_error` arms, by ``(i >> 1) % 10``."""
+"""What :meth:`StackHarness.manager_error` arms, by ``(i >> 1) % len(MANAGER_ERROR_TARGETS)``."""
 
 STACK_CONFIG = SimConfig(
     seed=7,
@@ -370,10 +371,11 @@ class StackHarness:
     def manager_error(self, i: int) -> None:
         """The manager's next call of one kind raises: a typed ``ManagerError`` (even ``i``)
         or an untyped exception, a manager's bug (odd ``i``); the kind is
-        ``MANAGER_ERROR_TARGETS[(i >> 1) % 10]`` (a completion, after the manager applied it;
-        a store offer, a load's pinning, a lookup, a schedule end, a reset, a new request's
-        registration, the taking of its events or of its stats, before it changed anything;
-        a request's finish, after)."""
+        ``MANAGER_ERROR_TARGETS[(i >> 1) % len(MANAGER_ERROR_TARGETS)]`` (a completion, after
+        the manager applied it; a store offer, a load's pinning, a lookup, a schedule end, a
+        reset, a new request's registration, the taking of its events or of its stats, the
+        question whether it has pending work, before it changed anything; a request's finish,
+        after)."""
         self.ops += 1
         obs = self.stack.observed
         obs.fail_next = "untyped" if i & 1 else "typed"
@@ -537,7 +539,7 @@ class StackMachine(RuleBasedStateMachine):
         StackMachine.steps_run += 1
         self.h.advance_clock()
 
-    @rule(i=st.integers(0, 11))
+    @rule(i=st.integers(0, 2 * len(MANAGER_ERROR_TARGETS) - 1))  # every target, both kinds
     def manager_error(self, i: int) -> None:
         """The manager's next call of one kind raises (typed or untyped)."""
         StackMachine.steps_run += 1

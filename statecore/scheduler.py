@@ -1622,8 +1622,23 @@ class OffloadingScheduler:
 
     def has_pending_push_work(self) -> bool:
         """Whether the engine must keep stepping: jobs in flight, finishes to signal, or
-        manager work pending."""
-        return bool(self._jobs or self._awaiting_signal or self.manager.has_pending_work())
+        manager work pending.
+
+        The engine asks before every step (vLLM's ``has_requests``). A manager whose
+        ``has_pending_work`` raises is answered for as having none: nothing of the scheduler's
+        is pending then, so the engine may idle until a request comes (the manager is asked
+        again at the next step), rather than step without end for a manager that keeps
+        raising. The error is counted (``manager_errors``) and, when it is untyped or checked
+        mode is on, raised by the next :meth:`update_connector_output`."""
+        if self._jobs or self._awaiting_signal:
+            return True
+        try:
+            return bool(self.manager.has_pending_work())
+        except Exception as exc:  # answered as nothing pending; raised after the next step
+            self._manager_error(
+                exc, "the manager's has_pending_work", "(answered as no pending work)"
+            )
+            return False
 
     @property
     def manager_reset_pending(self) -> bool:
@@ -1708,8 +1723,22 @@ class OffloadingScheduler:
         return True
 
     def shutdown(self) -> None:
-        """Shut the manager down."""
-        self.manager.shutdown()
+        """Shut the manager down.
+
+        Raises :class:`~statecore.errors.ManagerError` when the manager's ``shutdown``
+        raises: a typed one as it is, anything else wrapped (naming the call, the original as
+        its cause). Nothing goes on after a shutdown, so the error is not tolerated; it is
+        counted (``manager_errors``) all the same."""
+        try:
+            self.manager.shutdown()
+        except ManagerError:
+            self.counters.manager_errors += 1
+            raise
+        except Exception as exc:
+            self.counters.manager_errors += 1
+            raise ManagerError(
+                f"the manager's shutdown raised {type(exc).__name__}: {exc}"
+            ) from exc
 
     # ----------------------------------------------------------------------------------------
     # lifecycle effects (called by lifecycle actions only)

@@ -29,8 +29,11 @@ The environment's moves are :data:`Action` tuples, applied by :meth:`World.apply
   ``("reseterr", typed)``: the same, the manager's ``reset_cache`` raising before it changes
   anything, ``("arriveerr", r, typed)``: request ``r`` arrives and the manager's
   ``on_new_request`` raises (the manager does not take it), and ``("takeerr", typed)``: the
-  engine takes the KV events and the manager's ``take_events`` raises (they stay queued), and
-  ``("statserr", typed)``: the same for the connector's stats and ``get_stats``.
+  engine takes the KV events and the manager's ``take_events`` raises (they stay queued),
+  ``("statserr", typed)``: the same for the connector's stats and ``get_stats``, and
+  ``("pendingerr", typed)``: the engine asks whether to keep stepping and the manager's
+  ``has_pending_work`` raises (offered when nothing of the scheduler's is pending, the only
+  time the scheduler asks the manager).
 
 A scope with ``redis=True`` (one worker) puts the real tiering manager over the CPU tier with
 the real :class:`~statecore.managers.redistier.RedisTier` below it, on a server double
@@ -526,6 +529,8 @@ class World:
         if self.scope.manager_errors and self.faults < self.scope.max_faults:
             out += [("takeerr", True), ("takeerr", False)]
             out += [("statserr", True), ("statserr", False)]
+            if not (s.jobs or s._awaiting_signal):  # else the manager is not asked
+                out += [("pendingerr", True), ("pendingerr", False)]
         faults_left = self.faults < self.scope.max_faults
         for rank, be in enumerate(self.backends):
             for job_id in be.submitted:
@@ -590,6 +595,16 @@ class World:
             kind_ = "typed" if action[1] else "untyped"
             self._armed(
                 kind_, _guarded, self, "get_stats", self.sched.get_stats, calls={"get_stats"}
+            )
+        elif kind == "pendingerr":
+            kind_ = "typed" if action[1] else "untyped"
+            self._armed(
+                kind_,
+                _guarded,
+                self,
+                "has_pending_push_work",
+                self.sched.has_pending_push_work,
+                calls={"has_pending_work"},
             )
         elif kind == "arriveerr":
             kind_ = "typed" if action[2] else "untyped"
@@ -1496,6 +1511,8 @@ def format_action(action: Action) -> str:
         "takeerr": "the engine takes the KV events; the manager's take_events raises (typed={1})",
         "statserr": "the engine takes the connector's stats; the manager's get_stats raises "
         "(typed={1})",
+        "pendingerr": "the engine asks whether to keep stepping; the manager's "
+        "has_pending_work raises (typed={1})",
         "finish": "request r{1} finishes (stop)",
         "abort": "request r{1} is aborted",
         "preempt": "request r{1} is preempted",

@@ -118,8 +118,9 @@ SCOPES: dict[str, Scope] = {
             depth=9,
             description="two requests sharing a chunk, one worker; the manager may raise "
             "(typed or untyped) from a completion or a finish it applied, or from a store "
-            "offer, a load, a lookup, a schedule end, an operator's reset or a new request "
-            "it refused",
+            "offer, a load, a lookup, a schedule end, an operator's reset, a new request it "
+            "refused, the taking of its events or stats, or the question whether it has "
+            "pending work",
         ),
         _scope(
             "swa2",

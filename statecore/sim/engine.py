@@ -426,6 +426,7 @@ FAULTY_CALLS: tuple[str, ...] = (
     "on_new_request",
     "take_events",
     "get_stats",
+    "has_pending_work",
 )
 """The manager calls the manager-error fault of :class:`ObservedManager` makes raise."""
 
@@ -442,9 +443,10 @@ class ObservedManager:
     :data:`FAULTY_CALLS` raises: ``complete_store``, ``complete_load`` and
     ``on_request_finished`` after forwarding to the manager, ``prepare_store``,
     ``prepare_load``, ``lookup_many``, ``on_schedule_end``, ``reset_cache``,
-    ``on_new_request``, ``take_events`` and ``get_stats`` without forwarding (nothing changed:
-    a failed reset leaves the manager's contents, a failed registration leaves the request
-    unknown to it, failed event or stats taking leaves them for the next call); an
+    ``on_new_request``, ``take_events``, ``get_stats`` and ``has_pending_work`` without
+    forwarding (nothing changed: a failed reset leaves the manager's contents, a failed
+    registration leaves the request unknown to it, failed event or stats taking leaves them
+    for the next call, a failed question about pending work leaves that work); an
     :class:`InjectedManagerError` (typed) or an :class:`InjectedManagerBug` (untyped).
     Either way the manager's state is whole, so a scheduler that goes on as it should leaves
     nothing behind; what was raised waits in :attr:`injected` for the engine's oracle.
@@ -496,6 +498,11 @@ class ObservedManager:
         forward."""
         self._maybe_fail("get_stats", (), "")
         return self._inner.get_stats()
+
+    def has_pending_work(self) -> bool:
+        """Maybe raise (the manager-error fault: its work stays pending); else forward."""
+        self._maybe_fail("has_pending_work", (), "")
+        return bool(self._inner.has_pending_work())
 
     def on_new_request(self, ctx: Any) -> Any:
         """Maybe raise (the manager-error fault: the request stays unknown to the manager);
@@ -745,7 +752,7 @@ class SimEngine:
             return True
         if any(s.pending_copies() for s in self.stacks) or self.extra_pending():
             return True
-        return bool(self.conn.has_pending_push_work())
+        return bool(self._guard("has_pending_push_work", self.conn.has_pending_push_work))
 
     def reset_cache(self) -> None:
         """``reset_cache`` between steps (every request's epoch moves on)."""
@@ -760,6 +767,9 @@ class SimEngine:
         k = self.step_no
         self.clock.now += cfg.step_seconds
         self.kv.dirty = True
+        # the engine's loop asks whether to keep stepping before every step (vLLM's
+        # has_requests asks the connector's has_pending_push_work)
+        self._guard("has_pending_push_work", self.conn.has_pending_push_work)
         for hook in self.step_hooks:
             hook(k)
         if f.reset and self.rng.random() < f.reset:

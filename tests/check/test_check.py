@@ -86,6 +86,7 @@ MUTANT_SCOPES = {
     "new_request_error_escapes": "manager",
     "take_events_error_escapes": "manager",
     "get_stats_error_escapes": "manager",
+    "pending_work_error_escapes": "manager",
 }
 """The smallest scope that can express a mutant, where known and not ``one``; a mutant not
 listed is looked for in every scope of :data:`SCOPE_ORDER` in turn."""

@@ -384,6 +384,14 @@ MUTANTS: dict[str, Mutant] = dict(
             (OffloadingScheduler, "_manager_error", _escaping("get_stats")),
         ),
         _mutant(
+            "pending_work_error_escapes",
+            "an error the manager raises from has_pending_work leaves the scheduler's "
+            "has_pending_push_work into the engine, which asks before every step (vLLM's "
+            "has_requests)",
+            "INV-MGR-ERROR: one manager error while the engine asks whether to step kills its loop",
+            (OffloadingScheduler, "_manager_error", _escaping("has_pending_work")),
+        ),
+        _mutant(
             "take_events_error_escapes",
             "an error the manager raises from take_events leaves the scheduler's take_events "
             "into the engine, which takes the events after every step",

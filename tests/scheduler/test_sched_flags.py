@@ -361,3 +361,29 @@ def test_checked_mode_reports_the_call_error_first_and_keeps_the_violation() -> 
     assert note.startswith("checked mode: after this error, InvariantViolation: INV-QUORUM")
     with pytest.raises(InvariantViolation, match="INV-QUORUM"):  # no error: the violation
         h.sched.update_connector_output(None)
+
+
+class _ShutdownRaises(RecordingManager):
+    """A manager whose shutdown raises: typed (a ManagerError) or, with ``untyped``, a bug."""
+
+    untyped: bool = False
+
+    def shutdown(self) -> None:
+        if self.untyped:
+            raise OSError("the tier's file is gone")
+        raise ManagerStateError("the manager", "shut down", "shutdown")
+
+
+@pytest.mark.parametrize("untyped", [False, True], ids=["typed", "untyped"])
+def test_a_managers_shutdown_error_is_a_manager_error_naming_the_call(untyped: bool) -> None:
+    manager = _ShutdownRaises()
+    manager.untyped = untyped
+    h = Harness(manager, config())
+    with pytest.raises(ManagerError) as err:
+        h.sched.shutdown()
+    if untyped:
+        assert "the manager's shutdown raised OSError" in str(err.value)
+        assert isinstance(err.value.__cause__, OSError)
+    else:
+        assert isinstance(err.value, ManagerStateError)
+    assert h.sched.counters.manager_errors == 1

@@ -404,6 +404,47 @@ def test_a_get_stats_error_leaves_the_schedulers_own_stats(kind: int, checked: b
     assert sched.counters.manager_errors == 1
 
 
+@pytest.mark.parametrize("checked", [False, True])
+@pytest.mark.parametrize("kind", [0, 1])
+def test_a_pending_work_error_is_no_pending_work_and_the_engine_steps_on(
+    kind: int, checked: bool
+) -> None:
+    h = _scenario(kind | _target("has_pending_work") << 1, checked)
+    sched, obs = h.stack.scheduler, h.stack.observed
+    assert obs.injected_by_call == {"has_pending_work": 1}
+    assert sched.counters.manager_errors == 1
+
+
+def test_a_raising_has_pending_work_answers_false_only_when_nothing_of_the_schedulers_waits() -> (
+    None
+):
+    h = StackHarness(StackHarness.config)
+    sched, obs = h.stack.scheduler, h.stack.observed
+    h.new_request(0, 5, 1, False, False)
+    h.step()
+    assert sched.jobs  # a store in flight: the manager is not asked
+    obs.fail_next, obs.fail_calls = "typed", frozenset({"has_pending_work"})
+    assert sched.has_pending_push_work() is True and not obs.injected
+    obs.fail_next = None
+    while h.outstanding:
+        h.deliver(0)
+    h.finish(0)
+    for _ in range(4):
+        _step_delivered(h)
+    assert not sched.jobs and not sched.has_pending_push_work()  # nothing left: False
+    obs.fail_next, obs.fail_calls = "typed", frozenset({"has_pending_work"})
+    assert sched.has_pending_push_work() is False  # the manager asked, and raised
+    assert obs.injected_by_call == {"has_pending_work": 1}
+    assert sched.counters.manager_errors == 1
+    h.drain_and_check()
+
+
+@pytest.mark.parametrize("kind", [0, 1])
+def test_the_escaping_pending_work_mutant_breaks_the_scenario(kind: int) -> None:
+    with MUTANTS["pending_work_error_escapes"].apply(), pytest.raises(InvariantViolation):
+        _scenario(kind | _target("has_pending_work") << 1)
+
+
 def test_the_managers_stats_come_with_the_next_call() -> None:
     h = StackHarness(StackHarness.config)
     sched, obs = h.stack.scheduler, h.stack.observed
