@@ -188,10 +188,13 @@ def _batch_form(policy: CachePolicy, hook: str) -> Callable[[list[OffloadKey]], 
     many = getattr(policy, hook + "_many", None)
     if many is None:
         return None
+    own = getattr(policy, "__dict__", {})
+    if hook in own or hook + "_many" in own:  # set on the instance: the batch form only with it
+        return many if hook + "_many" in own else None
     mro = type(policy).__mro__
     single_owner = next((c for c in mro if hook in vars(c)), None)
     many_owner = next((c for c in mro if hook + "_many" in vars(c)), None)
-    if single_owner is None or many_owner is None:  # set on the instance: trust it
+    if single_owner is None or many_owner is None:  # (a __getattr__ policy): as it answers
         return many  # type: ignore[no-any-return]
     return many if issubclass(many_owner, single_owner) else None
 

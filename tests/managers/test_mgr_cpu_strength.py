@@ -426,3 +426,25 @@ def test_a_load_of_idle_and_pinned_keys_pins_each_once_and_releases_in_key_order
     assert m.policy.evictable_keys() == [k(2), k(4), k(0)]  # type: ignore[attr-defined]
     assert [m.ref_count(key) for key in keys] == [0, 1, 0, 1, 0]
     m.check_invariants()
+
+
+class _PlainLRU(LRUCachePolicy):
+    """An LRU whose instances take attributes (no ``__slots__``)."""
+
+
+def test_a_single_key_pin_hook_set_on_the_instance_is_called_too() -> None:
+    policy = _PlainLRU(8)
+    pins: list[OffloadKey] = []
+
+    def pin(key: OffloadKey) -> None:
+        pins.append(key)
+        LRUCachePolicy.mark_non_evictable(policy, key)
+
+    policy.mark_non_evictable = pin  # type: ignore[method-assign]
+    m = CPUOffloadingManager(8, policy)
+    keys = [k(i) for i in range(3)]
+    m.prepare_store(keys, CTX)
+    m.complete_store(keys, CTX)
+    m.prepare_load(keys, CTX)
+    assert pins == keys
+    m.check_invariants()
