@@ -14,7 +14,9 @@ must leave the policy exactly as calling ``insert`` / ``mark_evictable`` on each
 order would (a subclass that overrides one form overrides the other). A load pins its keys
 together: a policy may also define ``mark_non_evictable_many(keys)`` (the same rule; the
 built-in ones do), and the manager calls ``mark_non_evictable`` on each key where it does
-not (the batch form is optional, so a policy written before it still works).
+not (the batch form is optional, so a policy written before it still works), and where the
+batch form would bypass an override of the single-key hook: inherited from above the class
+that overrides it, or with only the single-key hook set on the instance.
 
 ``evict(n, protected)`` is atomic: it returns exactly ``n`` victims (all idle, none in
 ``protected``) and forgets them, or returns ``None`` and changes nothing (INV-EVICT).
