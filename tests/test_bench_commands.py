@@ -12,10 +12,12 @@ from statecore.bench.scheduler import (
     Collection,
     GCRecorder,
     HookTimer,
+    SoakSample,
     engine_step_line,
     engine_step_summary,
     gc_line,
     gc_summary,
+    soak_warm,
 )
 from statecore.cli import main
 
@@ -112,11 +114,22 @@ def test_bench_scheduler_soak_prints_a_memory_curve_and_stops_at_the_job_target(
     assert main([*argv, "--soak-jobs", "30", "--soak-seconds", "60", "--soak-samples", "4"]) == 0
     out = capsys.readouterr().out
     assert "soak: N=8, until 30 jobs or 60 s" in out
-    rows = re.findall(r"^\s+([\d.]+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+0\.0(?:\s+[\d.]+){4}$", out, re.M)
+    row = r"^\s+([\d.]+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+0\.00(?:\s+[\d.]+){5}$"
+    rows = re.findall(row, out, re.M)
     assert rows, out
     jobs = [int(r[2]) for r in rows]
     assert jobs == sorted(jobs) and jobs[-1] >= 30  # stopped at the target, not the clock
     assert all(float(r[3]) > 0 for r in rows)  # RSS read
+
+
+def test_the_soaks_warm_up_ends_when_the_cpu_tier_is_full() -> None:
+    def sample(t: float, fill: float) -> SoakSample:
+        return SoakSample(t, 0, 0, 100.0 + t, 0.0, 0, 0, 1.0, 2.0, fill)
+
+    filling = [sample(t, f) for t, f in ((10, 0.2), (20, 0.7), (30, 1.0), (40, 1.0), (50, 1.0))]
+    assert soak_warm(filling) == (2, "the CPU tier full")
+    never = [sample(t, 0.5) for t in range(8)]
+    assert soak_warm(never) == (2, "the first quarter's end; the CPU tier never filled")
 
 
 def test_bench_scheduler_gc_stats_prints_a_gc_line_after_each_row(

@@ -888,6 +888,17 @@ class SoakSample:
     tracked_jobs: int
     median_us: float
     p99_us: float
+    cpu_fill: float = 0.0
+    """The CPU tier's present keys over its capacity: the warm-up ends when it is full."""
+
+
+def soak_warm(curve: Sequence[SoakSample]) -> tuple[int, str]:
+    """Index of the first sample after warm-up, and why: the first one with the CPU tier full
+    (memory grows while it fills), else the first quarter's end."""
+    for i, p in enumerate(curve):
+        if p.cpu_fill >= 0.99:
+            return i, "the CPU tier full"
+    return len(curve) // 4, "the first quarter's end; the CPU tier never filled"
 
 
 def run_soak(
@@ -915,6 +926,9 @@ def run_soak(
         timer.steps.clear()
         res.outputs.clear()
         sched = timer.target
+        cpu = getattr(sched.manager, "primary", sched.manager)
+        count = cpu.counters() if hasattr(cpu, "counters") else None
+        fill = count.keys / count.capacity if count is not None and count.capacity else 0.0
         curve.append(
             SoakSample(
                 now - t0,
@@ -926,6 +940,7 @@ def run_soak(
                 len(sched.jobs),
                 statistics.median(costs),
                 _pct(costs, 99),
+                fill,
             )
         )
         return stop
@@ -1630,19 +1645,22 @@ def _soak_main(a: Any, shape: dict[str, Any]) -> int:
     )
     print(f"soak: N={n}, until {a.soak_jobs} jobs or {a.soak_seconds:g} s (standalone, bulk)")
     curve = run_soak(sc, a.soak_seconds, a.soak_jobs, a.soak_samples, a.tracemalloc)
-    cols = "elapsed_s step jobs rss_mib traced_mib requests in_flight median_us p99_us"
+    cols = "elapsed_s step jobs rss_mib traced_mib requests in_flight median_us p99_us cpu_fill"
     print("".join(f"{c:>11}" for c in cols.split()))
     for p in curve:
         vals: tuple[float | int, ...] = (p.elapsed_s, p.step, p.jobs, p.rss_mib, p.traced_mib)
-        vals += (p.tracked_requests, p.tracked_jobs, p.median_us, p.p99_us)
-        print("".join(f"{v:>11.1f}" if isinstance(v, float) else f"{v:>11}" for v in vals))
-    if len(curve) >= 4:  # after warm-up: from the first quarter's end to the last point
-        w, z = curve[len(curve) // 4], curve[-1]
+        vals += (p.tracked_requests, p.tracked_jobs, p.median_us, p.p99_us, p.cpu_fill)
+        print("".join(f"{v:>11.2f}" if isinstance(v, float) else f"{v:>11}" for v in vals))
+    first, why = soak_warm(curve)
+    if len(curve) >= 2 and first < len(curve) - 1:  # after warm-up: to the last point
+        w, z = curve[first], curve[-1]
         print(
-            f"after warm-up (t={w.elapsed_s:.0f}s..{z.elapsed_s:.0f}s): RSS "
+            f"after warm-up ({why}; t={w.elapsed_s:.0f}s..{z.elapsed_s:.0f}s): RSS "
             f"{z.rss_mib - w.rss_mib:+.1f} MiB, median per-step cost x"
             f"{z.median_us / max(w.median_us, 1e-9):.2f}"
         )
+    else:
+        print("no samples after warm-up: run longer (--soak-seconds, --soak-jobs)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump([asdict(p) for p in curve], f, indent=1)
