@@ -462,6 +462,17 @@ class CPUOffloadingManager(OffloadingManager):
             raise
         return slots
 
+    def _entries_of(self, keys: Sequence[OffloadKey]) -> list[Any]:
+        """Each key's entry (``None`` when absent), at C speed, for the batch paths of loads;
+        empty when ``keys`` is not a list or tuple (a one-shot iterable) or holds an
+        unhashable key: the per-key path then refuses it with the error it names."""
+        if type(keys) not in _SEQ:
+            return []
+        try:
+            return list(map(self._entries.get, keys))
+        except TypeError:
+            return []
+
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
         """Pin ``keys``; their slot ids, co-indexed with ``keys``. Nothing pinned on error."""
         return self.prepare_read(keys, ctx)
@@ -470,12 +481,7 @@ class CPUOffloadingManager(OffloadingManager):
         """Pin ``keys`` for any reader (GPU load or cascade to a secondary tier)."""
         entries = self._entries
         policy = self.policy
-        got: list[Any] = []
-        if type(keys) in _SEQ:  # (a one-shot iterable goes the slow path, which refuses it)
-            try:
-                got = list(map(entries.get, keys))
-            except TypeError:  # an unhashable key: the slow path says which
-                got = []
+        got = self._entries_of(keys)
         if got and None not in got and min(got) >= _ONE and len(set(keys)) == len(got):
             # the usual load: distinct ready keys (present keys are valid keys); at C speed
             idle = list(compress(keys, map(_below_two, got)))
@@ -507,12 +513,7 @@ class CPUOffloadingManager(OffloadingManager):
         call = "complete_load"
         entries = self._entries
         get = entries.get
-        got: list[Any] = []
-        if type(keys) in _SEQ:  # (a one-shot iterable goes the slow path, which refuses it)
-            try:
-                got = list(map(get, keys))
-            except TypeError:  # an unhashable key: the slow path says which
-                got = []
+        got = self._entries_of(keys)
         if got and None not in got and min(got) >= _TWO and len(set(keys)) == len(got):
             # the usual completion: distinct pinned keys, each released once; at C speed
             new, self._evictable = unpinned_entries(got, self._evictable)
