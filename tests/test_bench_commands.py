@@ -238,3 +238,14 @@ def test_gc_recorder_marks_a_collection_inside_the_engines_step() -> None:
         gc.collect(0)
     marks = [c.in_engine_step for c in rec.collections if c.generation == 0]
     assert marks[:1] == [True] and marks[-1:] == [False]
+
+
+def test_engine_parts_of_a_step_add_up_and_are_flagged_while_they_run() -> None:
+    timer = HookTimer(_Hooks(0), lambda n, a, r: None, "thread")
+    seen: list[bool] = []
+    assert timer.engine_part(lambda x: seen.append(timer.in_engine_step) or x, 5) == 5
+    timer.engine_part(sum, range(10_000))
+    with pytest.raises(ZeroDivisionError):
+        timer.engine_part(lambda: 1 // 0)
+    assert seen == [True] and not timer.in_engine_step
+    assert timer.take_engine_ns() > 0 and timer.take_engine_ns() == 0

@@ -249,6 +249,7 @@ class HookTimer:
         self.target = target
         self.current: str | None = None
         """The hook running now (kept only with ``track``), for :class:`GCRecorder`."""
+        self._engine_ns = 0
         self.in_engine_step = False
         """Whether the engine's own step (vLLM's request intake, ``schedule`` and
         ``update_from_output``) runs now: set by the loop, for :class:`GCRecorder`."""
@@ -277,6 +278,22 @@ class HookTimer:
                 return res
 
             setattr(target, name, tracked if track else timed)
+
+    def engine_part(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` as a part of the engine's own step (vLLM runs): timed on this clock
+        into the step's engine time (:meth:`take_engine_ns`), :attr:`in_engine_step` meanwhile."""
+        self.in_engine_step = True
+        t0 = self.clock()
+        try:
+            return fn(*args)
+        finally:
+            self._engine_ns += self.clock() - t0
+            self.in_engine_step = False
+
+    def take_engine_ns(self) -> int:
+        """The engine time of the step's parts since the last call (then zero)."""
+        ns, self._engine_ns = self._engine_ns, 0
+        return ns
 
     def end_step(self, scheduled_tokens: int) -> None:
         """Close the step."""
@@ -1236,6 +1253,21 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
     wl = Workload(sc)
     token_rng = random.Random(sc.seed + 1)
     live: dict[str, Any] = {}
+
+    def intake(rid: str, prompt: list[int], out_len: int) -> Any:
+        """A new request as the engine core takes it in."""
+        sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
+        sp.update_from_generation_config({}, None)
+        req = VRequest(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+        engine.add_request(req)
+        return req
+
     gc.collect()
     gc.freeze()
     with GCRecorder(timer) if sc.gc_stats else contextlib.nullcontext() as recorder:
@@ -1253,30 +1285,11 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
                 c["loads_in_flight_at_reset"] = last_loads[0]
                 if engine.reset_connector_cache() is False:  # the connector's reset failed
                     c["resets_failed"] = 1
-            t_step = 0  # the engine's step: its arrivals, schedule, update_from_output
             if step < sc.steps:
                 while len(live) < sc.concurrency:
                     rid, prompt, out_len = wl.new()  # (the client's part: not timed)
-                    timer.in_engine_step = True
-                    t_arrival = timer.clock()
-                    sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
-                    sp.update_from_generation_config({}, None)
-                    req = VRequest(
-                        request_id=rid,
-                        prompt_token_ids=prompt,
-                        sampling_params=sp,
-                        pooling_params=None,
-                        block_hasher=hasher,
-                    )
-                    engine.add_request(req)
-                    t_step += timer.clock() - t_arrival
-                    timer.in_engine_step = False
-                    live[rid] = req
-            timer.in_engine_step = True
-            t_schedule = timer.clock()
-            so = engine.schedule()
-            t_step += timer.clock() - t_schedule
-            timer.in_engine_step = False
+                    live[rid] = timer.engine_part(intake, rid, prompt, out_len)
+            so = timer.engine_part(engine.schedule)
             if so.preempted_req_ids:
                 c["preempted"] = c.get("preempted", 0) + len(so.preempted_req_ids)
             meta = so.kv_connector_metadata
@@ -1331,11 +1344,8 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
                 )
             else:
                 report = aggregator.aggregate(outs, output_rank=0)
-            timer.in_engine_step = True
-            t_update = timer.clock()
-            engine.update_from_output(so, report)
-            engine_ns.append(t_step + timer.clock() - t_update)
-            timer.in_engine_step = False
+            timer.engine_part(engine.update_from_output, so, report)
+            engine_ns.append(timer.take_engine_ns())
             for rid in [r for r, q in live.items() if q.is_finished()]:
                 q = live.pop(rid)
                 res.outputs[rid] = int(q.num_output_tokens)
