@@ -152,6 +152,15 @@ def _target(call: str) -> int:
     return MANAGER_ERROR_TARGETS.index(frozenset({call}))
 
 
+def _counted_once(call: str, kind: int, checked: bool, when: str = "start") -> StackHarness:
+    """:func:`_scenario` with one error of ``call`` armed: it was injected once, counted once,
+    and the stack drained with every invariant holding (the caller checks what else)."""
+    h = _scenario(kind | _target(call) << 1, checked, when)
+    assert h.stack.observed.injected_by_call == {call: 1}
+    assert h.stack.scheduler.counters.manager_errors == 1
+    return h
+
+
 def _served_request(steps: int) -> StackHarness:
     """One request, ``steps`` engine steps with every report delivered, then its finish (the
     setting of the tests that arm a fault by hand)."""
@@ -203,10 +212,8 @@ def _scenario(i: int, checked: bool = False, when: str = "start") -> StackHarnes
 @pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("kind", [0, 1])
 def test_a_prepare_store_error_is_no_room_and_the_step_goes_on(kind: int, checked: bool) -> None:
-    h = _scenario(kind | 1 << 1, checked)  # the next prepare_store
-    obs, c = h.stack.observed, h.stack.scheduler.counters
-    assert obs.injected_by_call == {"prepare_store": 1} and c.manager_errors == 1
-    assert c.jobs_completed > 0  # the offer was retried and stored
+    h = _counted_once("prepare_store", kind, checked)
+    assert h.stack.scheduler.counters.jobs_completed > 0  # the offer was retried and stored
 
 
 @pytest.mark.parametrize("checked", [False, True])
@@ -292,11 +299,8 @@ def test_an_error_that_changes_only_the_calls_answer_is_tolerated(
     question about pending work that raises is answered as none; each counted and raised as
     the contract says (the engine's oracle checks that at the next update_connector_output),
     and no event is lost (INV-EVENTS held throughout, none is held back at the end)."""
-    h = _scenario(kind | _target(call) << 1, checked)
-    obs = h.stack.observed
-    assert obs.injected_by_call == {call: 1}
-    assert h.stack.scheduler.counters.manager_errors == 1
-    assert not obs.events_held_back
+    h = _counted_once(call, kind, checked)
+    assert not h.stack.observed.events_held_back
 
 
 @pytest.mark.parametrize("kind", [0, 1])
@@ -324,10 +328,8 @@ def test_a_mutant_that_lets_the_calls_error_escape_breaks_the_scenario(
 @pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("kind", [0, 1])
 def test_a_failed_manager_reset_is_retried_and_nothing_leaks(kind: int, checked: bool) -> None:
-    h = _scenario(kind | _target("reset_cache") << 1, checked, "reset")
-    obs, sched = h.stack.observed, h.stack.scheduler
-    assert obs.injected_by_call == {"reset_cache": 1}
-    assert sched.counters.manager_errors == 1 and sched.counters.resets == 1
+    sched = _counted_once("reset_cache", kind, checked, "reset").stack.scheduler
+    assert sched.counters.resets == 1
     # the retry dropped the discarded store's write-pending key (INV-TERM: it gets no
     # completion); drain_and_check found nothing left behind
     assert not sched.manager_reset_pending
@@ -354,11 +356,8 @@ def test_no_lookup_hits_while_the_manager_reset_is_pending() -> None:
 @pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("kind", [0, 1])
 def test_a_failed_registration_is_retried_at_the_next_lookup(kind: int, checked: bool) -> None:
-    h = _scenario(kind | _target("on_new_request") << 1, checked, "arrival")
-    sched, obs = h.stack.scheduler, h.stack.observed
-    assert obs.injected_by_call == {"on_new_request": 1}
-    assert sched.counters.manager_errors == 1
-    assert sched.counters.jobs_completed > 0  # registered at its lookup, then stored
+    h = _counted_once("on_new_request", kind, checked, "arrival")
+    assert h.stack.scheduler.counters.jobs_completed > 0  # registered at its lookup, then stored
 
 
 def test_an_unregistered_request_is_never_offered_nor_finished_to_the_manager() -> None:
