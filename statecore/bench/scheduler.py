@@ -1353,6 +1353,12 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
                     res.errors.append(rid)
                 wl.finished(list(q.all_token_ids))
             timer.end_step(int(so.total_num_scheduled_tokens))
+            # The model's forward pass: a real engine's thread waits on the device there with
+            # the GIL released, which is when the tiers' I/O threads (vLLM's file tier, its
+            # lookup thread) run. The simulated runner takes no time, so it yields the GIL
+            # once a step instead; without it those threads starve and vLLM's tiering manager
+            # never drains (its cascades to the file tier stay in flight). Untimed.
+            time.sleep(0)
             if probe is not None and probe(
                 step, timer, res, int(getattr(delayed[0], "submitted", 0)) if delayed else 0
             ):
