@@ -47,6 +47,7 @@ __all__ = [
     "own_violation",
     "raised_by_injection",
     "scheduler_violations",
+    "shutdown_error_violation",
     "store_complete_keys",
     "store_complete_violation",
 ]
@@ -498,7 +499,8 @@ INVARIANTS: dict[str, Invariant] = {
             "such error is counted (manager_errors) and reaches the engine as a ManagerError "
             "from update_connector_output, once its report is applied, when it was untyped or "
             "checked mode is on, and not at all otherwise; an error of the manager's shutdown "
-            "is raised from shutdown as a ManagerError.",
+            "is raised from shutdown as a ManagerError (a typed one as it is, anything else "
+            "wrapped with it as the cause), counted once.",
             "A job stuck in flight with its fences (the request hangs, its blocks stay "
             "fenced), a step's metadata lost, or an untyped exception into the engine, after "
             "one manager error.",
@@ -651,6 +653,42 @@ def manager_error_violation(
     if not problems:
         return None
     return f"{what}: " + "; ".join(problems)
+
+
+def shutdown_error_violation(
+    injected: InjectedError | None, raised: BaseException | None, counted: int
+) -> str | None:
+    """INV-MGR-ERROR on the scheduler's ``shutdown``, the manager's ``shutdown`` having raised
+    ``injected`` (None: it returned). ``raised`` is what the scheduler's ``shutdown`` raised
+    (None: it returned), ``counted`` how much its ``manager_errors`` counter grew.
+
+    Nothing goes on after a shutdown, so the error is not tolerated: it reaches the engine as
+    a :class:`~statecore.errors.ManagerError`, the typed one as it is and anything else wrapped
+    with it as the cause, and it is counted once. Without an injected error the shutdown
+    raises nothing and counts nothing."""
+    if injected is None:
+        if raised is not None:
+            return f"INV-MGR-ERROR: shutdown raised {raised!r} with no manager error"
+        if counted:
+            return f"INV-MGR-ERROR: shutdown counted {counted} manager errors with none raised"
+        return None
+    err = injected.error
+    problems: list[str] = []
+    if raised is None:
+        problems.append("shutdown raised nothing")
+    elif not isinstance(raised, ManagerError):
+        problems.append(f"shutdown let it out untyped: {raised!r}")
+    elif isinstance(err, ManagerError) and raised is not err:
+        problems.append(f"shutdown raised {raised!r} instead of the typed error itself")
+    elif not isinstance(err, ManagerError) and raised.__cause__ is not err:
+        problems.append(f"shutdown raised {raised!r} without the manager's error as its cause")
+    if counted != 1:
+        problems.append(f"the scheduler counted {counted}")
+    if not problems:
+        return None
+    return f"INV-MGR-ERROR: the manager's shutdown raised {type(err).__name__}: " + "; ".join(
+        problems
+    )
 
 
 def own_violation(

@@ -81,6 +81,7 @@ MANAGER_ERROR_TARGETS: tuple[frozenset[str], ...] = (
     frozenset({"take_events"}),
     frozenset({"get_stats"}),
     frozenset({"has_pending_work"}),
+    frozenset({"shutdown"}),
 )
 """What :meth:`StackHarness.manager_error` arms, by ``(i >> 1) % len(MANAGER_ERROR_TARGETS)``."""
 
@@ -374,8 +375,8 @@ class StackHarness:
         ``MANAGER_ERROR_TARGETS[(i >> 1) % len(MANAGER_ERROR_TARGETS)]`` (a completion, after
         the manager applied it; a store offer, a load's pinning, a lookup, a schedule end, a
         reset, a new request's registration, the taking of its events or of its stats, the
-        question whether it has pending work, before it changed anything; a request's finish,
-        after)."""
+        question whether it has pending work, the shutdown that ends the run, before it
+        changed anything; a request's finish, after)."""
         self.ops += 1
         obs = self.stack.observed
         obs.fail_next = "untyped" if i & 1 else "typed"
@@ -400,7 +401,8 @@ class StackHarness:
                 raise InvariantViolation(code, f"{what}: {items[0]}")
 
     def drain_and_check(self) -> None:
-        """Deliver what is outstanding, let stalls expire, step until idle; then no leaks."""
+        """Deliver what is outstanding, let stalls expire, step until idle; then no leaks; then
+        the shutdown, under INV-MGR-ERROR."""
         try:
             eng = self.engine
             for r in self._active():
@@ -419,6 +421,9 @@ class StackHarness:
             found = leaks(self.stack, eng)
             if found:
                 raise InvariantViolation("INV-REF", "state leaked after drain: " + found[0])
+            self.stack.shut_down = True
+            eng.shutdown()  # the run's last call, under INV-MGR-ERROR
+            self.check()
         finally:
             self.stack.close()
 

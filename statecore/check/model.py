@@ -33,7 +33,9 @@ The environment's moves are :data:`Action` tuples, applied by :meth:`World.apply
   ``("statserr", typed)``: the same for the connector's stats and ``get_stats``, and
   ``("pendingerr", typed)``: the engine asks whether to keep stepping and the manager's
   ``has_pending_work`` raises (offered when nothing of the scheduler's is pending, the only
-  time the scheduler asks the manager).
+  time the scheduler asks the manager); ``("shutdown",)`` and ``("shuterr", typed)``: once
+  everything is quiescent, the engine shuts the connector down, the manager's ``shutdown``
+  raising in the second (the last move of a trace: nothing follows it).
 
 A scope with ``redis=True`` (one worker) puts the real tiering manager over the CPU tier with
 the real :class:`~statecore.managers.redistier.RedisTier` below it, on a server double
@@ -85,7 +87,7 @@ from statecore.managers.filetier import InlineExecutor
 from statecore.managers.redistier import RedisTier, RedisTierConfig, TierLayout
 from statecore.managers.tiering import TieringOffloadingManager
 from statecore.scheduler import OffloadingScheduler
-from statecore.sim.engine import ObservedManager, reraise, update_observed
+from statecore.sim.engine import ObservedManager, reraise, shutdown_observed, update_observed
 from statecore.sim.hashing import ROOT_HASH, chain_hash, extend_block_hashes
 from statecore.views import Request, ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, GPULoadStoreSpec, TransferJob, WorkerMetadata
@@ -420,6 +422,8 @@ class World:
         self.faults = 0
         self.resets = 0
         self.errors: list[str] = []
+        self.shut = False
+        """The engine shut the connector down (``shutdown``/``shuterr``): nothing follows."""
 
     def _shared_tier(self, scope: Scope) -> LabelPool:
         """The tiering manager, the RedisTier and its server double (scope ``redis``)."""
@@ -504,6 +508,8 @@ class World:
 
     def actions(self) -> list[Action]:
         """Every move the environment can make now."""
+        if self.shut:
+            return []
         out: list[Action] = [("step",)]
         s = self.sched
         if s.jobs or s.stalled_jobs or s._finished_loads or s._invalid_blocks:
@@ -531,6 +537,8 @@ class World:
             out += [("statserr", True), ("statserr", False)]
             if not (s.jobs or s._awaiting_signal):  # else the manager is not asked
                 out += [("pendingerr", True), ("pendingerr", False)]
+            if self.quiescent() is None:  # an engine shuts down once it has drained
+                out += [("shutdown",), ("shuterr", True), ("shuterr", False)]
         faults_left = self.faults < self.scope.max_faults
         for rank, be in enumerate(self.backends):
             for job_id in be.submitted:
@@ -606,6 +614,10 @@ class World:
                 self.sched.has_pending_push_work,
                 calls={"has_pending_work"},
             )
+        elif kind == "shutdown":
+            self.shut_down()
+        elif kind == "shuterr":
+            self._armed("typed" if action[1] else "untyped", self.shut_down, calls={"shutdown"})
         elif kind == "arriveerr":
             kind_ = "typed" if action[2] else "untyped"
             self._armed(kind_, self.arrive, self.reqs[action[1]], calls={"on_new_request"})
@@ -658,11 +670,21 @@ class World:
         if obs.violations:
             self.errors += obs.violations
             obs.violations.clear()
+        if self.shut:
+            return  # nothing is taken from a connector that was shut down
         # taken after every action, through the scheduler as an engine takes them (events and
         # allocation statistics would only grow); the CPU tier's are replayed for INV-EVENTS
         self._take_events()
         _guarded(self, "get_stats", self.sched.get_stats)
         self._prune_delivered()
+
+    def shut_down(self) -> None:
+        """The engine shuts the connector down (the last move), under INV-MGR-ERROR
+        (:func:`~statecore.sim.engine.shutdown_observed`)."""
+        bad = shutdown_observed(self.sched, self.observed)
+        if bad is not None:
+            self.errors.append(bad)
+        self.shut = True
 
     def _take_events(self) -> None:
         events = _guarded(self, "take_events", self.sched.take_events)
@@ -1326,6 +1348,7 @@ class World:
             tuple([(i, k, e == self.resets) for i, k, e in self.completeness]),
             self.faults,
             self.resets,
+            self.shut,
         )
         if self.tiering is None:
             return (sched_key, mgr_key, workers_key, engine_key)
@@ -1513,6 +1536,9 @@ def format_action(action: Action) -> str:
         "(typed={1})",
         "pendingerr": "the engine asks whether to keep stepping; the manager's "
         "has_pending_work raises (typed={1})",
+        "shutdown": "the engine, drained, shuts the connector down",
+        "shuterr": "the engine, drained, shuts the connector down; the manager's shutdown "
+        "raises (typed={1})",
         "finish": "request r{1} finishes (stop)",
         "abort": "request r{1} is aborted",
         "preempt": "request r{1} is preempted",

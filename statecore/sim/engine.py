@@ -87,6 +87,7 @@ __all__ = [
     "Status",
     "kv_groups",
     "reraise",
+    "shutdown_observed",
     "update_observed",
 ]
 
@@ -226,6 +227,7 @@ class ConnectorLike(Protocol):
     def request_finished(self, request: Any) -> tuple[bool, None]: ...
     def has_pending_push_work(self) -> bool: ...
     def reset_cache(self) -> bool | None: ...
+    def shutdown(self) -> None: ...
     def check_invariants(self) -> None: ...
     def take_events(self) -> Sequence[OffloadingEvent]: ...
 
@@ -379,6 +381,28 @@ def update_observed(
     return result, other, bad
 
 
+def shutdown_observed(conn: Any, obs: ObservedManager) -> str | None:
+    """``conn.shutdown()`` with INV-MGR-ERROR
+    (:func:`statecore.specs.invariants.shutdown_error_violation`) over the error ``obs``
+    injected into the manager's ``shutdown`` during it, if any. Returns the violation (or
+    None). The last call of a run: what it raises is the oracle's, not the engine's."""
+    counters = getattr(conn, "counters", None)
+    before = counters.manager_errors if counters is not None else 0
+    raised: Exception | None = None
+    try:
+        conn.shutdown()
+    except Exception as exc:
+        raised = exc
+    ours = [i for i in obs.injected if i.call == "shutdown"]
+    obs.injected = [i for i in obs.injected if i.call != "shutdown"]
+    after = counters.manager_errors if counters is not None else 0
+    obs.errors_counted = after
+    bad: str | None = _oracles().shutdown_error_violation(
+        ours[0] if ours else None, raised, after - before
+    )
+    return bad
+
+
 class InjectedManagerError(ManagerError):
     """The typed error :class:`ObservedManager` raises from a completion (a fault)."""
 
@@ -427,6 +451,7 @@ FAULTY_CALLS: tuple[str, ...] = (
     "take_events",
     "get_stats",
     "has_pending_work",
+    "shutdown",
 )
 """The manager calls the manager-error fault of :class:`ObservedManager` makes raise."""
 
@@ -443,10 +468,11 @@ class ObservedManager:
     :data:`FAULTY_CALLS` raises: ``complete_store``, ``complete_load`` and
     ``on_request_finished`` after forwarding to the manager, ``prepare_store``,
     ``prepare_load``, ``lookup_many``, ``on_schedule_end``, ``reset_cache``,
-    ``on_new_request``, ``take_events``, ``get_stats`` and ``has_pending_work`` without
-    forwarding (nothing changed: a failed reset leaves the manager's contents, a failed
+    ``on_new_request``, ``take_events``, ``get_stats``, ``has_pending_work`` and ``shutdown``
+    without forwarding (nothing changed: a failed reset leaves the manager's contents, a failed
     registration leaves the request unknown to it, failed event or stats taking leaves them
-    for the next call, a failed question about pending work leaves that work); an
+    for the next call, a failed question about pending work leaves that work, a failed
+    shutdown is the run's last call); an
     :class:`InjectedManagerError` (typed) or an :class:`InjectedManagerBug` (untyped).
     Either way the manager's state is whole, so a scheduler that goes on as it should leaves
     nothing behind; what was raised waits in :attr:`injected` for the engine's oracle.
@@ -503,6 +529,11 @@ class ObservedManager:
         """Maybe raise (the manager-error fault: its work stays pending); else forward."""
         self._maybe_fail("has_pending_work", (), "")
         return bool(self._inner.has_pending_work())
+
+    def shutdown(self) -> None:
+        """Maybe raise (the manager-error fault: the run's last call); else forward."""
+        self._maybe_fail("shutdown", (), "")
+        self._inner.shutdown()
 
     def on_new_request(self, ctx: Any) -> Any:
         """Maybe raise (the manager-error fault: the request stays unknown to the manager);
@@ -922,6 +953,18 @@ class SimEngine:
     def check(self) -> None:
         """Run the after-step checks now (invariants, data oracle, INV-LIVE)."""
         self._check(self.step_no)
+
+    def shutdown(self) -> None:
+        """Shut the connector down, as an engine does after its last step, under
+        INV-MGR-ERROR (:func:`shutdown_observed`: the manager's ``shutdown`` may be the
+        manager-error fault's call); a breach is a violation of the run."""
+        obs = self.observed
+        if obs is None:
+            self.conn.shutdown()
+            return
+        bad = shutdown_observed(self.conn, obs)
+        if bad is not None:
+            self.stats.violations.append(f"step {self.step_no}: {bad} (at shutdown)")
 
     def _guard(self, call: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:

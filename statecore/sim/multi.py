@@ -322,6 +322,9 @@ def run_instances(
                     e.abort(r)
         for e in engines:
             e.drain()
+        for stack, engine in zip(stacks, engines, strict=True):
+            stack.shut_down = True
+            engine.shutdown()  # under INV-MGR-ERROR, as every engine ends
         reports: list[SimReport] = []
         tier_stats: dict[str, int] = {}
         for stack, engine in zip(stacks, engines, strict=True):

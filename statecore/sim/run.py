@@ -227,6 +227,9 @@ class SimStack:
         self.pool = CPUPool(cfg.cpu_slots, [row] * (n_tensors * cfg.num_workers))
         self.tmpdirs: list[str] = []
         self.executors: list[_StepExecutor] = []
+        self.shut_down = False
+        """Whether the run shut the scheduler down (:meth:`SimEngine.shutdown`, under its
+        oracle); :meth:`close` does it otherwise."""
         self._manager_rng = random.Random(root.getrandbits(64))
         self.manager = self._make_manager()
         # its own stream: a run without manager errors draws nothing from it
@@ -286,9 +289,11 @@ class SimStack:
         return fail
 
     def close(self) -> None:
-        """Release the pool and the temporary directory."""
-        with contextlib.suppress(Exception):
-            self.scheduler.shutdown()
+        """Release the pool and the temporary directory (and shut the scheduler down unless
+        the run did: :meth:`SimEngine.shutdown`)."""
+        if not self.shut_down:
+            with contextlib.suppress(Exception):
+                self.scheduler.shutdown()
         for d in self.tmpdirs:
             shutil.rmtree(d, ignore_errors=True)
         self.tmpdirs = []
@@ -427,6 +432,8 @@ def simulate(cfg: SimConfig, progress: Callable[[int, int], None] | None = None)
     try:
         with _maybe_checked(cfg.checked):
             engine.run(progress)
+            stack.shut_down = True
+            engine.shutdown()
         report = _report(cfg, stack, engine)
         report.series.update(recorder.series)
         report.settings = dataclasses.asdict(cfg)

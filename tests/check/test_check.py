@@ -87,6 +87,7 @@ MUTANT_SCOPES = {
     "take_events_error_escapes": "manager",
     "get_stats_error_escapes": "manager",
     "pending_work_error_escapes": "manager",
+    "shutdown_error_escapes": "manager",
 }
 """The smallest scope that can express a mutant, where known and not ``one``; a mutant not
 listed is looked for in every scope of :data:`SCOPE_ORDER` in turn."""

@@ -257,6 +257,12 @@ def _escaping(*calls: str) -> Any:
     return manager_error
 
 
+def _bare_shutdown(self: OffloadingScheduler) -> None:
+    # the scheduler's shutdown before 679bb97: the manager's error went out as it was raised,
+    # untyped or typed, and was not counted
+    self.manager.shutdown()
+
+
 def _reset_not_retried(self: OffloadingScheduler) -> bool:
     # the first mend of a raising manager reset: caught and counted, nothing pending
     try:
@@ -390,6 +396,14 @@ MUTANTS: dict[str, Mutant] = dict(
             "has_requests)",
             "INV-MGR-ERROR: one manager error while the engine asks whether to step kills its loop",
             (OffloadingScheduler, "_manager_error", _escaping("has_pending_work")),
+        ),
+        _mutant(
+            "shutdown_error_escapes",
+            "the scheduler's shutdown lets the manager's shutdown error out as it was raised "
+            "(an untyped one untyped) and does not count it",
+            "INV-MGR-ERROR: an engine that shuts down gets an untyped exception, or a manager "
+            "error no counter shows",
+            (OffloadingScheduler, "shutdown", _bare_shutdown),
         ),
         _mutant(
             "take_events_error_escapes",

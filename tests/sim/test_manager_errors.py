@@ -17,7 +17,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from statecore.specs.invariants import manager_error_violation, raised_by_injection
+from statecore.specs.invariants import (
+    manager_error_violation,
+    raised_by_injection,
+    shutdown_error_violation,
+)
 from statecore.specs.stack import MANAGER_ERROR_TARGETS, StackHarness
 
 from statecore.errors import InvariantViolation, ManagerError
@@ -31,7 +35,7 @@ from statecore.sim.engine import (
     ObservedManager,
     SimConfig,
 )
-from statecore.sim.run import simulate
+from statecore.sim.run import build_stack, simulate
 from statecore.sim.workload import WorkloadConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mutants"))
@@ -316,6 +320,7 @@ def test_an_error_that_changes_only_the_calls_answer_is_tolerated(
         ("take_events_error_escapes", "take_events", "start"),
         ("get_stats_error_escapes", "get_stats", "start"),
         ("pending_work_error_escapes", "has_pending_work", "start"),
+        ("shutdown_error_escapes", "shutdown", "start"),
     ],
 )
 def test_a_mutant_that_lets_the_calls_error_escape_breaks_the_scenario(
@@ -435,3 +440,77 @@ def test_the_managers_stats_come_with_the_next_call() -> None:
     own = set(sched.get_stats())
     assert "live_jobs" in own and own < whole  # the manager's part is missing this time
     assert set(sched.get_stats()) == whole and sched.counters.manager_errors == 1
+
+
+def test_shutdown_oracle_accepts_what_the_contract_says() -> None:
+    typed, bug = InjectedManagerError("x"), InjectedManagerBug("y")
+    assert shutdown_error_violation(None, None, 0) is None
+    assert shutdown_error_violation(_inj(typed, "shutdown"), typed, 1) is None
+    wrapped = ManagerError("the manager's shutdown raised InjectedManagerBug: y")
+    wrapped.__cause__ = bug
+    assert shutdown_error_violation(_inj(bug, "shutdown"), wrapped, 1) is None
+
+
+@pytest.mark.parametrize(
+    ("injected", "raised", "counted", "problem"),
+    [
+        (None, "typed", 0, "with no manager error"),
+        (None, None, 1, "counted 1 manager errors with none raised"),
+        ("typed", None, 1, "raised nothing"),
+        ("typed", "typed", 0, "the scheduler counted 0"),
+        ("typed", "other", 1, "instead of the typed error itself"),
+        ("bug", "bug", 1, "let it out untyped"),
+        ("bug", "other", 1, "without the manager's error as its cause"),
+    ],
+)
+def test_shutdown_oracle_names_each_breach(
+    injected: str | None, raised: str | None, counted: int, problem: str
+) -> None:
+    errors: dict[str, Exception] = {
+        "typed": InjectedManagerError("x"),
+        "bug": InjectedManagerBug("y"),
+        "other": ManagerError("z"),
+    }
+    bad = shutdown_error_violation(
+        _inj(errors[injected], "shutdown") if injected else None,
+        errors[raised] if raised else None,
+        counted,
+    )
+    assert bad is not None and bad.startswith("INV-MGR-ERROR") and problem in bad, bad
+
+
+@pytest.mark.parametrize("checked", [False, True])
+@pytest.mark.parametrize("kind", [0, 1])
+def test_a_manager_shutdown_error_reaches_the_engine_typed_and_counted(
+    kind: int, checked: bool
+) -> None:
+    """The fault armed early waits for the run's last call: drain_and_check shuts down under
+    the oracle (a ManagerError, the typed error itself or the untyped one as its cause,
+    counted once), whatever the mode."""
+    _counted_once("shutdown", kind, checked)
+
+
+@pytest.mark.parametrize("kind", ["typed", "untyped"])
+def test_the_simulator_shuts_down_under_the_oracle(kind: str) -> None:
+    """The simulator's engine ends a run with the connector's shutdown, checked: clean on the
+    scheduler as it is, a violation under the mutant that lets the error out bare."""
+    cfg = dataclasses.replace(SimConfig(), steps=30, workload=WorkloadConfig(num_requests=4))
+    for mutant in (None, "shutdown_error_escapes"):
+        stack, engine = build_stack(cfg)
+        try:
+            engine.run()
+            stack.observed.fail_next, stack.observed.fail_calls = kind, frozenset({"shutdown"})
+            if mutant is None:
+                engine.shutdown()
+            else:
+                with MUTANTS[mutant].apply():
+                    engine.shutdown()
+        finally:
+            stack.shut_down = True
+            stack.close()
+        assert stack.observed.injected_by_call.get("shutdown") == 1
+        found = [v for v in engine.stats.violations if "shutdown" in v]
+        if mutant is None:
+            assert not engine.stats.violations, engine.stats.violations
+        else:
+            assert found and "INV-MGR-ERROR" in found[0], engine.stats.violations
