@@ -537,8 +537,11 @@ class World:
             out += [("statserr", True), ("statserr", False)]
             if not (s.jobs or s._awaiting_signal):  # else the manager is not asked
                 out += [("pendingerr", True), ("pendingerr", False)]
-            if self.quiescent() is None:  # an engine shuts down once it has drained
-                out += [("shutdown",), ("shuterr", True), ("shuterr", False)]
+        if self.scope.manager_errors and self.quiescent() is None:
+            # an engine shuts down once it has drained (a raising shutdown is a fault)
+            out.append(("shutdown",))
+            if self.faults < self.scope.max_faults:
+                out += [("shuterr", True), ("shuterr", False)]
         faults_left = self.faults < self.scope.max_faults
         for rank, be in enumerate(self.backends):
             for job_id in be.submitted:
