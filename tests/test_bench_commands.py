@@ -20,6 +20,9 @@ from statecore.bench.scheduler import (
     soak_warm,
 )
 from statecore.cli import main
+from statecore.keys import make_offload_key
+from statecore.manager import ReqContext
+from statecore.managers.cpu import CPUOffloadingManager
 
 
 def test_bench_transfer_cpu_prints_every_size_direction_and_planning(
@@ -114,7 +117,7 @@ def test_bench_scheduler_soak_prints_a_memory_curve_and_stops_at_the_job_target(
     assert main([*argv, "--soak-jobs", "30", "--soak-seconds", "60", "--soak-samples", "4"]) == 0
     out = capsys.readouterr().out
     assert "soak: N=8, until 30 jobs or 60 s" in out
-    row = r"^\s+([\d.]+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+0\.00(?:\s+[\d.]+){5}$"
+    row = r"^\s+([\d.]+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+0\.00(?:\s+[\d.]+){6}$"
     rows = re.findall(row, out, re.M)
     assert rows, out
     jobs = [int(r[2]) for r in rows]
@@ -122,14 +125,35 @@ def test_bench_scheduler_soak_prints_a_memory_curve_and_stops_at_the_job_target(
     assert all(float(r[3]) > 0 for r in rows)  # RSS read
 
 
-def test_the_soaks_warm_up_ends_when_the_cpu_tier_is_full() -> None:
-    def sample(t: float, fill: float) -> SoakSample:
-        return SoakSample(t, 0, 0, 100.0 + t, 0.0, 0, 0, 1.0, 2.0, fill)
+def test_the_soaks_warm_up_ends_when_the_cpu_tier_is_full_and_its_tables_settled() -> None:
+    def sample(t: float, fill: float, index: float = 8.0) -> SoakSample:
+        return SoakSample(t, 0, 0, 100.0 + t, 0.0, 0, 0, 1.0, 2.0, fill, index)
 
     filling = [sample(t, f) for t, f in ((10, 0.2), (20, 0.7), (30, 1.0), (40, 1.0), (50, 1.0))]
-    assert soak_warm(filling) == (2, "the CPU tier full")
+    assert soak_warm(filling) == (2, "the CPU tier full, its tables at their final size")
+    # full at the third sample, its tables compacted into larger ones at the fourth
+    churned = [
+        sample(t, f, i)
+        for t, f, i in ((10, 0.4, 4.0), (20, 0.8, 8.0), (30, 1.0, 8.0), (40, 1.0, 16.0))
+    ]
+    churned.append(sample(50, 1.0, 16.05))  # (an OrderedDict's nodes count in its size)
+    assert soak_warm(churned) == (3, "the CPU tier full, its tables at their final size")
+    still = [*churned[:3], sample(40, 1.0, 16.0), sample(50, 1.0, 32.0)]
+    # still resizing at the last sample: nothing after the warm-up (the soak says run longer)
+    assert soak_warm(still) == (4, "the CPU tier full, its tables at their final size")
     never = [sample(t, 0.5) for t in range(8)]
     assert soak_warm(never) == (2, "the first quarter's end; the CPU tier never filled")
+
+
+def test_the_cpu_managers_index_bytes_grow_with_its_keys() -> None:
+    m = CPUOffloadingManager(4096)
+    empty = m.index_bytes()
+    assert empty > 0
+    keys = [make_offload_key(i.to_bytes(8, "little"), 0) for i in range(3000)]
+    out = m.prepare_store(keys, ReqContext("r"))
+    assert out is not None
+    m.complete_store(out.keys_to_store, ReqContext("r"), True)
+    assert m.index_bytes() > empty + 3000 * 8  # the key table and the LRU list, both grown
 
 
 def test_bench_scheduler_gc_stats_prints_a_gc_line_after_each_row(

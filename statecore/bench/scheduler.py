@@ -907,14 +907,28 @@ class SoakSample:
     p99_us: float
     cpu_fill: float = 0.0
     """The CPU tier's present keys over its capacity: the warm-up ends when it is full."""
+    index_mib: float = 0.0
+    """The CPU tier's key table and policy tables
+    (:meth:`~statecore.managers.cpu.CPUOffloadingManager.index_bytes`): they resize once more
+    after the tier is full, when eviction first churns it; the warm-up ends after that."""
 
 
 def soak_warm(curve: Sequence[SoakSample]) -> tuple[int, str]:
-    """Index of the first sample after warm-up, and why: the first one with the CPU tier full
-    (memory grows while it fills), else the first quarter's end."""
+    """Index of the first sample after warm-up, and why: memory grows while the CPU tier
+    fills and once more when eviction first churns the full tier (its key and policy tables
+    resize: :attr:`SoakSample.index_mib`), so the warm-up ends at the first sample with the
+    tier full and those tables at their final size (the last sample when they resized there:
+    nothing after the warm-up then); failing that (the tier emptied again by the end), at the
+    first one with the tier full; else at the first quarter's end."""
+    if curve:
+        final = curve[-1].index_mib
+        for i, p in enumerate(curve):
+            # (within 1 %: an OrderedDict's size counts its nodes too; a resize doubles)
+            if p.cpu_fill >= 0.99 and abs(p.index_mib - final) <= 0.01 * final:
+                return i, "the CPU tier full, its tables at their final size"
     for i, p in enumerate(curve):
         if p.cpu_fill >= 0.99:
-            return i, "the CPU tier full"
+            return i, "the CPU tier full, not at the end"
     return len(curve) // 4, "the first quarter's end; the CPU tier never filled"
 
 
@@ -946,6 +960,7 @@ def run_soak(
         cpu = getattr(sched.manager, "primary", sched.manager)
         count = cpu.counters() if hasattr(cpu, "counters") else None
         fill = count.keys / count.capacity if count is not None and count.capacity else 0.0
+        index = cpu.index_bytes() if hasattr(cpu, "index_bytes") else 0
         curve.append(
             SoakSample(
                 now - t0,
@@ -958,6 +973,7 @@ def run_soak(
                 statistics.median(costs),
                 _pct(costs, 99),
                 fill,
+                index / 2**20,
             )
         )
         return stop
@@ -1661,19 +1677,28 @@ def _soak_main(a: Any, shape: dict[str, Any]) -> int:
     )
     print(f"soak: N={n}, until {a.soak_jobs} jobs or {a.soak_seconds:g} s (standalone, bulk)")
     curve = run_soak(sc, a.soak_seconds, a.soak_jobs, a.soak_samples, a.tracemalloc)
-    cols = "elapsed_s step jobs rss_mib traced_mib requests in_flight median_us p99_us cpu_fill"
+    cols = (
+        "elapsed_s step jobs rss_mib traced_mib requests in_flight median_us p99_us cpu_fill "
+        "index_mib"
+    )
     print("".join(f"{c:>11}" for c in cols.split()))
     for p in curve:
         vals: tuple[float | int, ...] = (p.elapsed_s, p.step, p.jobs, p.rss_mib, p.traced_mib)
         vals += (p.tracked_requests, p.tracked_jobs, p.median_us, p.p99_us, p.cpu_fill)
+        vals += (p.index_mib,)
         print("".join(f"{v:>11.2f}" if isinstance(v, float) else f"{v:>11}" for v in vals))
     first, why = soak_warm(curve)
     if len(curve) >= 2 and first < len(curve) - 1:  # after warm-up: to the last point
         w, z = curve[first], curve[-1]
+        # cost growth: the samples' medians, later half over earlier half (one window's median
+        # moves by 10 % from sample to sample on a shared machine)
+        post = [p.median_us for p in curve[first:]]
+        half = len(post) // 2
+        growth = statistics.median(post[half:]) / max(statistics.median(post[:half]), 1e-9)
         print(
             f"after warm-up ({why}; t={w.elapsed_s:.0f}s..{z.elapsed_s:.0f}s): RSS "
-            f"{z.rss_mib - w.rss_mib:+.1f} MiB, median per-step cost x"
-            f"{z.median_us / max(w.median_us, 1e-9):.2f}"
+            f"{z.rss_mib - w.rss_mib:+.1f} MiB, median per-step cost x{growth:.2f} "
+            "(later samples over earlier ones)"
         )
     else:
         print("no samples after warm-up: run longer (--soak-seconds, --soak-jobs)")

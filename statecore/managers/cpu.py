@@ -24,6 +24,7 @@ Quarantined slots are always free slots; they count in ``num_free``.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
@@ -378,6 +379,22 @@ class CPUOffloadingManager(OffloadingManager):
             quarantined=len(self._quarantine),
             schedule_ends=self._schedule_ends,
         )
+
+    def index_bytes(self) -> int:
+        """Bytes of the key table's and the eviction policy's hash tables (``sys.getsizeof``
+        of the table and of every dict or set the policy holds; O(the policy's attributes)).
+
+        They grow in steps while the tier fills, and once more when eviction first churns a
+        full tier (CPython compacts a dict into a table sized from what it holds then); after
+        that they keep their size. A soak's warm-up ends there."""
+        total = sys.getsizeof(self._entries)
+        policy = self.policy
+        names: Iterable[str] = getattr(type(policy), "__slots__", ()) or vars(policy)
+        for name in names:
+            held = getattr(policy, name, None)
+            if isinstance(held, dict | set | frozenset):
+                total += sys.getsizeof(held)
+        return total
 
     @property
     def num_free_for_promotion(self) -> int:
