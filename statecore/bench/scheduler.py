@@ -412,11 +412,11 @@ def gc_summary(
     return out
 
 
-def gc_line(g: dict[str, Any], hooks: bool = True) -> str:
-    """One line of :func:`gc_summary` for the table (``hooks=False``: the collections alone,
-    for a run without a connector)."""
+def gc_line(g: dict[str, Any], hooks: bool = True, label: str = "gc") -> str:
+    """One line of :func:`gc_summary` for the table, headed ``label`` (``hooks=False``: the
+    collections alone, for a run without a connector)."""
     if not g.get("steps"):
-        return "  gc: no timed steps"
+        return f"  {label}: no timed steps"
     parts = []
     for gen in sorted(g["generations"]):
         d = g["generations"][gen]
@@ -425,9 +425,9 @@ def gc_line(g: dict[str, Any], hooks: bool = True) -> str:
         longest = f"; longest {d['max_pause_ms']:.1f} ms" if d.get("max_pause_ms") else ""
         parts.append(f"gen{gen} {d['count']} ({d['in_hooks']} in hooks{span}{longest})")
     if not hooks:
-        return f"  gc: {'; '.join(parts) or 'no collections'}"
+        return f"  {label}: {'; '.join(parts) or 'no collections'}"
     return (
-        f"  gc: {'; '.join(parts) or 'no collections'}; in-hook pauses "
+        f"  {label}: {'; '.join(parts) or 'no collections'}; in-hook pauses "
         f"{100 * g['hook_pause_share']:.1f}% of hook time; tail steps (>= p99) with one: "
         f"{g['tail_steps_with_gc']}/{g['tail_steps']}; without them median "
         f"{g['net_median_us']:.1f} p99 {g['net_p99_us']:.1f} (p99/median "
@@ -1270,6 +1270,16 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
     token_rng = random.Random(sc.seed + 1)
     live: dict[str, Any] = {}
 
+    def runner_output(req_ids: list[str], sampled: list[list[int]], kvo: Any = None) -> Any:
+        """A model runner's output for the step: the requests' sampled tokens (none for
+        another rank than the output one) and the rank's connector output."""
+        return outputs_mod.ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kvo,
+        )
+
     def intake(rid: str, prompt: list[int], out_len: int) -> Any:
         """A new request as the engine core takes it in."""
         sp = SamplingParams(max_tokens=out_len, ignore_eos=True)
@@ -1337,27 +1347,13 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
                     kv_connector_worker_meta=w.build_connector_worker_meta(),
                 )
                 w.clear_connector_metadata()
-                if rank == 0:
-                    outs.append(
-                        outputs_mod.ModelRunnerOutput(
-                            req_ids=ids,
-                            req_id_to_index={r: i for i, r in enumerate(ids)},
-                            sampled_token_ids=sampled,
-                            kv_connector_output=kvo,
-                        )
-                    )
-                else:
-                    outs.append(
-                        outputs_mod.ModelRunnerOutput(
-                            req_ids=[], req_id_to_index={}, kv_connector_output=kvo
-                        )
-                    )
-            if conn is None:  # the model runner's output alone
-                report = outputs_mod.ModelRunnerOutput(
-                    req_ids=ids,
-                    req_id_to_index={r: i for i, r in enumerate(ids)},
-                    sampled_token_ids=sampled,
+                # rank 0 carries the sampled tokens, as the output rank of vLLM's executor
+                outs.append(
+                    runner_output(ids, sampled, kvo) if rank == 0 else runner_output([], [], kvo)
                 )
+            # without a connector, the model runner's output alone
+            if conn is None:
+                report = runner_output(ids, sampled)
             else:
                 report = aggregator.aggregate(outs, output_rank=0)
             timer.engine_part(engine.update_from_output, so, report)
@@ -1634,7 +1630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for label, r in (("no connector", rn), ("vLLM's", rv), ("statecore", rs)):
                 print(engine_step_line(label, r.engine_step))
             if rn.gc:  # where the collector ran without a connector, and how long
-                print(gc_line(rn.gc, hooks=False).replace("  gc:", "  gc without a connector:"))
+                print(gc_line(rn.gc, hooks=False, label="gc without a connector"))
     if a.json:
         with open(a.json, "w") as f:
             json.dump([r.as_json() for r in runs], f, indent=1)
@@ -1688,7 +1684,7 @@ def _soak_main(a: Any, shape: dict[str, Any]) -> int:
         vals += (p.index_mib,)
         print("".join(f"{v:>11.2f}" if isinstance(v, float) else f"{v:>11}" for v in vals))
     first, why = soak_warm(curve)
-    if len(curve) >= 2 and first < len(curve) - 1:  # after warm-up: to the last point
+    if first < len(curve) - 1:  # after warm-up: to the last point
         w, z = curve[first], curve[-1]
         # cost growth: the samples' medians, later half over earlier half (one window's median
         # moves by 10 % from sample to sample on a shared machine)
