@@ -5,8 +5,9 @@
 # takes the local CPU build of that exact version; an unpinned torch would pull a CUDA build of
 # several GB), then the project in editable mode with its test, sim and docs extras.
 # The editable install compiles statecore.adapters._hostcopy (the torch adapter's CPU copy
-# loop) and statecore._viewcheck (the views' accepting checks) in place. A stamp file skips the
-# installs when neither pyproject.toml nor those C files have changed since the last one.
+# loop), statecore._viewcheck (the views' accepting checks) and statecore._keyorder (the CPU
+# tier's LRU list) in place. A stamp file skips the installs when neither pyproject.toml nor
+# those C files have changed since the last one.
 #
 # First run: it says what it installs and why, then shows pip's progress one line per package
 # (Collecting/Downloading/Installing, with the elapsed time); the whole pip log is kept in
@@ -31,7 +32,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 stamp="$VENV/.statecore-env"
 # pyproject.toml and the C sources of the compiled extensions decide what an install builds
-want="torch==$TORCH_VERSION extras=$EXTRAS $(cat pyproject.toml adapters/_hostcopy.c statecore/_viewcheck.c | sha256sum | cut -d' ' -f1)"
+want="torch==$TORCH_VERSION extras=$EXTRAS $(cat pyproject.toml adapters/_hostcopy.c statecore/_viewcheck.c statecore/_keyorder.c | sha256sum | cut -d' ' -f1)"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]] \
     || ! "$VENV/bin/python" -c "import statecore, torch" >/dev/null 2>&1; then
     env_start=$SECONDS

@@ -10,6 +10,7 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from statecore.bench.scheduler import Scenario
+from statecore.managers.keyorder import KeyOrder, PyKeyOrder
 
 RETAINED_SCENARIO = Scenario(
     concurrency=16,
@@ -25,8 +26,8 @@ RETAINED_SCENARIO = Scenario(
 """The oracles' workload: short requests, many finishing per step, a CPU tier of half the GPU
 cache (evictions early); run until the oracle stops it."""
 
-SIZED = (dict, list, set, frozenset, tuple, OrderedDict, deque)
-"""The container types measured (subclasses too: ``Counter``, ``defaultdict``)."""
+SIZED = (dict, list, set, frozenset, tuple, OrderedDict, deque, KeyOrder, PyKeyOrder)
+"""The container types measured (subclasses too: ``Counter``, ``defaultdict``; the LRU list)."""
 
 
 def _ours(value: Any) -> bool:

@@ -55,6 +55,7 @@ from statecore.manager import (
     ReqContext,
     ScheduleEndContext,
 )
+from statecore.managers.keyorder import KeyOrder, PyKeyOrder
 from statecore.managers.policies import (
     BUILTIN_POLICIES,
     CachePolicy,
@@ -382,17 +383,20 @@ class CPUOffloadingManager(OffloadingManager):
 
     def index_bytes(self) -> int:
         """Bytes of the key table's and the eviction policy's hash tables (``sys.getsizeof``
-        of the table and of every dict or set the policy holds; O(the policy's attributes)).
+        of the table and of every dict, set or key list the policy holds; O(the policy's
+        attributes)).
 
-        They grow in steps while the tier fills, and once more when eviction first churns a
-        full tier (CPython compacts a dict into a table sized from what it holds then); after
-        that they keep their size. A soak's warm-up ends there."""
+        The key table (a dict) grows in steps while the tier fills, and once more when eviction
+        first churns a full tier (CPython compacts a dict into a table sized from what it holds
+        then); after that it keeps its size. A soak's warm-up ends there. The LRU policy's
+        :class:`~statecore.managers.keyorder.KeyOrder` is sized for the capacity at
+        construction and counts in full from the start."""
         total = sys.getsizeof(self._entries)
         policy = self.policy
         names: Iterable[str] = getattr(type(policy), "__slots__", ()) or vars(policy)
         for name in names:
             held = getattr(policy, name, None)
-            if isinstance(held, dict | set | frozenset):
+            if isinstance(held, dict | set | frozenset | KeyOrder | PyKeyOrder):
                 total += sys.getsizeof(held)
         return total
 

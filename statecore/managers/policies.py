@@ -29,15 +29,17 @@ PEP 316 contract (``pre:``/``post:`` lines) that CrossHair checks::
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import filterfalse, islice, repeat
+from itertools import filterfalse, islice
 from typing import Protocol, TypeVar, runtime_checkable
 
 from statecore.keys import OffloadKey
+from statecore.managers.keyorder import DistinctKeys, KeyOrder
 
 __all__ = [
+    "PRESIZE_LIMIT",
     "ARCCachePolicy",
     "CachePolicy",
     "LRUCachePolicy",
@@ -54,6 +56,10 @@ __all__ = [
 
 K = TypeVar("K", bound=Hashable)
 
+PRESIZE_LIMIT = 1 << 24
+"""The most keys the LRU list is sized for at construction (16,777,216; about 600 MB of
+address space, touched only as keys arrive). A larger tier's list grows past it by doubling."""
+
 # --------------------------------------------------------------------------------------------
 # Pure kernels (CrossHair-checked contracts)
 # --------------------------------------------------------------------------------------------
@@ -65,7 +71,9 @@ def lru_select_victims(
     """Take the first ``n`` candidates not in ``protected``, in candidate order.
 
     ``candidates`` are idle keys, oldest first; the scan stops as soon as ``n`` are found.
-    Returns ``None`` when fewer than ``n`` exist.
+    Returns ``None`` when fewer than ``n`` exist. Where they are distinct by their type (a
+    set, a mapping, a :class:`~statecore.managers.keyorder.DistinctKeys` such as the LRU
+    list), the scan runs at C speed.
 
     pre: n >= 0
     post: __return__ is None or len(__return__) == n
@@ -74,7 +82,7 @@ def lru_select_victims(
     """
     if n == 0:
         return []
-    if isinstance(candidates, Mapping | AbstractSet):  # distinct keys: the scan at C speed
+    if isinstance(candidates, Mapping | AbstractSet | DistinctKeys):  # distinct: at C speed
         out = list(islice(filterfalse(protected.__contains__, candidates), n))
         return out if len(out) == n else None
     out = []
@@ -297,13 +305,17 @@ class LRUCachePolicy:
     Only evictable (reference count 0) keys are in :attr:`evictable_blocks`, oldest first. A
     key enters it at the most recent end each time it becomes idle: when its store completes
     and when its last reader releases it. ``touch`` moves idle keys to the recent end.
+
+    The list is a :class:`~statecore.managers.keyorder.KeyOrder` sized for the capacity (up
+    to :data:`PRESIZE_LIMIT` keys) once, at construction: it never rebuilds a table while the
+    tier fills or churns, and the collector does not traverse it.
     """
 
     __slots__ = ("capacity", "evictable_blocks")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.evictable_blocks: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.evictable_blocks = KeyOrder(min(max(capacity, 0), PRESIZE_LIMIT))
 
     def insert(self, key: OffloadKey) -> None:
         """A new key is write-pending: not evictable, nothing to record."""
@@ -313,52 +325,36 @@ class LRUCachePolicy:
 
     def remove(self, key: OffloadKey) -> None:
         """Forget ``key``."""
-        self.evictable_blocks.pop(key, None)
+        self.evictable_blocks.discard(key)
 
     def mark_evictable(self, key: OffloadKey) -> None:
         """Append ``key`` at the most recent end."""
-        self.evictable_blocks[key] = None
-        self.evictable_blocks.move_to_end(key)
+        self.evictable_blocks.append(key)
 
     def mark_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
-        """Append ``keys`` at the most recent end, in order (the last one most recent).
-
-        One insertion per key; only when some key was already listed (or is listed twice) a
-        second pass moves every key to the end in order. Either way the list ends as
-        ``mark_evictable`` of each key in order leaves it: the keys not in ``keys`` keep their
-        order, then ``keys`` follow ordered by their last occurrence. (A store job's keys are
-        new to the list, so the usual completion is the first pass alone.)
-        """
-        ev = self.evictable_blocks
-        before = len(ev)
-        for key in keys:
-            ev[key] = None
-        if len(ev) - before != len(keys):
-            move = ev.move_to_end
-            for key in keys:
-                move(key)
+        """Append ``keys`` at the most recent end, in order (the last one most recent): the
+        list ends as ``mark_evictable`` of each key in order leaves it (the keys not in
+        ``keys`` keep their order, then ``keys`` follow ordered by their last occurrence)."""
+        self.evictable_blocks.append_many(keys)
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         """Take ``key`` out of the evictable list."""
-        self.evictable_blocks.pop(key, None)
+        self.evictable_blocks.discard(key)
 
     def mark_non_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
         """``mark_non_evictable`` of each key (one load's idle keys)."""
-        deque(map(self.evictable_blocks.pop, keys, repeat(None)), 0)
+        self.evictable_blocks.discard_many(keys)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Move idle ``keys`` to the recent end, the first key last (most recent)."""
-        ev = self.evictable_blocks
-        for key in reversed(keys):
-            if key in ev:
-                ev.move_to_end(key)
+        self.evictable_blocks.touch(keys)
 
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> list[OffloadKey] | None:
         """The ``n`` least recent idle keys not in ``protected``, or ``None``."""
         victims = lru_select_victims(self.evictable_blocks, protected, n)
         if victims is None:
             return None
-        deque(map(self.evictable_blocks.__delitem__, victims), 0)
+        self.evictable_blocks.discard_many(victims)
         return victims
 
     def clear(self) -> None:
