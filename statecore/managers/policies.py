@@ -29,7 +29,6 @@ PEP 316 contract (``pre:``/``post:`` lines) that CrossHair checks::
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import filterfalse, islice
@@ -375,44 +374,47 @@ class ARCCachePolicy:
     touch of a write-pending key in T1 only refreshes it (its store is not a second use).
     Evicted T1 keys become B1 ghosts, T2 keys B2 ghosts; ghost lists are trimmed, oldest
     first, to the capacity.
+
+    The four lists are :class:`~statecore.managers.keyorder.KeyOrder` s, each sized for the
+    capacity (up to :data:`PRESIZE_LIMIT` keys) once, as the LRU policy's list is.
     """
 
     __slots__ = ("_idle", "_pending", "b1", "b2", "capacity", "t1", "t2", "target_t1_size")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.t1: OrderedDict[OffloadKey, None] = OrderedDict()
-        self.t2: OrderedDict[OffloadKey, None] = OrderedDict()
-        self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
-        self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        size = min(max(capacity, 0), PRESIZE_LIMIT)
+        self.t1 = KeyOrder(size)
+        self.t2 = KeyOrder(size)
+        self.b1 = KeyOrder(size)
+        self.b2 = KeyOrder(size)
         self.target_t1_size = 0.0
         self._idle: set[OffloadKey] = set()
         self._pending: set[OffloadKey] = set()
 
     def insert(self, key: OffloadKey) -> None:
         """Add ``key`` to T1 (write-pending) and drop it from the ghost lists."""
-        self.t1[key] = None
+        if key not in self.t1:  # (a key listed already keeps its place, as in a dict)
+            self.t1.append(key)
         self._pending.add(key)
-        self.b1.pop(key, None)
-        self.b2.pop(key, None)
+        self.b1.discard(key)
+        self.b2.discard(key)
 
     def insert_many(self, keys: Sequence[OffloadKey]) -> None:
         """``insert`` of each key, in order."""
         t1 = self.t1
         for key in keys:
-            t1[key] = None
+            if key not in t1:
+                t1.append(key)
         self._pending.update(keys)
         for ghosts in (self.b1, self.b2):
-            if ghosts and not ghosts.keys().isdisjoint(keys):
-                for key in keys:
-                    ghosts.pop(key, None)
+            if ghosts:
+                ghosts.discard_many(keys)
 
     def remove(self, key: OffloadKey) -> None:
         """Forget ``key`` (no ghost is kept)."""
-        if key in self.t1:
-            del self.t1[key]
-        else:
-            self.t2.pop(key, None)
+        if not self.t1.discard(key):
+            self.t2.discard(key)
         self._idle.discard(key)
         self._pending.discard(key)
 
@@ -439,22 +441,22 @@ class ARCCachePolicy:
         for key in reversed(keys):
             if key in self.t1:
                 if key in self._pending:
-                    self.t1.move_to_end(key)
+                    self.t1.append(key)  # (present: moved to the recent end)
                 else:
-                    del self.t1[key]
-                    self.t2[key] = None
+                    self.t1.discard(key)
+                    self.t2.append(key)
             elif key in self.t2:
-                self.t2.move_to_end(key)
+                self.t2.append(key)
             elif key in self.b1:
                 self.target_t1_size = arc_target_after_b1_hit(
                     self.target_t1_size, len(self.b1), len(self.b2), self.capacity
                 )
-                self.b1.move_to_end(key)
+                self.b1.append(key)
             elif key in self.b2:
                 self.target_t1_size = arc_target_after_b2_hit(
                     self.target_t1_size, len(self.b1), len(self.b2)
                 )
-                self.b2.move_to_end(key)
+                self.b2.append(key)
 
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> list[OffloadKey] | None:
         """``n`` idle victims chosen by :func:`arc_select_victims`, or ``None`` (no change)."""
@@ -466,22 +468,23 @@ class ARCCachePolicy:
         victims: list[OffloadKey] = []
         for key, src in chosen:
             if src == 1:
-                del self.t1[key]
-                self.b1[key] = None
+                self.t1.discard(key)
+                self.b1.append(key)
             else:
-                del self.t2[key]
-                self.b2[key] = None
+                self.t2.discard(key)
+                self.b2.append(key)
             self._idle.discard(key)
             victims.append(key)
         for ghosts in (self.b1, self.b2):
-            for _ in range(trim_excess(len(ghosts), self.capacity)):
-                ghosts.popitem(last=False)
+            excess = trim_excess(len(ghosts), self.capacity)
+            if excess:
+                ghosts.discard_many(list(islice(ghosts, excess)))  # the oldest ghosts
         return victims
 
     def clear(self) -> None:
         """Forget every key and ghost; the target returns to 0."""
-        for d in (self.t1, self.t2, self.b1, self.b2):
-            d.clear()
+        for order in (self.t1, self.t2, self.b1, self.b2):
+            order.clear()
         self._idle.clear()
         self._pending.clear()
         self.target_t1_size = 0.0

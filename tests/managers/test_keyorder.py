@@ -9,7 +9,7 @@
   batch; a change during iteration is a RuntimeError (as for dicts);
 * the C type's memory: sized once (its size does not move while it fills to its capacity),
   not tracked by the cyclic collector, and no key's reference count moves once it is gone;
-* the LRU policy and the CPU manager run on either implementation with the same victims.
+* the LRU and ARC policies, in the CPU manager, evict the same keys on either implementation.
 """
 
 from __future__ import annotations
@@ -228,15 +228,16 @@ def test_installation_with_a_compiler_built_the_native_key_order() -> None:
     assert type(policies.LRUCachePolicy(4).evictable_blocks) is KeyOrder
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
 @pytest.mark.parametrize("cls", IMPLS)
 def test_the_cpu_tier_evicts_the_same_keys_on_either_list(
-    cls: Any, monkeypatch: pytest.MonkeyPatch
+    cls: Any, policy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The same traffic through the CPU manager with the list's two implementations: the
+    """The same traffic through the CPU manager with the lists' two implementations: the
     same victims in the same order (the reference is the OrderedDict fallback)."""
 
     def run() -> list[tuple[bytes, ...]]:
-        m = CPUOffloadingManager(6)
+        m = CPUOffloadingManager(6, policy=policy)
         ctx = ReqContext("r")
         victims: list[tuple[bytes, ...]] = []
         for step in range(12):
