@@ -436,8 +436,17 @@ KeyOrder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (self == NULL) return NULL;
     self->capacity = capacity;
     if (ko_alloc(self, capacity < 8 ? 8 : capacity) < 0) {
-        Py_DECREF(self);
-        return NULL;
+        /* no room for the whole capacity up front (a strict overcommit policy): start small
+         * and grow as keys arrive; the presizing only ever promises time */
+        if (capacity <= 8 || !PyErr_ExceptionMatches(PyExc_MemoryError)) {
+            Py_DECREF(self);
+            return NULL;
+        }
+        PyErr_Clear();
+        if (ko_alloc(self, 8) < 0) {
+            Py_DECREF(self);
+            return NULL;
+        }
     }
     if (keys != NULL && keys != Py_None) {
         PyObject *r = KeyOrder_append_many(self, keys);
