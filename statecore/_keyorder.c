@@ -248,27 +248,60 @@ checked_keys(PyObject *keys)
     return seq;
 }
 
-static inline Py_hash_t
-bytes_hash(PyObject *key)
+static inline void
+move_newest(KeyOrder *self, ko_index i)
 {
-    return PyObject_Hash(key);  /* cached in the bytes object after the first call */
+    if (self->nodes[0].prev != i) {
+        unlink_order(self, i);
+        link_newest(self, i);
+    }
 }
 
-/* Make key the newest: appended when absent, moved when present.  0 or -1. */
+/* The per-key operations of the batch methods: 1 or 0 (what they count), -1 on error. */
+typedef int (*ko_op)(KeyOrder *self, PyObject *key, Py_hash_t hash);
+
+/* Make key the newest: appended when absent, moved when present. */
 static int
-ko_append(KeyOrder *self, PyObject *key)
+op_append(KeyOrder *self, PyObject *key, Py_hash_t hash)
 {
-    Py_hash_t hash = bytes_hash(key);
-    if (hash == -1) return -1;
     ko_index i = ko_find(self, key, hash);
-    if (i != 0) {
-        if (self->nodes[0].prev != i) {
-            unlink_order(self, i);
-            link_newest(self, i);
+    if (i == 0) return ko_insert(self, key, hash);
+    move_newest(self, i);
+    return 0;
+}
+
+/* Move key to the newest end when present. */
+static int
+op_touch(KeyOrder *self, PyObject *key, Py_hash_t hash)
+{
+    ko_index i = ko_find(self, key, hash);
+    if (i != 0) move_newest(self, i);
+    return 0;
+}
+
+/* Apply op to each of keys (all checked first: exact bytes), last to first when reverse;
+ * the sum of what op answered, or -1 with the error set. */
+static Py_ssize_t
+ko_batch(KeyOrder *self, PyObject *keys, ko_op op, int reverse)
+{
+    PyObject *seq = checked_keys(keys);
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t total = 0;
+    self->version++;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *key = items[reverse ? n - 1 - k : k];
+        Py_hash_t hash = PyObject_Hash(key);  /* exact bytes: cached after the first call */
+        int r = hash == -1 ? -1 : op(self, key, hash);
+        if (r < 0) {
+            Py_DECREF(seq);
+            return -1;
         }
-        return 0;
+        total += r;
     }
-    return ko_insert(self, key, hash);
+    Py_DECREF(seq);
+    return total;
 }
 
 /* --- methods --------------------------------------------------------------------------- */
@@ -277,50 +310,24 @@ static PyObject *
 KeyOrder_append(KeyOrder *self, PyObject *key)
 {
     if (check_key(key) < 0) return NULL;
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1) return NULL;
     self->version++;
-    if (ko_append(self, key) < 0) return NULL;
+    if (op_append(self, key, hash) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *
 KeyOrder_append_many(KeyOrder *self, PyObject *keys)
 {
-    PyObject *seq = checked_keys(keys);
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    self->version++;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        if (ko_append(self, items[k]) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-    }
-    Py_DECREF(seq);
+    if (ko_batch(self, keys, op_append, 0) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *
 KeyOrder_touch(KeyOrder *self, PyObject *keys)
 {
-    PyObject *seq = checked_keys(keys);
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    self->version++;
-    for (Py_ssize_t k = n - 1; k >= 0; k--) {
-        Py_hash_t hash = bytes_hash(items[k]);
-        if (hash == -1) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        ko_index i = ko_find(self, items[k], hash);
-        if (i != 0 && self->nodes[0].prev != i) {
-            unlink_order(self, i);
-            link_newest(self, i);
-        }
-    }
-    Py_DECREF(seq);
+    if (ko_batch(self, keys, op_touch, 1) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -328,7 +335,7 @@ static PyObject *
 KeyOrder_discard(KeyOrder *self, PyObject *key)
 {
     if (check_key(key) < 0) return NULL;
-    Py_hash_t hash = bytes_hash(key);
+    Py_hash_t hash = PyObject_Hash(key);
     if (hash == -1) return NULL;
     self->version++;
     return PyBool_FromLong(ko_remove(self, key, hash));
@@ -337,22 +344,8 @@ KeyOrder_discard(KeyOrder *self, PyObject *key)
 static PyObject *
 KeyOrder_discard_many(KeyOrder *self, PyObject *keys)
 {
-    PyObject *seq = checked_keys(keys);
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    Py_ssize_t removed = 0;
-    self->version++;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        Py_hash_t hash = bytes_hash(items[k]);
-        if (hash == -1) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        removed += ko_remove(self, items[k], hash);
-    }
-    Py_DECREF(seq);
-    return PyLong_FromSsize_t(removed);
+    Py_ssize_t removed = ko_batch(self, keys, ko_remove, 0);
+    return removed < 0 ? NULL : PyLong_FromSsize_t(removed);
 }
 
 static void
@@ -478,7 +471,7 @@ static int
 KeyOrder_contains(KeyOrder *self, PyObject *key)
 {
     if (!PyBytes_CheckExact(key)) return 0;  /* only bytes are ever held */
-    Py_hash_t hash = bytes_hash(key);
+    Py_hash_t hash = PyObject_Hash(key);
     if (hash == -1) return -1;
     return ko_find(self, key, hash) != 0;
 }
