@@ -516,11 +516,6 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "entries.update(zip(changed, map(_ONE.__add__, got), strict=True))  # ref -1 -> 0",
     ): "changed is list(keys) and got is one entry per key: equal lengths by construction",
     (
-        "statecore/managers/policies.py",
-        "core/ReplaceAndWithOr",
-        "if ghosts and not ghosts.keys().isdisjoint(keys):",
-    ): "a shortcut: popping keys a ghost list does not hold (or from an empty one) changes nothing",
-    (
         "statecore/managers/tiering.py",
         "core/ReplaceComparisonOperator_Gt_NotEq",
         "if state is not None and state.pending_primary_stores > 0:",
