@@ -909,21 +909,22 @@ class SoakSample:
     """The CPU tier's present keys over its capacity: the warm-up ends when it is full."""
     index_mib: float = 0.0
     """The CPU tier's key table and policy tables
-    (:meth:`~statecore.managers.cpu.CPUOffloadingManager.index_bytes`): they resize once more
-    after the tier is full, when eviction first churns it; the warm-up ends after that."""
+    (:meth:`~statecore.managers.cpu.CPUOffloadingManager.index_bytes`): the key table resizes
+    once more after the tier is full, when eviction first churns it; the warm-up ends after
+    that (the policy's lists are sized once, at construction)."""
 
 
 def soak_warm(curve: Sequence[SoakSample]) -> tuple[int, str]:
     """Index of the first sample after warm-up, and why: memory grows while the CPU tier
-    fills and once more when eviction first churns the full tier (its key and policy tables
-    resize: :attr:`SoakSample.index_mib`), so the warm-up ends at the first sample with the
+    fills and once more when eviction first churns the full tier (its key table resizes:
+    :attr:`SoakSample.index_mib`), so the warm-up ends at the first sample with the
     tier full and those tables at their final size (the last sample when they resized there:
     nothing after the warm-up then); failing that (the tier emptied again by the end), at the
     first one with the tier full; else at the first quarter's end."""
     if curve:
         final = curve[-1].index_mib
         for i, p in enumerate(curve):
-            # (within 1 %: an OrderedDict's size counts its nodes too; a resize doubles)
+            # (within 1 %: a table's resize at least doubles it)
             if p.cpu_fill >= 0.99 and abs(p.index_mib - final) <= 0.01 * final:
                 return i, "the CPU tier full, its tables at their final size"
     for i, p in enumerate(curve):

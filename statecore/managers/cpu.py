@@ -55,7 +55,7 @@ from statecore.manager import (
     ReqContext,
     ScheduleEndContext,
 )
-from statecore.managers.keyorder import KeyOrder, PyKeyOrder
+from statecore.managers.keyorder import DistinctKeys
 from statecore.managers.policies import (
     BUILTIN_POLICIES,
     CachePolicy,
@@ -396,7 +396,7 @@ class CPUOffloadingManager(OffloadingManager):
         names: Iterable[str] = getattr(type(policy), "__slots__", ()) or vars(policy)
         for name in names:
             held = getattr(policy, name, None)
-            if isinstance(held, dict | set | frozenset | KeyOrder | PyKeyOrder):
+            if isinstance(held, dict | set | frozenset | DistinctKeys):
                 total += sys.getsizeof(held)
         return total
 

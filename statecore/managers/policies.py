@@ -18,6 +18,11 @@ not (the batch form is optional, so a policy written before it still works), and
 batch form would bypass an override of the single-key hook: inherited from above the class
 that overrides it, or with only the single-key hook set on the instance.
 
+Keys are offload keys, exact ``bytes``: the built-in policies keep them in
+:class:`~statecore.managers.keyorder.KeyOrder` lists, which raise ``TypeError`` for anything
+else and change nothing (the CPU manager checks every key with a typed
+:class:`~statecore.errors.InvalidKeyError` before a policy sees it).
+
 ``evict(n, protected)`` is atomic: it returns exactly ``n`` victims (all idle, none in
 ``protected``) and forgets them, or returns ``None`` and changes nothing (INV-EVICT).
 
@@ -56,8 +61,14 @@ __all__ = [
 K = TypeVar("K", bound=Hashable)
 
 PRESIZE_LIMIT = 1 << 24
-"""The most keys the LRU list is sized for at construction (16,777,216; about 600 MB of
+"""The most keys a policy's list is sized for at construction (16,777,216; about 600 MB of
 address space, touched only as keys arrive). A larger tier's list grows past it by doubling."""
+
+
+def _key_order(capacity: int) -> KeyOrder:
+    """An empty list of keys sized for a tier of ``capacity`` (up to :data:`PRESIZE_LIMIT`)."""
+    return KeyOrder(min(max(capacity, 0), PRESIZE_LIMIT))
+
 
 # --------------------------------------------------------------------------------------------
 # Pure kernels (CrossHair-checked contracts)
@@ -314,7 +325,7 @@ class LRUCachePolicy:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.evictable_blocks = KeyOrder(min(max(capacity, 0), PRESIZE_LIMIT))
+        self.evictable_blocks = _key_order(capacity)
 
     def insert(self, key: OffloadKey) -> None:
         """A new key is write-pending: not evictable, nothing to record."""
@@ -383,11 +394,10 @@ class ARCCachePolicy:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        size = min(max(capacity, 0), PRESIZE_LIMIT)
-        self.t1 = KeyOrder(size)
-        self.t2 = KeyOrder(size)
-        self.b1 = KeyOrder(size)
-        self.b2 = KeyOrder(size)
+        self.t1 = _key_order(capacity)
+        self.t2 = _key_order(capacity)
+        self.b1 = _key_order(capacity)
+        self.b2 = _key_order(capacity)
         self.target_t1_size = 0.0
         self._idle: set[OffloadKey] = set()
         self._pending: set[OffloadKey] = set()
