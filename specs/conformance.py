@@ -1607,7 +1607,7 @@ def make_manager_conformance(
             self.sut.shutdown()
 
         @classmethod
-        def _to_test_case(cls) -> Any:  # type: ignore[override]
+        def _to_test_case(cls) -> Any:  # type: ignore[override, unused-ignore]
             machine = cls
 
             class ConformanceTestCase(unittest.TestCase):
