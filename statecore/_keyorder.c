@@ -1,6 +1,7 @@
 /*
  * statecore._keyorder: KeyOrder, an insertion-ordered set of offload keys (exact bytes) with
- * its memory sized once, for the CPU tier's LRU list (statecore/managers/keyorder.py).
+ * its memory sized once, for the CPU tier's LRU list, and KeyTable, the same with an int
+ * value per key, for the CPU tier's key table (statecore/managers/keyorder.py).
  *
  * Why not an OrderedDict: a dict grows by rebuilding its whole table in one call, and an
  * OrderedDict then rebuilds its node index by looking every key up again.  For a tier that
@@ -35,6 +36,7 @@ typedef uint32_t ko_index;
 
 typedef struct {
     PyObject *key;      /* NULL when the node is free */
+    PyObject *value;    /* KeyTable: the key's value (an exact int); KeyOrder: NULL */
     Py_hash_t hash;
     ko_index prev;      /* neighbours in the order (0: the sentinel) */
     ko_index next;
@@ -54,11 +56,15 @@ typedef struct {
     uint64_t version;     /* bumped by every change, checked by iterators */
 } KeyOrder;
 
+/* What an iterator yields: keys, values (KeyTable) or (key, value) pairs (KeyTable). */
+enum { KO_KEYS, KO_VALUES, KO_ITEMS };
+
 typedef struct {
     PyObject_HEAD
     KeyOrder *set;
     ko_index at;          /* next node to yield (0: exhausted) */
     uint64_t version;
+    int kind;             /* KO_KEYS, KO_VALUES or KO_ITEMS */
 } KeyOrderIter;
 
 static PyTypeObject KeyOrder_Type;
@@ -175,15 +181,16 @@ ko_grow(KeyOrder *self)
     return 0;
 }
 
-/* Append key (known absent, exact bytes, with its hash) as the newest; 0 or -1 (error set). */
-static int
-ko_insert(KeyOrder *self, PyObject *key, Py_hash_t hash)
+/* Append key (known absent, exact bytes, with its hash) as the newest: its node, or 0
+ * (error set). */
+static ko_index
+ko_insert_node(KeyOrder *self, PyObject *key, Py_hash_t hash)
 {
     ko_index i = self->free_head;
     if (i != 0) {
         self->free_head = self->nodes[i].chain;
     } else {
-        if (self->fresh == self->n_nodes && ko_grow(self) < 0) return -1;
+        if (self->fresh == self->n_nodes && ko_grow(self) < 0) return 0;
         i = (ko_index)(++self->fresh);
     }
     ko_node *nd = &self->nodes[i];
@@ -195,7 +202,14 @@ ko_insert(KeyOrder *self, PyObject *key, Py_hash_t hash)
     self->buckets[b] = i;
     link_newest(self, i);
     self->len++;
-    return 0;
+    return i;
+}
+
+/* ko_insert_node for the batch operations: 0 or -1 (error set). */
+static int
+ko_insert(KeyOrder *self, PyObject *key, Py_hash_t hash)
+{
+    return ko_insert_node(self, key, hash) == 0 ? -1 : 0;
 }
 
 /* Remove key (exact bytes, with its hash) if present: 1 removed, 0 absent. */
@@ -211,11 +225,14 @@ ko_remove(KeyOrder *self, PyObject *key, Py_hash_t hash)
             *link = nd->chain;
             unlink_order(self, i);
             PyObject *held = nd->key;
+            PyObject *value = nd->value;
             nd->key = NULL;
+            nd->value = NULL;
             nd->chain = self->free_head;
             self->free_head = i;
             self->len--;
-            Py_DECREF(held);  /* exact bytes: frees memory, runs no code */
+            Py_DECREF(held);  /* exact bytes and ints: frees memory, runs no code */
+            Py_XDECREF(value);
             return 1;
         }
         link = &nd->chain;
@@ -354,6 +371,7 @@ ko_release_all(KeyOrder *self)
     if (self->nodes == NULL) return;
     for (Py_ssize_t i = 1; i <= self->fresh; i++) {
         Py_CLEAR(self->nodes[i].key);
+        Py_CLEAR(self->nodes[i].value);
     }
 }
 
@@ -368,6 +386,7 @@ KeyOrder_clear(KeyOrder *self, PyObject *Py_UNUSED(ignored))
         if (nodes[i].key == NULL) continue;
         self->buckets[(size_t)nodes[i].hash & self->mask] = 0;
         Py_CLEAR(nodes[i].key);
+        Py_CLEAR(nodes[i].value);
     }
     memset(nodes, 0, ((size_t)self->fresh + 1) * sizeof(ko_node));
     self->fresh = 0;
@@ -409,20 +428,16 @@ KeyOrder_reduce(KeyOrder *self, PyObject *Py_UNUSED(ignored))
 
 /* --- construction and protocols -------------------------------------------------------- */
 
-static PyObject *
-KeyOrder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+/* A new, empty KeyOrder or KeyTable (type) with room for capacity keys, or NULL. */
+static KeyOrder *
+ko_new_sized(PyTypeObject *type, Py_ssize_t capacity, const char *name)
 {
-    static char *kwlist[] = {"capacity", "keys", NULL};
-    Py_ssize_t capacity;
-    PyObject *keys = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|O:KeyOrder", kwlist, &capacity, &keys))
-        return NULL;
     if (capacity < 0) {
-        PyErr_SetString(PyExc_ValueError, "KeyOrder capacity must be >= 0");
+        PyErr_Format(PyExc_ValueError, "%s capacity must be >= 0", name);
         return NULL;
     }
     if (capacity > KO_MAX_NODES) {
-        PyErr_Format(PyExc_OverflowError, "KeyOrder capacity must be at most %zd", KO_MAX_NODES);
+        PyErr_Format(PyExc_OverflowError, "%s capacity must be at most %zd", name, KO_MAX_NODES);
         return NULL;
     }
     KeyOrder *self = (KeyOrder *)type->tp_alloc(type, 0);
@@ -441,6 +456,19 @@ KeyOrder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
             return NULL;
         }
     }
+    return self;
+}
+
+static PyObject *
+KeyOrder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"capacity", "keys", NULL};
+    Py_ssize_t capacity;
+    PyObject *keys = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|O:KeyOrder", kwlist, &capacity, &keys))
+        return NULL;
+    KeyOrder *self = ko_new_sized(type, capacity, "KeyOrder");
+    if (self == NULL) return NULL;
     if (keys != NULL && keys != Py_None) {
         PyObject *r = KeyOrder_append_many(self, keys);
         if (r == NULL) {
@@ -489,14 +517,21 @@ KeyOrder_get_capacity(KeyOrder *self, void *Py_UNUSED(closure))
 }
 
 static PyObject *
-KeyOrder_iter(KeyOrder *self)
+ko_iter_of(KeyOrder *self, int kind)
 {
     KeyOrderIter *it = PyObject_New(KeyOrderIter, &KeyOrderIter_Type);
     if (it == NULL) return NULL;
     it->set = (KeyOrder *)Py_NewRef((PyObject *)self);
     it->at = self->nodes[0].next;
     it->version = self->version;
+    it->kind = kind;
     return (PyObject *)it;
+}
+
+static PyObject *
+KeyOrder_iter(KeyOrder *self)
+{
+    return ko_iter_of(self, KO_KEYS);
 }
 
 static void
@@ -512,7 +547,8 @@ KeyOrderIter_next(KeyOrderIter *it)
     KeyOrder *set = it->set;
     if (set == NULL) return NULL;
     if (set->version != it->version) {
-        PyErr_SetString(PyExc_RuntimeError, "KeyOrder changed during iteration");
+        const char *name = strrchr(Py_TYPE(set)->tp_name, '.');
+        PyErr_Format(PyExc_RuntimeError, "%s changed during iteration", name ? name + 1 : "?");
         return NULL;
     }
     ko_index i = it->at;
@@ -521,8 +557,11 @@ KeyOrderIter_next(KeyOrderIter *it)
         Py_DECREF(set);
         return NULL;
     }
-    it->at = set->nodes[i].next;
-    return Py_NewRef(set->nodes[i].key);
+    ko_node *nd = &set->nodes[i];
+    it->at = nd->next;
+    if (it->kind == KO_KEYS) return Py_NewRef(nd->key);
+    if (it->kind == KO_VALUES) return Py_NewRef(nd->value);
+    return PyTuple_Pack(2, nd->key, nd->value);
 }
 
 static PyMethodDef KeyOrder_methods[] = {
@@ -582,16 +621,331 @@ static PyTypeObject KeyOrderIter_Type = {
     .tp_iternext = (iternextfunc)KeyOrderIter_next,
 };
 
+/* --- KeyTable: an insertion-ordered map of bytes keys to ints ------------------------------
+ *
+ * The same nodes and buckets as KeyOrder, each node also holding its key's value, with a
+ * dict's semantics for the operations the CPU tier's key table uses: setting a present key
+ * replaces its value and keeps its place in the order; a new key is the newest; iteration
+ * runs oldest first.  Keys are exact bytes and values exact ints (TypeError otherwise,
+ * before any change), so releasing either runs no code; a lookup of anything else answers
+ * "absent" after hashing it (an unhashable key is a TypeError, as with a dict).  Replacing
+ * a value does not invalidate iterators (a dict's rule); inserting or removing a key does.
+ */
+
+static PyTypeObject KeyTable_Type;
+
+/* The node holding key, 0 when absent, -1 with an error set (an unhashable key). */
+static Py_ssize_t
+kt_node_of(KeyOrder *self, PyObject *key)
+{
+    Py_hash_t hash = PyObject_Hash(key);  /* exact bytes: cached after the first call */
+    if (hash == -1) return -1;
+    if (!PyBytes_CheckExact(key)) return 0;  /* only exact bytes are ever held */
+    return (Py_ssize_t)ko_find(self, key, hash);
+}
+
+static int
+kt_check_item(PyObject *key, PyObject *value)
+{
+    if (!PyBytes_CheckExact(key)) {
+        PyErr_Format(PyExc_TypeError, "KeyTable keys are bytes, got %.100s",
+                     Py_TYPE(key)->tp_name);
+        return -1;
+    }
+    if (!PyLong_CheckExact(value)) {
+        PyErr_Format(PyExc_TypeError, "KeyTable values are ints, got %.100s",
+                     Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+/* Set key to value (both checked); 0 or -1 (error set, nothing changed). */
+static int
+kt_set(KeyOrder *self, PyObject *key, PyObject *value)
+{
+    if (kt_check_item(key, value) < 0) return -1;
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1) return -1;
+    ko_index i = ko_find(self, key, hash);
+    if (i != 0) {
+        PyObject *old = self->nodes[i].value;
+        self->nodes[i].value = Py_NewRef(value);
+        Py_XDECREF(old);  /* an exact int: runs no code */
+        return 0;
+    }
+    i = ko_insert_node(self, key, hash);
+    if (i == 0) return -1;
+    self->nodes[i].value = Py_NewRef(value);
+    self->version++;
+    return 0;
+}
+
+/* Remove key (exact bytes) and hand its value to the caller (a new reference), or NULL:
+ * *found tells whether it was present. */
+static PyObject *
+kt_take(KeyOrder *self, PyObject *key, Py_ssize_t i)
+{
+    PyObject *value = Py_NewRef(self->nodes[i].value);
+    ko_remove(self, key, self->nodes[i].hash);
+    self->version++;
+    return value;
+}
+
+static void
+kt_key_error(PyObject *key)
+{
+    PyObject *arg = PyTuple_Pack(1, key);  /* (a tuple key must not be unpacked) */
+    if (arg != NULL) {
+        PyErr_SetObject(PyExc_KeyError, arg);
+        Py_DECREF(arg);
+    }
+}
+
+static PyObject *
+KeyTable_subscript(KeyOrder *self, PyObject *key)
+{
+    Py_ssize_t i = kt_node_of(self, key);
+    if (i < 0) return NULL;
+    if (i == 0) {
+        kt_key_error(key);
+        return NULL;
+    }
+    return Py_NewRef(self->nodes[i].value);
+}
+
+static int
+KeyTable_ass_subscript(KeyOrder *self, PyObject *key, PyObject *value)
+{
+    if (value != NULL) return kt_set(self, key, value);
+    Py_ssize_t i = kt_node_of(self, key);
+    if (i < 0) return -1;
+    if (i == 0) {
+        kt_key_error(key);
+        return -1;
+    }
+    Py_DECREF(kt_take(self, key, i));
+    return 0;
+}
+
+static int
+KeyTable_contains(KeyOrder *self, PyObject *key)
+{
+    Py_ssize_t i = kt_node_of(self, key);
+    return i < 0 ? -1 : i != 0;
+}
+
+static PyObject *
+KeyTable_get(KeyOrder *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "get expected 1 or 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Py_ssize_t i = kt_node_of(self, args[0]);
+    if (i < 0) return NULL;
+    if (i != 0) return Py_NewRef(self->nodes[i].value);
+    return Py_NewRef(nargs == 2 ? args[1] : Py_None);
+}
+
+static PyObject *
+KeyTable_pop(KeyOrder *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "pop expected 1 or 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Py_ssize_t i = kt_node_of(self, args[0]);
+    if (i < 0) return NULL;
+    if (i != 0) return kt_take(self, args[0], i);
+    if (nargs == 2) return Py_NewRef(args[1]);
+    kt_key_error(args[0]);
+    return NULL;
+}
+
+/* One (key, value) pair of update's iterable, set; 0 or -1 (error set). */
+static int
+kt_set_pair(KeyOrder *self, PyObject *pair, Py_ssize_t n)
+{
+    if (PyTuple_CheckExact(pair) && PyTuple_GET_SIZE(pair) == 2) {
+        return kt_set(self, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1));
+    }
+    PyObject *seq = PySequence_Fast(pair, "");
+    if (seq == NULL) {
+        PyErr_Format(PyExc_TypeError,
+                     "KeyTable.update: element #%zd is not a (key, value) pair", n);
+        return -1;
+    }
+    int r;
+    if (PySequence_Fast_GET_SIZE(seq) != 2) {
+        PyErr_Format(PyExc_ValueError,
+                     "KeyTable.update: element #%zd is not a (key, value) pair", n);
+        r = -1;
+    } else {
+        r = kt_set(self, PySequence_Fast_GET_ITEM(seq, 0), PySequence_Fast_GET_ITEM(seq, 1));
+    }
+    Py_DECREF(seq);
+    return r;
+}
+
+static PyObject *
+KeyTable_update(KeyOrder *self, PyObject *items)
+{
+    /* a mapping (a dict, a KeyTable, anything with items()) gives its pairs */
+    PyObject *source = PyDict_Check(items) || PyObject_HasAttrString(items, "items")
+                           ? PyObject_CallMethod(items, "items", NULL)
+                           : Py_NewRef(items);
+    if (source == NULL) return NULL;
+    PyObject *it = PyObject_GetIter(source);
+    Py_DECREF(source);
+    if (it == NULL) return NULL;
+    /* one pair at a time, nothing held across the iterator's next step (which may run code
+     * that changes this table): zip can reuse its pair tuple, and a change is seen */
+    PyObject *pair;
+    Py_ssize_t n = 0;
+    while ((pair = PyIter_Next(it)) != NULL) {
+        int r = kt_set_pair(self, pair, n++);
+        Py_DECREF(pair);
+        if (r < 0) {
+            Py_DECREF(it);
+            return NULL;
+        }
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+KeyTable_keys(KeyOrder *self, PyObject *Py_UNUSED(ignored))
+{
+    return ko_iter_of(self, KO_KEYS);
+}
+
+static PyObject *
+KeyTable_values(KeyOrder *self, PyObject *Py_UNUSED(ignored))
+{
+    return ko_iter_of(self, KO_VALUES);
+}
+
+static PyObject *
+KeyTable_items(KeyOrder *self, PyObject *Py_UNUSED(ignored))
+{
+    return ko_iter_of(self, KO_ITEMS);
+}
+
+static PyObject *
+KeyTable_reduce(KeyOrder *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *items = PyList_New(self->len);
+    if (items == NULL) return NULL;
+    ko_index i = self->nodes[0].next;
+    for (Py_ssize_t k = 0; k < self->len; k++) {
+        PyObject *pair = PyTuple_Pack(2, self->nodes[i].key, self->nodes[i].value);
+        if (pair == NULL) {
+            Py_DECREF(items);
+            return NULL;
+        }
+        PyList_SET_ITEM(items, k, pair);
+        i = self->nodes[i].next;
+    }
+    return Py_BuildValue("O(nN)", (PyObject *)Py_TYPE(self), self->capacity, items);
+}
+
+static PyObject *
+KeyTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"capacity", "items", NULL};
+    Py_ssize_t capacity;
+    PyObject *items = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|O:KeyTable", kwlist, &capacity, &items))
+        return NULL;
+    KeyOrder *self = ko_new_sized(type, capacity, "KeyTable");
+    if (self == NULL) return NULL;
+    if (items != NULL && items != Py_None) {
+        PyObject *r = KeyTable_update(self, items);
+        if (r == NULL) {
+            Py_DECREF(self);
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
+    return (PyObject *)self;
+}
+
+static PyObject *
+KeyTable_repr(KeyOrder *self)
+{
+    return PyUnicode_FromFormat("KeyTable(capacity=%zd, len=%zd)", self->capacity, self->len);
+}
+
+static PyObject *
+KeyTable_contains_method(KeyOrder *self, PyObject *key)
+{
+    int r = KeyTable_contains(self, key);
+    return r < 0 ? NULL : PyBool_FromLong(r);
+}
+
+static PyMethodDef KeyTable_methods[] = {
+    /* (as a dict does: bound `table.__contains__` and `table.__getitem__`, which the tier
+     * maps over keys, then call these directly instead of through a slot wrapper) */
+    {"__contains__", (PyCFunction)KeyTable_contains_method, METH_O | METH_COEXIST,
+     "key in table"},
+    {"__getitem__", (PyCFunction)KeyTable_subscript, METH_O | METH_COEXIST, "table[key]"},
+    {"get", (PyCFunction)(void (*)(void))KeyTable_get, METH_FASTCALL,
+     "get(key, default=None): key's value, or default when absent."},
+    {"pop", (PyCFunction)(void (*)(void))KeyTable_pop, METH_FASTCALL,
+     "pop(key[, default]): remove key and return its value; default (or KeyError) when "
+     "absent."},
+    {"update", (PyCFunction)KeyTable_update, METH_O,
+     "update(items): set each (key, value) pair of an iterable or mapping, in order."},
+    {"keys", (PyCFunction)KeyTable_keys, METH_NOARGS, "keys(): an iterator, oldest first."},
+    {"values", (PyCFunction)KeyTable_values, METH_NOARGS,
+     "values(): an iterator over the values, oldest key first."},
+    {"items", (PyCFunction)KeyTable_items, METH_NOARGS,
+     "items(): an iterator over (key, value) pairs, oldest first."},
+    {"clear", (PyCFunction)KeyOrder_clear, METH_NOARGS, "clear(): remove every key."},
+    {"__sizeof__", (PyCFunction)KeyOrder_sizeof, METH_NOARGS,
+     "Bytes of the object and its arrays (allocated, whether touched or not)."},
+    {"__reduce__", (PyCFunction)KeyTable_reduce, METH_NOARGS, "Pickle support."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods KeyTable_as_mapping = {
+    .mp_length = (lenfunc)KeyOrder_len,
+    .mp_subscript = (binaryfunc)KeyTable_subscript,
+    .mp_ass_subscript = (objobjargproc)KeyTable_ass_subscript,
+};
+
+static PySequenceMethods KeyTable_as_sequence = {
+    .sq_contains = (objobjproc)KeyTable_contains,
+};
+
+static PyTypeObject KeyTable_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "statecore._keyorder.KeyTable",
+    .tp_basicsize = sizeof(KeyOrder),
+    .tp_dealloc = (destructor)KeyOrder_dealloc,
+    .tp_repr = (reprfunc)KeyTable_repr,
+    .tp_as_sequence = &KeyTable_as_sequence,
+    .tp_as_mapping = &KeyTable_as_mapping,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "KeyTable(capacity, items=None): an insertion-ordered map of bytes keys to ints, "
+              "oldest first, with memory for capacity keys allocated once.",
+    .tp_iter = (getiterfunc)KeyOrder_iter,
+    .tp_methods = KeyTable_methods,
+    .tp_getset = KeyOrder_getset,
+    .tp_new = KeyTable_new,
+};
+
 static int
 ko_exec(PyObject *module)
 {
     if (PyType_Ready(&KeyOrder_Type) < 0) return -1;
     if (PyType_Ready(&KeyOrderIter_Type) < 0) return -1;
-    Py_INCREF(&KeyOrder_Type);
-    if (PyModule_AddObject(module, "KeyOrder", (PyObject *)&KeyOrder_Type) < 0) {
-        Py_DECREF(&KeyOrder_Type);
-        return -1;
-    }
+    if (PyType_Ready(&KeyTable_Type) < 0) return -1;
+    if (PyModule_AddObjectRef(module, "KeyOrder", (PyObject *)&KeyOrder_Type) < 0) return -1;
+    if (PyModule_AddObjectRef(module, "KeyTable", (PyObject *)&KeyTable_Type) < 0) return -1;
     return 0;
 }
 
@@ -603,7 +957,8 @@ static struct PyModuleDef_Slot slots[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "statecore._keyorder",
-    .m_doc = "KeyOrder: an insertion-ordered set of bytes keys, sized once (the LRU list).",
+    .m_doc = "KeyOrder and KeyTable: an insertion-ordered set of bytes keys and map of bytes "
+             "keys to ints, each sized once (the CPU tier's LRU list and key table).",
     .m_size = 0,
     .m_slots = slots,
 };

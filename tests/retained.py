@@ -10,7 +10,7 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from statecore.bench.scheduler import Scenario
-from statecore.managers.keyorder import KeyOrder, PyKeyOrder
+from statecore.managers.keyorder import KeyOrder, KeyTable, PyKeyOrder
 
 RETAINED_SCENARIO = Scenario(
     concurrency=16,
@@ -26,7 +26,7 @@ RETAINED_SCENARIO = Scenario(
 """The oracles' workload: short requests, many finishing per step, a CPU tier of half the GPU
 cache (evictions early); run until the oracle stops it."""
 
-SIZED = (dict, list, set, frozenset, tuple, OrderedDict, deque, KeyOrder, PyKeyOrder)
+SIZED = (dict, list, set, frozenset, tuple, OrderedDict, deque, KeyOrder, PyKeyOrder, KeyTable)
 """The container types measured (subclasses too: ``Counter``, ``defaultdict``; the LRU list)."""
 
 
@@ -59,7 +59,7 @@ def _walk(obj: Any, path: str, seen: set[int], out: dict[str, int]) -> None:
 def _reach(value: Any, where: str, seen: set[int], out: dict[str, int]) -> None:
     if isinstance(value, SIZED):
         out[where] = max(out.get(where, 0), len(value))
-        for item in value.values() if isinstance(value, dict) else value:
+        for item in value.values() if isinstance(value, dict | KeyTable) else value:
             if isinstance(item, SIZED) or _ours(item):
                 _reach(item, where + "[]", seen, out)
     elif _ours(value):
