@@ -24,7 +24,7 @@ holds the two to it). :func:`keyorder_impl` says which one is in use.
 uses (``get``, ``in``, item get/set/delete, ``pop``, ``update`` from pairs, ``clear``,
 iteration oldest first; ``keys``, ``values`` and ``items`` are iterators). A dict grows by
 rebuilding its table in one call, which was the largest one-step stall left at the tail of
-the connector's per-step cost (0.4 ms at 11,000 keys, 3.8 ms at 87,000, 99 ms at 1.4
+the connector's per-step cost (0.4 ms at 11,000 keys, 0.8 ms at 22,000, 99 ms at 1.4
 million). Keys are exact ``bytes`` and values exact ``int`` (``TypeError`` otherwise,
 before any change); a lookup of anything else answers "absent". Where the extension is not
 built it is :class:`PyKeyTable`, a dict with the same checks (tests/managers/test_keytable.py
