@@ -11,9 +11,9 @@
  * traverses key by key.
  *
  * Layout: a node array and a bucket array, both allocated at construction for `capacity`
- * keys (zeroed memory, so pages the tier never uses are never touched).  A node holds one
- * key (a strong reference), its hash, its neighbours in the order and the next node of its
- * bucket's chain.  Node 0 is the sentinel of the circular order: its `next` is the oldest
+ * keys (zeroed memory, so pages the tier never uses are never touched).  A node (40 bytes)
+ * holds one key (a strong reference), a KeyTable's value for it (NULL in a KeyOrder), its
+ * hash, its neighbours in the order and the next node of its bucket's chain.  Node 0 is the sentinel of the circular order: its `next` is the oldest
  * key, its `prev` the newest.  Index 0 means "none" in buckets and chains.  Freed nodes go
  * on a free list (reused last-freed first).  Holding more than `capacity` keys works (the
  * arrays double), at the cost of one rebuild per doubling: the presizing is a promise about

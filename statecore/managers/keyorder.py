@@ -260,21 +260,14 @@ class PyKeyTable(dict[OffloadKey, int]):
         return f"KeyTable(capacity={self.capacity}, len={len(self)})"
 
 
-if TYPE_CHECKING:  # (the C type has PyKeyOrder's interface: statecore/_keyorder.pyi)
+if TYPE_CHECKING:  # (the C types have the Python ones' interfaces: statecore/_keyorder.pyi)
     KeyOrder = PyKeyOrder
-else:
-    try:
-        from statecore._keyorder import KeyOrder
-    except ImportError:  # pragma: no cover - the extension is optional (no C compiler)
-        KeyOrder = PyKeyOrder
-
-if TYPE_CHECKING:  # (the C type has PyKeyTable's interface: statecore/_keyorder.pyi)
     KeyTable = PyKeyTable
 else:
     try:
-        from statecore._keyorder import KeyTable
+        from statecore._keyorder import KeyOrder, KeyTable
     except ImportError:  # pragma: no cover - the extension is optional (no C compiler)
-        KeyTable = PyKeyTable
+        KeyOrder, KeyTable = PyKeyOrder, PyKeyTable
 
 DistinctKeys.register(PyKeyOrder)
 DistinctKeys.register(KeyOrder)
