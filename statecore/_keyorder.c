@@ -13,8 +13,8 @@
  * Layout: a node array and a bucket array, both allocated at construction for `capacity`
  * keys (zeroed memory, so pages the tier never uses are never touched).  A node (40 bytes)
  * holds one key (a strong reference), a KeyTable's value for it (NULL in a KeyOrder), its
- * hash, its neighbours in the order and the next node of its bucket's chain.  Node 0 is the sentinel of the circular order: its `next` is the oldest
- * key, its `prev` the newest.  Index 0 means "none" in buckets and chains.  Freed nodes go
+ * hash, its neighbours in the order and the next node of its bucket's chain.  Node 0 is the
+ * sentinel of the circular order: its `next` is the oldest key, its `prev` the newest.  Index 0 means "none" in buckets and chains.  Freed nodes go
  * on a free list (reused last-freed first).  Holding more than `capacity` keys works (the
  * arrays double), at the cost of one rebuild per doubling: the presizing is a promise about
  * time only, never about what is accepted.
@@ -212,27 +212,34 @@ ko_insert(KeyOrder *self, PyObject *key, Py_hash_t hash)
     return ko_insert_node(self, key, hash) == 0 ? -1 : 0;
 }
 
+/* Take node i, whose bucket-chain link is *link, out of the set and onto the free list,
+ * releasing its key and value. */
+static void
+ko_release_node(KeyOrder *self, ko_index *link, ko_index i)
+{
+    ko_node *nd = &self->nodes[i];
+    *link = nd->chain;
+    unlink_order(self, i);
+    PyObject *held = nd->key;
+    PyObject *value = nd->value;
+    nd->key = NULL;
+    nd->value = NULL;
+    nd->chain = self->free_head;
+    self->free_head = i;
+    self->len--;
+    Py_DECREF(held);  /* exact bytes and ints: frees memory, runs no code */
+    Py_XDECREF(value);
+}
+
 /* Remove key (exact bytes, with its hash) if present: 1 removed, 0 absent. */
 static int
 ko_remove(KeyOrder *self, PyObject *key, Py_hash_t hash)
 {
     ko_index *link = &self->buckets[(size_t)hash & self->mask];
-    ko_node *nodes = self->nodes;
     while (*link != 0) {
-        ko_index i = *link;
-        ko_node *nd = &nodes[i];
+        ko_node *nd = &self->nodes[*link];
         if (nd->hash == hash && key_equal(nd->key, key)) {
-            *link = nd->chain;
-            unlink_order(self, i);
-            PyObject *held = nd->key;
-            PyObject *value = nd->value;
-            nd->key = NULL;
-            nd->value = NULL;
-            nd->chain = self->free_head;
-            self->free_head = i;
-            self->len--;
-            Py_DECREF(held);  /* exact bytes and ints: frees memory, runs no code */
-            Py_XDECREF(value);
+            ko_release_node(self, link, *link);
             return 1;
         }
         link = &nd->chain;
@@ -413,17 +420,39 @@ KeyOrder_sizeof(KeyOrder *self, PyObject *Py_UNUSED(ignored))
 
 static PyObject *KeyOrder_iter(KeyOrder *self);
 
+/* What iterators and pickling yield of a node: its key, its value or a (key, value) pair;
+ * a new reference, or NULL (error set). */
+static PyObject *
+ko_item(ko_node *nd, int kind)
+{
+    if (kind == KO_KEYS) return Py_NewRef(nd->key);
+    if (kind == KO_VALUES) return Py_NewRef(nd->value);
+    return PyTuple_Pack(2, nd->key, nd->value);
+}
+
+/* Pickle support for both types: (type, (capacity, [item, ...] oldest first)). */
+static PyObject *
+ko_reduce(KeyOrder *self, int kind)
+{
+    PyObject *items = PyList_New(self->len);
+    if (items == NULL) return NULL;
+    ko_index i = self->nodes[0].next;
+    for (Py_ssize_t k = 0; k < self->len; k++) {
+        PyObject *item = ko_item(&self->nodes[i], kind);
+        if (item == NULL) {
+            Py_DECREF(items);
+            return NULL;
+        }
+        PyList_SET_ITEM(items, k, item);
+        i = self->nodes[i].next;
+    }
+    return Py_BuildValue("O(nN)", (PyObject *)Py_TYPE(self), self->capacity, items);
+}
+
 static PyObject *
 KeyOrder_reduce(KeyOrder *self, PyObject *Py_UNUSED(ignored))
 {
-    PyObject *keys = PyList_New(self->len);
-    if (keys == NULL) return NULL;
-    ko_index i = self->nodes[0].next;
-    for (Py_ssize_t k = 0; k < self->len; k++) {
-        PyList_SET_ITEM(keys, k, Py_NewRef(self->nodes[i].key));
-        i = self->nodes[i].next;
-    }
-    return Py_BuildValue("O(nN)", (PyObject *)Py_TYPE(self), self->capacity, keys);
+    return ko_reduce(self, KO_KEYS);
 }
 
 /* --- construction and protocols -------------------------------------------------------- */
@@ -557,11 +586,8 @@ KeyOrderIter_next(KeyOrderIter *it)
         Py_DECREF(set);
         return NULL;
     }
-    ko_node *nd = &set->nodes[i];
-    it->at = nd->next;
-    if (it->kind == KO_KEYS) return Py_NewRef(nd->key);
-    if (it->kind == KO_VALUES) return Py_NewRef(nd->value);
-    return PyTuple_Pack(2, nd->key, nd->value);
+    it->at = set->nodes[i].next;
+    return ko_item(&set->nodes[i], it->kind);
 }
 
 static PyMethodDef KeyOrder_methods[] = {
@@ -681,13 +707,15 @@ kt_set(KeyOrder *self, PyObject *key, PyObject *value)
     return 0;
 }
 
-/* Remove key (exact bytes) and hand its value to the caller (a new reference), or NULL:
- * *found tells whether it was present. */
+/* Remove node i (found by kt_node_of) and hand its value to the caller: a new reference. */
 static PyObject *
-kt_take(KeyOrder *self, PyObject *key, Py_ssize_t i)
+kt_take(KeyOrder *self, Py_ssize_t i)
 {
-    PyObject *value = Py_NewRef(self->nodes[i].value);
-    ko_remove(self, key, self->nodes[i].hash);
+    ko_index node = (ko_index)i;
+    PyObject *value = Py_NewRef(self->nodes[node].value);
+    ko_index *link = &self->buckets[(size_t)self->nodes[node].hash & self->mask];
+    while (*link != node) link = &self->nodes[*link].chain;  /* (its chain holds it) */
+    ko_release_node(self, link, node);
     self->version++;
     return value;
 }
@@ -724,7 +752,7 @@ KeyTable_ass_subscript(KeyOrder *self, PyObject *key, PyObject *value)
         kt_key_error(key);
         return -1;
     }
-    Py_DECREF(kt_take(self, key, i));
+    Py_DECREF(kt_take(self, i));
     return 0;
 }
 
@@ -757,7 +785,7 @@ KeyTable_pop(KeyOrder *self, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t i = kt_node_of(self, args[0]);
     if (i < 0) return NULL;
-    if (i != 0) return kt_take(self, args[0], i);
+    if (i != 0) return kt_take(self, i);
     if (nargs == 2) return Py_NewRef(args[1]);
     kt_key_error(args[0]);
     return NULL;
@@ -792,7 +820,7 @@ static PyObject *
 KeyTable_update(KeyOrder *self, PyObject *items)
 {
     /* a mapping (a dict, a KeyTable, anything with items()) gives its pairs */
-    PyObject *source = PyDict_Check(items) || PyObject_HasAttrString(items, "items")
+    PyObject *source = PyObject_HasAttrString(items, "items")
                            ? PyObject_CallMethod(items, "items", NULL)
                            : Py_NewRef(items);
     if (source == NULL) return NULL;
@@ -837,19 +865,7 @@ KeyTable_items(KeyOrder *self, PyObject *Py_UNUSED(ignored))
 static PyObject *
 KeyTable_reduce(KeyOrder *self, PyObject *Py_UNUSED(ignored))
 {
-    PyObject *items = PyList_New(self->len);
-    if (items == NULL) return NULL;
-    ko_index i = self->nodes[0].next;
-    for (Py_ssize_t k = 0; k < self->len; k++) {
-        PyObject *pair = PyTuple_Pack(2, self->nodes[i].key, self->nodes[i].value);
-        if (pair == NULL) {
-            Py_DECREF(items);
-            return NULL;
-        }
-        PyList_SET_ITEM(items, k, pair);
-        i = self->nodes[i].next;
-    }
-    return Py_BuildValue("O(nN)", (PyObject *)Py_TYPE(self), self->capacity, items);
+    return ko_reduce(self, KO_ITEMS);
 }
 
 static PyObject *
