@@ -52,6 +52,15 @@ class DistinctKeys(ABC):  # noqa: B024 (a marker: no abstract methods)
     sets and mappings."""
 
 
+def _capacity(capacity: object, name: str) -> int:
+    """``capacity`` as an int >= 0, or the TypeError / ValueError the C types raise."""
+    if not isinstance(capacity, int):
+        raise TypeError(f"{name} capacity must be an int, got {type(capacity).__name__}")
+    if capacity < 0:
+        raise ValueError(f"{name} capacity must be >= 0")
+    return int(capacity)
+
+
 def _check(keys: Sequence[Any]) -> Sequence[Any]:
     """``keys`` as a sequence of exact bytes, or the TypeError the C type raises."""
     if not isinstance(keys, list | tuple):
@@ -77,11 +86,7 @@ class PyKeyOrder:
     __slots__ = ("_od", "capacity")
 
     def __init__(self, capacity: int, keys: Iterable[OffloadKey] | None = None) -> None:
-        if type(capacity) is not int and not isinstance(capacity, int):
-            raise TypeError(f"KeyOrder capacity must be an int, got {type(capacity).__name__}")
-        if capacity < 0:
-            raise ValueError("KeyOrder capacity must be >= 0")
-        self.capacity = int(capacity)
+        self.capacity = _capacity(capacity, "KeyOrder")
         self._od: OrderedDict[OffloadKey, None] = OrderedDict()
         if keys is not None:
             self.append_many(list(keys))
@@ -187,12 +192,8 @@ class PyKeyTable(dict[OffloadKey, int]):
     def __init__(
         self, capacity: int, items: Iterable[tuple[OffloadKey, int]] | None = None
     ) -> None:
-        if type(capacity) is not int and not isinstance(capacity, int):
-            raise TypeError(f"KeyTable capacity must be an int, got {type(capacity).__name__}")
-        if capacity < 0:
-            raise ValueError("KeyTable capacity must be >= 0")
         super().__init__()
-        self.capacity = int(capacity)
+        self.capacity = _capacity(capacity, "KeyTable")
         if items is not None:
             self.update(items)
 
@@ -275,5 +276,6 @@ MutableMapping.register(KeyTable)
 
 
 def keyorder_impl() -> str:
-    """``"native"`` when :class:`KeyOrder` is the C type, ``"python"`` otherwise."""
+    """``"native"`` when :class:`KeyOrder` and :class:`KeyTable` are the C types (they are
+    imported together), ``"python"`` otherwise."""
     return "python" if KeyOrder is PyKeyOrder else "native"
