@@ -29,7 +29,7 @@ import statecore.managers.policies as policies
 from statecore.check import snapshot
 from statecore.manager import ReqContext
 from statecore.managers.cpu import CPUOffloadingManager
-from statecore.managers.keyorder import KeyOrder, PyKeyOrder, keyorder_impl
+from statecore.managers.keyorder import KeyOrder, KeyTable, PyKeyOrder, PyKeyTable, keyorder_impl
 
 native = pytest.mark.skipif(
     keyorder_impl() != "native",
@@ -226,6 +226,8 @@ def test_installation_with_a_compiler_built_the_native_key_order() -> None:
     the rebuild stalls; CI has gcc and the headers, so this always runs there)."""
     assert keyorder_impl() == "native"
     assert type(policies.LRUCachePolicy(4).evictable_blocks) is KeyOrder
+    # (the key table comes from the same extension: a build without it is a stale one)
+    assert type(CPUOffloadingManager(4)._entries) is KeyTable is not PyKeyTable
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
