@@ -79,7 +79,7 @@ from statecore.manager import (
     ReqContext,
     ScheduleEndContext,
 )
-from statecore.views import RequestLike, ScheduledRequest, SchedulerOutput
+from statecore.views import Request, RequestLike, ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, GPULoadStoreSpec, TransferJob, WorkerMetadata
 
 __all__ = [
@@ -332,6 +332,25 @@ class _StepBatch:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _finished_copy(request: RequestLike) -> Request:
+    """What a finished request's final stores read, copied from its view when it finishes:
+    the record keeps this, not the engine's request object, so the engine frees that object
+    (its token lists) when it drops it, as it does without a connector, instead of the
+    connector's next ``build_connector_meta`` freeing it. Taken only when no load of the
+    request is in flight: the engine no longer changes such a finished request, so the copy
+    reads as the view would. ``block_hashes`` is the view's own sequence (not copied)."""
+    return Request(
+        request.request_id,
+        request.num_prompt_tokens,
+        request.num_tokens,
+        cast("list[bytes]", request.block_hashes),
+        request.num_computed_tokens,
+        request.kv_transfer_params,
+        request.skip_reading_prefix_cache,
+        request.is_aborted,
+    )
 
 
 _SEQ = (list, tuple)
@@ -1180,8 +1199,10 @@ class OffloadingScheduler:
         self, rec: RequestRecord, store_jobs: dict[int, TransferJob], finished: bool
     ) -> None:
         request = rec.request
-        # the view is read live: a field turned bad since the last hook skips this request's
-        # stores for the step (counted in invalid_request_views), nothing else
+        # a running request's view is read live (a finished one's copy from request_finished
+        # unless it finished with a load in flight):
+        # a field turned bad since the last hook skips this request's stores for the step
+        # (counted in invalid_request_views), nothing else
         nc = request.num_computed_tokens
         nt = request.num_tokens
         n_prompt = request.num_prompt_tokens
@@ -1535,7 +1556,12 @@ class OffloadingScheduler:
         In-flight stores keep their full-attention source blocks fenced from now on, so a
         reuse of any of them flushes the store first. Final stores are built in the next
         :meth:`build_connector_meta`, after which the manager hears ``on_request_finished``
-        exactly once. For a request that was never tracked, the manager sees
+        exactly once. Unless a load of the request is in flight, the view is read here for the
+        last time: the record keeps a copy of its fields (and its ``block_hashes`` sequence),
+        never ``request`` itself, so the engine's request object is freed when the engine
+        drops it. With a load in flight the engine keeps the request (and its blocks) until
+        the load ends and may count the loaded tokens computed then, so the final stores read
+        the view live. For a request that was never tracked, the manager sees
         ``on_new_request`` and ``on_request_finished`` at once. Always returns
         ``(False, None)``.
 
@@ -1567,6 +1593,9 @@ class OffloadingScheduler:
         REQUEST.require(rec, RE_FINISH)
         rec.request = request
         self._update_keys(rec)
+        jobs = self._jobs
+        if not any(not jobs[j].is_store for j in rec.jobs):
+            rec.request = _finished_copy(request)  # (with a load in flight: read live)
         REQUEST.fire(rec, RE_FINISH)
         self._awaiting_signal[rec.req_id] = rec
         return False, None

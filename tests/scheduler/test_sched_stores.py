@@ -9,6 +9,8 @@ tokens; the engine keeps stepping while any of the three kinds of pending work e
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 from sched_harness import Harness, chain_hashes, config, make_manager, prefill
 from statecore.specs.fakes import RecordingManager
@@ -136,6 +138,35 @@ def test_final_store_never_includes_the_last_token() -> None:
     assert h.reqs["a"].num_computed_tokens == h.reqs["a"].num_tokens == 16
     fake.fail_prepare_store = False
     h.finish("a")
+    (job,) = h.step(finished=["a"]).store_jobs
+    assert h.sched.jobs[job].keys == h.sched.request_keys("a")[0][:3]  # tokens 0..11
+
+
+class _Referenced(Request):
+    """A request view that can be weakly referenced (no slots): to see who still holds it."""
+
+
+def test_a_finished_request_object_is_not_held_until_its_final_stores() -> None:
+    """The scheduler reads a finished request's view for the last time in request_finished:
+    its record keeps a copy of the fields, so the engine's object is freed as soon as the
+    engine drops it (by reference counting: no cycle either), and the final store built in the
+    next step is the one the live view gives."""
+    fake = RecordingManager(fail_prepare_store=True)
+    h = Harness(fake, config())
+    tokens = list(range(16))
+    req = _Referenced(
+        "a", num_prompt_tokens=12, num_tokens=16, block_hashes=chain_hashes(tokens, h.tph)
+    )
+    h.reqs["a"] = req
+    h.sched.on_new_request(req)
+    h.admit("a")
+    assert not h.step([h.schedule("a", 16)], new=["a"]).store_jobs  # the manager refused
+    fake.fail_prepare_store = False
+    h.finish("a")
+    gone = weakref.ref(req)
+    del h.reqs["a"], req
+    assert gone() is None
+    assert h.sched.request_state("a") == "finished_pending_final"
     (job,) = h.step(finished=["a"]).store_jobs
     assert h.sched.jobs[job].keys == h.sched.request_keys("a")[0][:3]  # tokens 0..11
 
