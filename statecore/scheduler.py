@@ -766,8 +766,8 @@ class OffloadingScheduler:
         for keys, ends, g, plain in new:
             # make_offload_key without its argument checks (done above): hash + group bytes
             suffix = self._group_suffix[g]
-            if plain:
-                keys.extend(cast("Iterable[OffloadKey]", map(bytes.__add__, ends, repeat(suffix))))
+            if plain:  # (the + operator: twice as fast per key as map(bytes.__add__, ...))
+                keys += [h + suffix for h in ends]
             else:
                 keys.extend([OffloadKey(bytes(h) + suffix) for h in ends])
 

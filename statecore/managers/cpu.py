@@ -518,7 +518,7 @@ class CPUOffloadingManager(OffloadingManager):
                     deque(map(policy.mark_non_evictable, idle), 0)
             new, self._evictable = pinned_entries(got, self._evictable)
             entries.update(zip(keys, new, strict=True))
-            return CPULoadStoreSpec(tuple(map(_MASK.__and__, got)))
+            return CPULoadStoreSpec(tuple([e & _MASK for e in got]))
         slots = self._validate_pinnable(keys, "prepare_load")
         evictable = self._evictable
         for key, slot in zip(keys, slots, strict=True):
@@ -648,7 +648,7 @@ class CPUOffloadingManager(OffloadingManager):
             if chosen is None:
                 return None
             victims = chosen
-            self._free.extend(map(_MASK.__and__, map(entries.pop, victims)))  # idle: ref 0
+            self._free.extend([e & _MASK for e in map(entries.pop, victims)])  # idle: ref 0
             self._evictable -= len(victims)
             if self.enable_events:
                 self._events.append(OffloadingEvent(tuple(victims), Medium.CPU, removed=True))
@@ -748,7 +748,7 @@ class CPUOffloadingManager(OffloadingManager):
             and len(set(keys)) == len(got)
         ):  # the usual case: a store job's own keys, all write-pending, each listed once
             changed = list(keys)
-            entries.update(zip(changed, map(_ONE.__add__, got), strict=True))  # ref -1 -> 0
+            entries.update(zip(changed, [e + _ONE for e in got], strict=True))  # ref -1 -> 0
             policy.mark_evictable_many(changed)
             if type(keys) is tuple:  # (a job's keys: the event shares them, no second copy)
                 stored = keys
