@@ -513,7 +513,7 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     (
         "statecore/managers/cpu.py",
         "core/ReplaceTrueWithFalse",
-        "entries.update(zip(changed, map(_ONE.__add__, got), strict=True))  # ref -1 -> 0",
+        "entries.update(zip(changed, [e + _ONE for e in got], strict=True))  # ref -1 -> 0",
     ): "changed is list(keys) and got is one entry per key: equal lengths by construction",
     (
         "statecore/managers/tiering.py",
