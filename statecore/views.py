@@ -3,7 +3,9 @@
 An engine adapts its own objects to these with a thin layer. :class:`RequestLike` is a
 protocol read live (the scheduler keeps the object and reads its attributes when it needs them),
 so an engine's mutable request object can be passed as is when its attribute names match, or
-wrapped in a small proxy; each hook checks the fields it reads. :class:`Request` is a plain
+wrapped in a small proxy; each hook checks the fields it reads. After ``request_finished``
+the scheduler keeps a copy of the fields instead (unless a load of the request is in flight),
+so the engine's object is freed when the engine drops it. :class:`Request` is a plain
 dataclass for tests, the simulator and adapters.
 
 :class:`ScheduledRequest` and :class:`SchedulerOutput` are frozen and validated when they are
