@@ -1199,10 +1199,9 @@ class OffloadingScheduler:
         self, rec: RequestRecord, store_jobs: dict[int, TransferJob], finished: bool
     ) -> None:
         request = rec.request
-        # a running request's view is read live (a finished one's copy from request_finished
-        # unless it finished with a load in flight):
-        # a field turned bad since the last hook skips this request's stores for the step
-        # (counted in invalid_request_views), nothing else
+        # a running request's view is read live (a finished one's is the copy request_finished
+        # made, unless a load was in flight): a field turned bad since the last hook skips this
+        # request's stores for the step (counted in invalid_request_views), nothing else
         nc = request.num_computed_tokens
         nt = request.num_tokens
         n_prompt = request.num_prompt_tokens
@@ -1594,8 +1593,8 @@ class OffloadingScheduler:
         rec.request = request
         self._update_keys(rec)
         jobs = self._jobs
-        if not any(not jobs[j].is_store for j in rec.jobs):
-            rec.request = _finished_copy(request)  # (with a load in flight: read live)
+        if all(jobs[j].is_store for j in rec.jobs):  # (with a load in flight: read live)
+            rec.request = _finished_copy(request)
         REQUEST.fire(rec, RE_FINISH)
         self._awaiting_signal[rec.req_id] = rec
         return False, None
