@@ -18,9 +18,9 @@ Writes, under ``docs/``:
 Everything is derived from the code: the compiled lifecycles, the scheduler's source (read with
 :mod:`ast`: ``REQUEST.fire``/``JOB.fire`` calls, ``self.manager.*`` accesses and calls between
 its methods), the action functions' source, the invariant catalogue and the command parsers.
-The only hand-written text is the per-state explanation in :data:`STATE_PROSE` and the
-per-mechanism explanation in :data:`CHECK_MECHANISMS`; generation fails when a state has no
-explanation or an explanation names a state that does not exist.
+Each state's explanation is the docstring written under the state in its machine
+(:func:`state_descriptions` reads it); the only hand-written text here is the per-mechanism
+explanation in :data:`CHECK_MECHANISMS`. Generation fails when a state has no docstring.
 
 ``--check`` compares the committed pages with what would be generated and exits 1 listing the
 stale ones. Output is deterministic (declaration order, sorted sets, no timestamps).
@@ -33,6 +33,7 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import itertools
 import re
 import sys
 import textwrap
@@ -48,7 +49,6 @@ from statecore.lifecycle.table import CompiledLifecycle, TransitionInfo
 
 __all__ = [
     "CHECK_MECHANISMS",
-    "STATE_PROSE",
     "SchedulerGraph",
     "add_arguments",
     "check",
@@ -61,114 +61,12 @@ __all__ = [
     "rendered_pages",
     "run",
     "scheduler_graph",
+    "state_descriptions",
     "write",
 ]
 
 # ---------------------------------------------------------------------------------------------
 # Hand-written text, checked against the code
-
-STATE_PROSE: dict[str, dict[str, str]] = {
-    "request": {
-        "no_transfer": (
-            "The request has no transfer job in flight. Every tracked request starts here "
-            "(on its first lookup or `on_new_request`) and comes back here whenever its last "
-            "job ends. Lookups are answered normally: the scheduler probes the manager, and a "
-            "hit leads to `alloc_load`. A store built for it in `build_connector_meta` moves "
-            "it to `storing`. A reset leaves it here with its store cursors rewound."
-        ),
-        "loading": (
-            "Exactly one load job is in flight, writing offloaded KV into the request's newly "
-            "allocated GPU blocks. No store may start (INV-EXCL is structural: `store_created` "
-            "is not accepted here), and a second load is impossible since `alloc_load` is only "
-            "accepted from `no_transfer`. A lookup in this state is deferred (the engine "
-            "asks again later). When the load ends, however it ends, the request returns to "
-            "`no_transfer` and the engine learns it through `finished_loads` (and the blocks "
-            "to recompute through `invalid_block_ids` if it failed). A reset leaves it here: "
-            "a load the workers already run is carried over and completes normally."
-        ),
-        "storing": (
-            "One or more store jobs are copying the request's computed KV from its GPU blocks "
-            "to offloaded chunks. More stores may be added as decoding produces whole chunks. "
-            "Lookups are deferred while any store is in flight. The last job to end returns "
-            "the request to `no_transfer`."
-        ),
-        "preempted_draining": (
-            "The engine preempted the request (its GPU blocks were freed) while jobs were in "
-            "flight. Entering this state flushes every one of its jobs, so the workers finish "
-            "them before any reused block is written. Lookups are deferred until the jobs "
-            "have drained; then the request is back in `no_transfer` and its offloaded chunks "
-            "are ordinary hits when it is re-admitted."
-        ),
-        "finished_pending_final": (
-            "`request_finished` was called. The full-attention source blocks of its in-flight "
-            "stores are fenced from now on (the engine frees them at once). The next "
-            "`build_connector_meta` builds the final stores of the request and then fires "
-            "`signal_finished`, which sends `on_request_finished` to the manager exactly once "
-            "(INV-ORDER) and either releases the request or waits for its jobs."
-        ),
-        "finished_draining": (
-            "The manager has been told the request finished, but some of its jobs are still "
-            "in flight. Their completions still reach the manager (completions may follow "
-            "`on_request_finished`); the last one releases the request."
-        ),
-        "released": (
-            "The scheduler forgot the request: it is no longer tracked and holds no job, "
-            "fence or index entry. A late report for one of its jobs is absorbed and counted."
-        ),
-    },
-    "job": {
-        "in_flight": (
-            "The job was created (a load in `update_state_after_alloc`, a store in "
-            "`build_connector_meta`) and no worker has reported it yet; `pending` equals the "
-            "number of workers. Its keys are pinned or write-pending in the manager and, for "
-            "a store, its source blocks may be fenced."
-        ),
-        "partial": (
-            "Some workers reported, others have not: `0 < pending < num_workers`. Nothing is "
-            "completed on a partial quorum (INV-QUORUM), so a store is never visible while "
-            "another rank is still copying."
-        ),
-        "carried": (
-            "A load the workers were already running when `reset_cache` was called. It is in "
-            "the reset's `jobs_to_flush`, so every worker finishes it before any post-reset "
-            "store can overwrite its CPU source (the manager quarantines those slots), and "
-            "its reports still count (INV-EPOCH exempts it from the stale threshold). It "
-            "completes or fails through the one completion path like a live job, releasing "
-            "its request with valid blocks, but the reset manager hears nothing of it. A "
-            "reset never fails a request this way (vLLM's default `kv_load_failure_policy` "
-            "aborts a request whose load fails)."
-        ),
-        "stalled": (
-            "No full quorum arrived within `stall_timeout_s`. The job was completed with "
-            "`success=False` through the one completion path (the manager drops a store's "
-            "pending keys and releases a load's pins; a load's GPU blocks are reported for "
-            "recompute) and put in the next step's `jobs_to_flush`, so a transfer that is "
-            "still running cannot land on reused memory. The record stays in a ledger that "
-            "absorbs the late reports still on their way."
-        ),
-        "completed": (
-            "Every worker reported success; the manager received `complete_store` "
-            "(`success=True`) or `complete_load` exactly once."
-        ),
-        "failed": (
-            "Every worker reported and at least one reported a failure. A store is completed "
-            "with `success=False` (its bytes never become loadable, INV-NO-PARTIAL); a load "
-            "releases its pins and its GPU blocks are reported for recompute."
-        ),
-        "retired": (
-            "A stalled job whose late reports all arrived: it leaves the ledger. (A ledger "
-            "entry whose reports never arrive expires after another `stall_timeout_s`.)"
-        ),
-        "discarded": (
-            "`reset_cache` dropped the job (a store, or a load not yet sent to the workers): "
-            "it was flushed to the workers, the manager "
-            "receives no completion for it (the manager itself is reset), and any report "
-            "that still arrives for it belongs to an earlier epoch and is ignored "
-            "(INV-EPOCH)."
-        ),
-    },
-}
-"""Per lifecycle (``request``, ``job``) and state id: what the state means, in prose."""
 
 CHECK_MECHANISMS: dict[str, str] = {
     "checked mode": (
@@ -455,18 +353,45 @@ def _transition_calls(graph: SchedulerGraph, t: TransitionInfo) -> str:
     return "; ".join(out)
 
 
+def state_descriptions(machine: type[Any]) -> dict[str, str]:
+    """Each state of ``machine`` (id -> text): the docstring written under the state.
+
+    A state's docstring is the string literal right after its ``name = State(...)`` line in
+    the machine's class body (read from the source with :mod:`ast`; at run time it is a no-op
+    expression). reST code spans become Markdown ones and the lines are joined into one
+    paragraph. Raises ``ValueError`` naming the states that have none.
+    """
+    tree = ast.parse(textwrap.dedent(inspect.getsource(machine)))
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef)).body
+    found: dict[str, str] = {}
+    for stmt, after in itertools.pairwise(body):
+        if (
+            isinstance(stmt, ast.Assign)
+            and len(stmt.targets) == 1
+            and isinstance(stmt.targets[0], ast.Name)
+            and isinstance(stmt.value, ast.Call)
+            and isinstance(stmt.value.func, ast.Name)
+            and stmt.value.func.id == "State"
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            found[stmt.targets[0].id] = " ".join(_rst_to_md(after.value.value).split())
+    states = [s.id for s in machine.states]
+    missing = [s for s in states if s not in found]
+    if missing:
+        raise ValueError(
+            f"{machine.__module__}.{machine.__name__}: no docstring under the states {missing}"
+        )
+    return {s: found[s] for s in states}
+
+
 def render_lifecycle_page(life: Lifecycle, graph: SchedulerGraph | None = None) -> str:
     """The lifecycle page: diagram, states in prose, events, transitions with their calls."""
     graph = graph if graph is not None else scheduler_graph()
     lc = life.table
     cls = lc.machine
-    prose = STATE_PROSE.get(life.name, {})
-    missing = [s for s in lc.states if s not in prose]
-    unknown = sorted(set(prose) - set(lc.states))
-    if missing or unknown:
-        raise ValueError(
-            f"STATE_PROSE[{life.name!r}]: no explanation for {missing}, unknown states {unknown}"
-        )
+    prose = state_descriptions(cls)
     labels = {s.id: str(s.name) for s in cls.states}
     doc = _rst_to_md(inspect.getdoc(cls) or "")
     out = [

@@ -155,12 +155,50 @@ class RequestLifecycle(StateMachine):
     """
 
     no_transfer = State("no transfer", initial=True)
+    """The request has no transfer job in flight. Every tracked request starts here (on its
+    first lookup or ``on_new_request``) and comes back here whenever its last job ends. Lookups
+    are answered normally: the scheduler probes the manager, and a hit leads to ``alloc_load``.
+    A store built for it in ``build_connector_meta`` moves it to ``storing``. A reset leaves it
+    here with its store cursors rewound."""
+
     loading = State("loading")
+    """Exactly one load job is in flight, writing offloaded KV into the request's newly
+    allocated GPU blocks. No store may start (INV-EXCL is structural: ``store_created`` is not
+    accepted here), and a second load is impossible since ``alloc_load`` is only accepted from
+    ``no_transfer``. A lookup in this state is deferred (the engine asks again later). When the
+    load ends, however it ends, the request returns to ``no_transfer`` and the engine learns it
+    through ``finished_loads`` (and the blocks to recompute through ``invalid_block_ids`` if it
+    failed). A reset leaves it here: a load the workers already run is carried over and
+    completes normally."""
+
     storing = State("storing")
+    """One or more store jobs are copying the request's computed KV from its GPU blocks to
+    offloaded chunks. More stores may be added as decoding produces whole chunks. Lookups are
+    deferred while any store is in flight. The last job to end returns the request to
+    ``no_transfer``."""
+
     preempted_draining = State("preempted, stores draining")
+    """The engine preempted the request (its GPU blocks were freed) while jobs were in flight.
+    Entering this state flushes every one of its jobs, so the workers finish them before any
+    reused block is written. Lookups are deferred until the jobs have drained; then the request
+    is back in ``no_transfer`` and its offloaded chunks are ordinary hits when it is
+    re-admitted."""
+
     finished_pending_final = State("finished, final stores to build")
+    """``request_finished`` was called. The full-attention source blocks of its in-flight stores
+    are fenced from now on (the engine frees them at once). The next ``build_connector_meta``
+    builds the final stores of the request and then fires ``signal_finished``, which sends
+    ``on_request_finished`` to the manager exactly once (INV-ORDER) and either releases the
+    request or waits for its jobs."""
+
     finished_draining = State("finished and signalled, jobs draining")
+    """The manager has been told the request finished, but some of its jobs are still in flight.
+    Their completions still reach the manager (completions may follow ``on_request_finished``);
+    the last one releases the request."""
+
     released = State("released", final=True)
+    """The scheduler forgot the request: it is no longer tracked and holds no job, fence or
+    index entry. A late report for one of its jobs is absorbed and counted."""
 
     lookup = (
         no_transfer.to.itself(internal=True)
@@ -288,13 +326,50 @@ class JobLifecycle(StateMachine):
     """
 
     in_flight = State("in flight", initial=True)
+    """The job was created (a load in ``update_state_after_alloc``, a store in
+    ``build_connector_meta``) and no worker has reported it yet; ``pending`` equals the number
+    of workers. Its keys are pinned or write-pending in the manager and, for a store, its source
+    blocks may be fenced."""
+
     partial = State("partially reported")
+    """Some workers reported, others have not: ``0 < pending < num_workers``. Nothing is
+    completed on a partial quorum (INV-QUORUM), so a store is never visible while another rank
+    is still copying."""
+
     carried = State("carried over a reset, flushing")
+    """A load the workers were already running when ``reset_cache`` was called. It is in the
+    reset's ``jobs_to_flush``, so every worker finishes it before any post-reset store can
+    overwrite its CPU source (the manager quarantines those slots), and its reports still count
+    (INV-EPOCH exempts it from the stale threshold). It completes or fails through the one
+    completion path like a live job, releasing its request with valid blocks, but the reset
+    manager hears nothing of it. A reset never fails a request this way (vLLM's default
+    ``kv_load_failure_policy`` aborts a request whose load fails)."""
+
     stalled = State("stalled, absorbing late reports")
+    """No full quorum arrived within ``stall_timeout_s``. The job was completed with
+    ``success=False`` through the one completion path (the manager drops a store's pending keys
+    and releases a load's pins; a load's GPU blocks are reported for recompute) and put in the
+    next step's ``jobs_to_flush``, so a transfer that is still running cannot land on reused
+    memory. The record stays in a ledger that absorbs the late reports still on their way."""
+
     completed = State("completed", final=True)
+    """Every worker reported success; the manager received ``complete_store`` (``success=True``)
+    or ``complete_load`` exactly once."""
+
     failed = State("failed", final=True)
+    """Every worker reported and at least one reported a failure. A store is completed with
+    ``success=False`` (its bytes never become loadable, INV-NO-PARTIAL); a load releases its
+    pins and its GPU blocks are reported for recompute."""
+
     retired = State("retired", final=True)
+    """A stalled job whose late reports all arrived: it leaves the ledger. (A ledger entry whose
+    reports never arrive expires after another ``stall_timeout_s``.)"""
+
     discarded = State("discarded by reset", final=True)
+    """``reset_cache`` dropped the job (a store, or a load not yet sent to the workers): it was
+    flushed to the workers, the manager receives no completion for it (the manager itself is
+    reset), and any report that still arrives for it belongs to an earlier epoch and is ignored
+    (INV-EPOCH)."""
 
     worker_report = (
         in_flight.to(partial, cond=outstanding)

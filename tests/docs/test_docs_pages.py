@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from docs_blocks import DOCS, ROOT, pages
 from statecore.specs.invariants import INVARIANTS
+from statemachine import State, StateMachine
 
 from statecore import docsgen
 from statecore.lifecycle.diagrams import LIFECYCLES, Lifecycle
@@ -57,18 +58,30 @@ def test_lifecycle_page_covers_every_state_and_transition(life: Lifecycle) -> No
     assert (DOCS / "diagrams" / f"{life.name}.svg").is_file()
 
 
-def test_state_prose_must_match_the_states() -> None:
-    life = LIFECYCLES[1]
-    prose = docsgen.STATE_PROSE[life.name]
-    saved = dict(prose)
-    try:
-        prose.pop("stalled")
-        prose["ghost"] = "no such state"
-        with pytest.raises(ValueError, match=r"\['stalled'\].*\['ghost'\]"):
-            docsgen.render_lifecycle_page(life)
-    finally:
-        prose.clear()
-        prose.update(saved)
+class _PartlyDescribed(StateMachine):
+    first = State("first", initial=True)
+    """The first state, ``first``."""
+    second = State("second", final=True)
+
+    go = first.to(second)
+
+
+@pytest.mark.parametrize("life", LIFECYCLES, ids=lambda life: life.name)
+def test_each_state_is_described_under_its_definition(life: Lifecycle) -> None:
+    described = docsgen.state_descriptions(life.table.machine)
+    assert list(described) == list(life.table.states)
+    text = (DOCS / "lifecycles" / f"{life.name}.md").read_text(encoding="utf-8")
+    for sid, description in described.items():
+        assert description, sid
+        section = text.split(f"### `{sid}`", 1)[1]
+        assert section.split("\n\n", 2)[1] == description, f"{sid}: not the heading's paragraph"
+
+
+def test_a_state_without_a_docstring_fails_generation() -> None:
+    with pytest.raises(
+        ValueError, match=r"_PartlyDescribed: no docstring under the states \['second'\]"
+    ):
+        docsgen.state_descriptions(_PartlyDescribed)
 
 
 def test_transition_calls_follow_actions_into_the_manager() -> None:
