@@ -41,10 +41,10 @@
 #define STACK_COPIES 64
 /* How far ahead of the copy the source is prefetched, in bytes of the job's sequence of blocks
  * (the read-ahead walks on across as many blocks as that takes), and the prefetch's locality
- * (1: prefetcht2).  Measured on the 2-core AMD EPYC of docs/performance.md, one thread,
- * session 6: from 8 to 32 KiB ahead did about as well at 4, 16 and 64 KiB blocks, 4 KiB less
- * well at 16 and 64 KiB.  (Session 5's read-ahead stopped at the end of the next run, so
- * "8 KiB ahead" at 4 KiB blocks prefetched nothing.)  Overridable for such experiments. */
+ * (1: prefetcht2).  Measured on a 2-core AMD EPYC virtual machine, one thread: from 8 to
+ * 32 KiB ahead did about as well at 4, 16 and 64 KiB blocks, 4 KiB less well at 16 and 64 KiB.
+ * (An earlier read-ahead stopped at the end of the next run, so "8 KiB ahead" at 4 KiB blocks
+ * prefetched nothing.)  Overridable for such experiments. */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 16384
 #endif

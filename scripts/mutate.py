@@ -90,8 +90,8 @@ CORE_MODULES: tuple[str, ...] = (
     "statecore/managers/policies.py",
     "statecore/worker.py",
 )
-"""The modules mutated: the core the issue names (the lifecycle package without its diagram
-writer, which only draws)."""
+"""The modules mutated: the core (the lifecycle package without its diagram writer, which only
+draws)."""
 
 FAST_TESTS: tuple[str, ...] = (
     "tests/scheduler",
@@ -124,7 +124,7 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "DUPLICATE = 4",
         "DUPLICATE = 5",
     ): "ReportKind values stay distinct; members are compared by identity, numbers unread",
-    # issue 18, found by exhaustive site runs over scheduler, kernels and policies
+    # found by exhaustive site runs over scheduler, kernels and policies
     (
         "statecore/scheduler.py",
         "core/ReplaceBinaryOperator_Add_Div",

@@ -114,7 +114,7 @@ keys. The seeded mutant ``preempt_keeps_block_lists`` re-introduces it."""
 
 
 UNTRACKED_FIXED = hasattr(OffloadingScheduler, "_untracked_scheduled")
-"""Whether the scheduler records the blocks of requests it does not track (issue 12 bug 2)."""
+"""Whether the scheduler records the blocks of requests it does not track (bug B of the docs)."""
 
 
 def _scope(name: str) -> object:
@@ -132,7 +132,7 @@ def test_unmodified_stack_passes(name: str) -> None:
         assert res.counterexample.violation.startswith("INV-DATA")
         return
     assert res.counterexample is None, format_counterexample(res.scope, res.counterexample)
-    # with another connector's allocations recorded (issue 12 bug 2 fixed), "foreign" has no
+    # with another connector's allocations recorded (bug B fixed), "foreign" has no
     # wrong-bytes branches left: a smaller state space
     least = 500 if name == "foreign" and UNTRACKED_FIXED else 1000
     assert res.complete and res.states > least and res.depth == TEST_DEPTH[name]

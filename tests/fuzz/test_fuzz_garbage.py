@@ -378,7 +378,7 @@ class GarbageMachine(StackMachine):
 
 def _profile_settings() -> settings:
     if settings.get_current_profile_name() == "fuzz":
-        return settings(  # 60-90 s a path on a 2-core machine (the issue asks >= 60 s)
+        return settings(  # 60-90 s a path on a 2-core machine (the budget aims at >= 60 s)
             max_examples=1500,
             stateful_step_count=100,
             deadline=None,

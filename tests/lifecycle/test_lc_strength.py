@@ -1,5 +1,5 @@
-"""Lifecycle compilation refuses what it cannot run fast (issue 18: a sampled mutation run
-found the action check unasserted): a guard or an action given by name, not as a function."""
+"""Lifecycle compilation refuses what it cannot run fast (a sampled mutation run found the
+action check unasserted): a guard or an action given by name, not as a function."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The CPU tier's pure policy kernels, value by value at their boundaries (issue 18).
+"""The CPU tier's pure policy kernels, value by value at their boundaries.
 
 Reference counts at the 0/1 edge, gauges of an empty and a one-slot tier, an allocation
 exactly at the high-water mark, a ghost list exactly at capacity, ARC's target steps for

@@ -1,4 +1,4 @@
-"""Manager behaviour that a sampled mutation run found unasserted (issue 18).
+"""Manager behaviour that a sampled mutation run found unasserted.
 
 A tiering reset drops its queued promotions for good (their old bytes never land in primary
 slots that new keys took after the reset), the pending-promotion count returns to zero so the

@@ -14,7 +14,7 @@ on ``sys.path`` (pytest does so for the test modules beside this file) and impor
 
     for name, mutant in MUTANTS.items():
         mutant.description   # one line: what the mutant breaks
-        mutant.bug_class     # the issue item / seed / bug class it re-introduces
+        mutant.bug_class     # the bug class it re-introduces (and where it was found)
         with mutant.apply():  # the real code is patched inside the block ...
             run_my_checker()  # ... and restored on exit, also when the block raises
 
@@ -74,7 +74,7 @@ class Mutant:
     Attributes:
         name: the catalogue key.
         description: one line: what the mutant breaks.
-        bug_class: the issue item, seed or bug class it re-introduces.
+        bug_class: the bug class it re-introduces (and where it was found).
         patches: ``(owner, attribute name, replacement)`` triples that :meth:`apply` sets.
     """
 
@@ -159,7 +159,7 @@ def _build_without_flushes(self: OffloadingScheduler, output: Any) -> ConnectorM
 def _drop_stale_window_blocks_scheduled_only(
     self: OffloadingScheduler, allocated: set[int], window_new: list[tuple[int, Any, int]]
 ) -> None:
-    # before issue 12: only the positions of requests scheduled in this step are checked
+    # the old code: only the positions of requests scheduled in this step are checked
     index = self._window_blocks
     scheduled = {id(gs) for _, gs, _ in window_new}
     fresh = {(id(gs), pos) for _, gs, pos in window_new}
@@ -187,7 +187,7 @@ def _untracked_not_recorded(
 
 
 def _clear_block_lists_keeping_window_positions(self: OffloadingScheduler, req: Any) -> None:
-    # before issue 18's leak fix: the lists are dropped, their window-index entries are not
+    # before the leak fix: the lists are dropped, their window-index entries are not
     req.store_floor = 0
     for gs in req.groups:
         gs.block_ids.clear()

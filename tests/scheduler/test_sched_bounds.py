@@ -1,4 +1,4 @@
-"""Scheduler behaviour exactly at its time and size boundaries (issue 18).
+"""Scheduler behaviour exactly at its time and size boundaries.
 
 A job stalls exactly ``stall_timeout_s`` after its creation, when the stall check runs
 exactly ``stall_check_interval_s`` after the last one; a stalled job's ledger entry expires

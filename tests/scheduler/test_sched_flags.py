@@ -1,4 +1,4 @@
-"""Per-job flags the invariants read, and checked mode's effect on manager errors (issue 18).
+"""Per-job flags the invariants read, and checked mode's effect on manager errors.
 
 ``flushed`` says a job went out in a step's ``jobs_to_flush``: every worker finishes it
 before that step writes any GPU block. INV-SRC-VALID accepts a store reading blocks that an

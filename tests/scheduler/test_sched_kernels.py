@@ -1,4 +1,4 @@
-"""The scheduler's pure kernels, value by value at every boundary (issue 18).
+"""The scheduler's pure kernels, value by value at every boundary.
 
 Each kernel decides on counts, ids and cursors; the scheduler calls exactly these functions.
 The tables below pin their answers at the edges a flipped comparison, a constant off by one,

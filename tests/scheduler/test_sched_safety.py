@@ -152,7 +152,7 @@ def _stale_window_setup(h: Harness) -> int:
 
 
 def test_window_block_handed_out_while_owner_not_scheduled_is_never_stored() -> None:
-    """Bug 1 (issue 12): the owner is not scheduled in the step its freed sliding-window block
+    """Bug 1: the owner is not scheduled in the step its freed sliding-window block
     is handed to another request; its store in a later step must not read it."""
     fake = RecordingManager()
     fake.fail_prepare_store = True
@@ -169,7 +169,7 @@ def test_window_block_handed_out_while_owner_not_scheduled_is_never_stored() -> 
 
 
 def test_final_store_skips_window_block_handed_out_in_the_same_step() -> None:
-    """Bug 1 (issue 12): a finished request's final store is built in the step its freed
+    """Bug 1: a finished request's final store is built in the step its freed
     sliding-window block is handed out again: the block is not read."""
     fake = RecordingManager()
     fake.fail_prepare_store = True
@@ -189,7 +189,7 @@ def test_final_store_skips_window_block_handed_out_in_the_same_step() -> None:
 
 
 def test_blocks_handed_to_an_untracked_request_flush_the_stores_reading_them(kind: str) -> None:
-    """Bug 2 (issue 12): another connector's request gets a block under an in-flight store;
+    """Bug 2: another connector's request gets a block under an in-flight store;
     the scheduler skips (and counts) the request but still flushes the store."""
     h = Harness(make_manager(kind), config())
     h.add("a", list(range(16)))

@@ -1,4 +1,4 @@
-"""A store job holds exactly the offered chunks whose keys the manager kept (issue 19).
+"""A store job holds exactly the offered chunks whose keys the manager kept.
 
 The scheduler offers a request's storable chunks (null blocks left out) to ``prepare_store``
 and builds the job from what the manager kept: the usual offer is a prompt whose shared prefix

@@ -1,4 +1,4 @@
-"""Store building step by step: layouts, chunk boundaries, limits (issue 18).
+"""Store building step by step: layouts, chunk boundaries, limits.
 
 A request computed a few tokens at a time stores each chunk in the step that completes it,
 exactly then and never earlier, with the GPU layout the worker needs (block ids, blocks per

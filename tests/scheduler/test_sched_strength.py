@@ -1,4 +1,4 @@
-"""Scheduler behaviour that a sampled mutation run found unasserted (issue 18).
+"""Scheduler behaviour that a sampled mutation run found unasserted.
 
 Each test pins one behaviour whose loss no other test noticed: the exact counter values of a
 realistic run, checked mode really evaluating the invariants (by argument and by

@@ -1,4 +1,4 @@
-"""Worker behaviour sampled mutation runs found unasserted (issue 18): the range check of a
+"""Worker behaviour sampled mutation runs found unasserted: the range check of a
 transfer's ids names exactly the offending ids, and the step protocol's edges (flushes, jobs
 submitted twice, shutdown with jobs still running, what the memory backend reports)."""
 
