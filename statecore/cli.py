@@ -21,6 +21,13 @@ Exit status, for every command: 0 success (the run or the check passed), 1 a che
 path that cannot be written), 130 interrupted (Ctrl-C), 141 output pipe closed early (e.g.
 ``statecore ... | head``); the last two end quietly, without a traceback.
 
+Logging: library code logs through :mod:`logging`, one logger per module under
+``statecore`` (``statecore.managers.redistier``, ``statecore.sim.multi`` ...) and never
+prints. The command writes the ``statecore`` loggers' records to stderr, at the level of
+``--log-level`` (``info`` by default), an option every command accepts anywhere on its command
+line (:func:`configure_logging`). Long commands report progress on stderr
+(:mod:`statecore.progress`).
+
 Helpers for command modules: :func:`int_range`, :func:`float_above` and :func:`output_file`
 are argparse ``type=`` converters whose errors name the allowed range, or the folder that is
 missing; argparse prefixes them with the flag.
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import re
 import sys
@@ -40,9 +48,11 @@ from typing import Any, NoReturn
 
 __all__ = [
     "EXIT_CODES",
+    "LOG_LEVELS",
     "HelpFormatter",
     "command_parser",
     "commands",
+    "configure_logging",
     "float_above",
     "int_range",
     "main",
@@ -54,6 +64,9 @@ __all__ = [
     "version",
 ]
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+"""The values of ``--log-level``."""
+
 # One line per command: name -> (module, summary). The module is imported only when it runs.
 _COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("statecore.sim.cli", "run the deterministic simulator and print its report"),
@@ -61,6 +74,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "diagrams": ("statecore.lifecycle.diagrams", "write (or --check) the lifecycle diagrams"),
     "docs": ("statecore.docsgen", "write (or --check) the documentation pages generated from code"),
     "check": ("statecore.check.cli", "exhaustive bounded model checking of small scopes"),
+    "tier": ("statecore.tiercli", "list, inspect and clear the Redis tier's keys on a server"),
 }
 # One line per benchmark: `statecore bench NAME`.
 _BENCHES: dict[str, tuple[str, str]] = {
@@ -263,6 +277,13 @@ def _top_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"statecore {version()}")
+    parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="level of the log lines written to stderr; accepted anywhere on the command line "
+        "(before or after the command)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     sub.required = True
     for name, (_, text) in _COMMANDS.items():
@@ -302,6 +323,59 @@ def _unreachable(parser: argparse.ArgumentParser) -> NoReturn:  # pragma: no cov
     parser.error("a command is required")
 
 
+def configure_logging(level: str = "info", stream: Any = None) -> None:
+    """Send the ``statecore`` loggers' records at ``level`` and above to ``stream`` (stderr),
+    one line each: time, level, logger, message. Other libraries' loggers are left alone."""
+    logger = logging.getLogger("statecore")
+    for handler in list(logger.handlers):
+        if getattr(handler, "_statecore_cli", False):
+            logger.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr if stream is None else stream)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    )
+    handler._statecore_cli = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
+def _log_level(args: list[str]) -> tuple[str, list[str]]:
+    """``--log-level LEVEL`` (or ``--log-level=LEVEL``) taken out of ``args``, wherever it is
+    before ``--``; the level (``info`` when absent) and the other arguments."""
+    level = "info"
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            rest.extend(args[i:])
+            break
+        value: str | None = None
+        if arg == "--log-level":
+            if i + 1 >= len(args):
+                raise _UsageError("--log-level needs a value: " + ", ".join(LOG_LEVELS))
+            value = args[i + 1]
+            i += 2
+        elif arg.startswith("--log-level="):
+            value = arg.split("=", 1)[1]
+            i += 1
+        else:
+            rest.append(arg)
+            i += 1
+            continue
+        if value.lower() not in LOG_LEVELS:
+            raise _UsageError(
+                f"--log-level: expected one of {', '.join(LOG_LEVELS)}, got {value!r}"
+            )
+        level = value.lower()
+    return level, rest
+
+
+class _UsageError(Exception):
+    """A usage error found before a command's parser runs (exit status 2)."""
+
+
 def _dispatch(args: list[str]) -> int:
     name, rest = _split(_top_parser(), args)
     if name == "bench":
@@ -324,11 +398,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``statecore`` command; returns the exit status (see module doc)."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
+        level, args = _log_level(args)
+        configure_logging(level)
         code = _dispatch(args)
         sys.stdout.flush()
         return code
     except SystemExit as exc:
         return _exit_code(exc)
+    except _UsageError as exc:
+        print(f"statecore: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("\nstatecore: interrupted", file=sys.stderr)
         return 130

@@ -37,6 +37,7 @@ with the suffix ``.chunk``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import struct
 import uuid
@@ -61,7 +62,7 @@ from statecore.manager import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
-from statecore.managers.tiers import ExecutorTier, JobResult
+from statecore.managers.tiers import ExecutorTier, FaultLog, JobResult, failed_job_counter
 from statecore.pool import CPUPool
 
 _fcntl: Any
@@ -100,6 +101,8 @@ def _unlock_directory(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
 
+
+_log = logging.getLogger(__name__)
 
 _MAGIC = b"SCKV"
 _VERSION = 1
@@ -233,9 +236,17 @@ class FileTier(ExecutorTier):
                 "corrupt_reads",
                 "missing_reads",
                 "write_errors",
+                "read_errors",
                 "failed_jobs",
+                *(failed_job_counter(kind) for kind in ("io-error", "corrupt", "missing")),
             ),
             0,
+        )
+        self._faults = FaultLog(
+            _log,
+            f"file tier {name} in {self.directory}",
+            outage_kinds=("io-error",),
+            recovered="the storage reads and writes again",
         )
         self._rebuild_index()
 
@@ -456,6 +467,12 @@ class FileTier(ExecutorTier):
         else:
             outcomes = job.future.result()
         ok: set[OffloadKey] = set()
+        faults: Counter[str] = Counter(status for status, _ in outcomes if status != _OK)
+        if outcomes and _IO_ERROR not in faults:
+            self._faults.success()
+        what = f"{'a store' if job.is_store else 'a load'} of {len(outcomes)} chunks"
+        for kind, n in faults.items():
+            self._faults.fault(kind, n, what)
         if job.is_store:
             stored: list[OffloadKey] = []
             for key, (status, size) in zip(job.written, outcomes, strict=True):
@@ -488,7 +505,9 @@ class FileTier(ExecutorTier):
                 elif status == _MISSING:
                     self._stats["missing_reads"] += 1
                     self._drop(key, unlink=False)
-        return self._job_result(job_id, job.keys, ok)
+                else:
+                    self._stats["read_errors"] += 1
+        return self._job_result(job_id, job.keys, ok, faults)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """Nothing is kept per request."""

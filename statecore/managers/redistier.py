@@ -69,10 +69,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import struct
 import zlib
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -88,7 +89,7 @@ from statecore.manager import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
-from statecore.managers.tiers import ExecutorTier, JobResult
+from statecore.managers.tiers import ExecutorTier, FaultLog, JobResult, failed_job_counter
 from statecore.pool import CPUPool
 
 _xxhash: Any
@@ -104,9 +105,20 @@ __all__ = [
     "RedisTier",
     "RedisTierConfig",
     "TierLayout",
+    "ValueInfo",
     "decode_value",
+    "delete_keys",
     "encode_value",
+    "glob_escape",
+    "inspect_value",
+    "probe_server",
+    "public_url",
+    "scan_keys",
+    "server_run_id",
+    "split_key",
 ]
+
+_log = logging.getLogger(__name__)
 
 _MAGIC = b"SCRD"
 _VERSION = 1
@@ -123,7 +135,35 @@ _MISSING = "missing"
 _CORRUPT = "corrupt"
 _FOREIGN = "foreign"
 _REJECTED = "rejected"
+_OOM = "out-of-memory"
 _IO_ERROR = "io-error"
+
+# outcome -> the fault kind it is counted and logged as (statecore.managers.tiers.FAULT_KINDS)
+_FAULT_OF = {
+    _MISSING: "missing",
+    _CORRUPT: "corrupt",
+    _FOREIGN: "foreign",
+    _REJECTED: "rejected",
+    _OOM: "out-of-memory",
+    _IO_ERROR: "unreachable",
+}
+
+
+def public_url(url: str) -> str:
+    """``url`` without its password (what logs and messages show)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest.split("/", 1)[0]:
+        return url
+    auth, _, host = rest.partition("@")
+    user = auth.split(":", 1)[0]
+    return f"{scheme}://{user + ':***@' if user else '***@'}{host}"
+
+
+def _refusal(exc: BaseException) -> str:
+    """The outcome of a write the server answered with an error."""
+    text = str(exc)
+    oom = type(exc).__name__ == "OutOfMemoryError" or text.startswith("OOM")
+    return _OOM if oom or "maxmemory" in text else _REJECTED
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +334,12 @@ def decode_value(value: bytes, fingerprint: bytes, key: bytes, length: int) -> s
     return payload
 
 
+def _error_text(exc: BaseException) -> str:
+    """One line naming an exception (its type and message)."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 _IOV_BATCH = 512  # buffers per sendmsg (below every platform's IOV_MAX)
 
 
@@ -393,12 +439,22 @@ class RedisTier(ExecutorTier):
                 "foreign_reads",
                 "rejected_writes",
                 "server_errors",
+                "unreachable_keys",
+                "out_of_memory_writes",
                 "failed_jobs",
+                *(failed_job_counter(kind) for kind in _FAULT_OF.values()),
             ),
             0,
         )
+        self._faults = FaultLog(_log, f"redis tier {name} at {public_url(config.url)}")
+        self._last_error = ""
 
     # -- keys -----------------------------------------------------------------------------------
+
+    def run_id(self) -> str | None:
+        """The server's ``run_id`` (one ``INFO`` round trip; ``None`` when it does not answer):
+        a change means the server restarted and lost what it held."""
+        return server_run_id(self.client)
 
     def redis_key(self, key: OffloadKey) -> bytes:
         """The server key of ``key`` (namespace, then the key bytes)."""
@@ -420,7 +476,8 @@ class RedisTier(ExecutorTier):
                     out.extend(self._write_cluster(keys, slots, batch))
                 else:
                     out.extend(self._write_pipeline(keys, slots, batch))
-        except Exception:  # the server or the connection failed: every key not written
+        except Exception as exc:  # the server or the connection failed: every key not written
+            self._last_error = _error_text(exc)
             out.extend([_IO_ERROR] * (len(keys) - len(out)))
         return out
 
@@ -434,7 +491,7 @@ class RedisTier(ExecutorTier):
             value = encode_value(self.fingerprint, keys[i], rows)
             pipe.set(self.redis_key(keys[i]), value, px=self._px)
         return [
-            _REJECTED if isinstance(reply, Exception) or not reply else _OK
+            _refusal(reply) if isinstance(reply, Exception) else (_OK if reply else _REJECTED)
             for reply in pipe.execute(raise_on_error=False)
         ]
 
@@ -455,7 +512,8 @@ class RedisTier(ExecutorTier):
         for node_client, idx in groups.values():
             try:
                 got = self._write_direct(node_client, keys, slots, idx)
-            except Exception:  # this node is down or slow: its keys are not written
+            except Exception as exc:  # this node is down or slow: its keys are not written
+                self._last_error = _error_text(exc)
                 got = [_IO_ERROR] * len(idx)
             results.update(zip(idx, got, strict=True))
         return [results[i] for i in batch]
@@ -518,8 +576,8 @@ class RedisTier(ExecutorTier):
             for _ in batch:
                 try:
                     reply = conn.read_response()
-                except redis.ResponseError:  # e.g. OOM under maxmemory noeviction
-                    out.append(_REJECTED)
+                except redis.ResponseError as exc:  # e.g. OOM under maxmemory noeviction
+                    out.append(_refusal(exc))
                     continue
                 out.append(_OK if reply else _REJECTED)
         except BaseException:
@@ -543,6 +601,7 @@ class RedisTier(ExecutorTier):
                 replies = pipe.execute(raise_on_error=False)
                 for i, value in zip(batch, replies, strict=True):
                     if isinstance(value, Exception):
+                        self._last_error = _error_text(value)
                         out.append(_IO_ERROR)
                         continue
                     if value is None:
@@ -559,7 +618,8 @@ class RedisTier(ExecutorTier):
                         row[:] = payload[off : off + len(row)]
                         off += len(row)
                     out.append(_OK)
-        except Exception:  # the server or the connection failed: the rest is not read
+        except Exception as exc:  # the server or the connection failed: the rest is not read
+            self._last_error = _error_text(exc)
             out.extend([_IO_ERROR] * (len(keys) - len(out)))
         if bad:
             try:
@@ -575,7 +635,11 @@ class RedisTier(ExecutorTier):
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.exists(self.redis_key(key))
-        return [bool(n) for n in pipe.execute()]  # an exception fails the whole batch
+        try:
+            return [bool(n) for n in pipe.execute()]  # an exception fails the whole batch
+        except Exception as exc:
+            self._last_error = _error_text(exc)
+            raise
 
     # -- lookup answers ------------------------------------------------------------------------
 
@@ -605,9 +669,11 @@ class RedisTier(ExecutorTier):
             self._querying.difference_update(keys)
             if fut.exception() is not None:
                 self._stats["lookup_batches_failed"] += 1
+                self._faults.fault("unreachable", len(keys), "a lookup batch", self._last_error)
                 for key in keys:
                     self._unreadable(key)
                 continue
+            self._faults.success()
             answers = fut.result()
             self._stats["lookups_present"] += sum(answers)
             for key, present in zip(keys, answers, strict=True):
@@ -716,8 +782,16 @@ class RedisTier(ExecutorTier):
         slot_bytes = self.pool.slot_bytes
         ok: set[OffloadKey] = set()
         stats = self._stats
+        faults: Counter[str] = Counter(_FAULT_OF[o] for o in outcomes if o != _OK)
         if _IO_ERROR in outcomes:
             stats["server_errors"] += 1
+            stats["unreachable_keys"] += faults["unreachable"]
+        elif count:
+            self._faults.success()  # the server answered every command of the job
+        what = f"{'a store' if job.is_store else 'a promotion'} of {count} chunks"
+        for kind, n in faults.items():
+            error = self._last_error if kind == "unreachable" else ""
+            self._faults.fault(kind, n, what, error)
         if job.is_store:
             stored: list[OffloadKey] = []
             for key, status in zip(job.written, outcomes, strict=True):
@@ -726,8 +800,9 @@ class RedisTier(ExecutorTier):
                     stats["bytes_written"] += slot_bytes
                     stored.append(key)
                     self._answer(key, True)
-                elif status == _REJECTED:
+                elif status in (_REJECTED, _OOM):
                     stats["rejected_writes"] += 1
+                    stats["out_of_memory_writes"] += status == _OOM
             if stored:
                 self._events.append(OffloadingEvent(tuple(stored), self.medium, removed=False))
             sent = set(job.written)
@@ -750,7 +825,7 @@ class RedisTier(ExecutorTier):
                 removed.append(key)
             if removed:
                 self._events.append(OffloadingEvent(tuple(removed), self.medium, removed=True))
-        return self._job_result(job_id, job.keys, ok)
+        return self._job_result(job_id, job.keys, ok, faults)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """Release the answers held for the request (the keys it still awaits)."""
@@ -798,3 +873,160 @@ class RedisTier(ExecutorTier):
             if close is not None:
                 with contextlib.suppress(Exception):  # a dead server's client: nothing to do
                     close()
+
+
+# -- operating a server: checks at start-up, namespaces ----------------------------------------
+
+
+def probe_server(url: str, cluster: bool = False, timeout_s: float = 2.0) -> str:
+    """Check that ``url`` parses and that its server answers; its ``run_id``.
+
+    Raises:
+        ConfigError: with a one-line message, when the ``redis`` package is missing, the URL
+            does not parse, or the server does not answer within ``timeout_s``.
+    """
+    config = RedisTierConfig(url=url, cluster=cluster, timeout_s=timeout_s)
+    try:
+        client = config.make_client()
+    except ConfigError:
+        raise
+    except Exception as exc:  # redis-py's ValueError for an unknown scheme, a bad port
+        raise ConfigError(f"cannot use Redis URL {public_url(url)!r}: {_error_text(exc)}") from None
+    try:
+        run_id = server_run_id(client, raise_errors=True)
+    except Exception as exc:
+        raise ConfigError(
+            f"the Redis server at {public_url(url)} does not answer: {_error_text(exc)}"
+        ) from None
+    finally:
+        with contextlib.suppress(Exception):
+            client.close()
+    return run_id or ""
+
+
+def server_run_id(client: Any, raise_errors: bool = False) -> str | None:
+    """The server's ``run_id`` (``INFO server``): it changes when the server restarts.
+    ``None`` when the server does not answer (unless ``raise_errors``); for a cluster, the
+    run ids of every node joined by commas."""
+    try:
+        info = client.info("server")
+    except Exception:
+        if raise_errors:
+            raise
+        return None
+    if isinstance(info, dict) and "run_id" in info:
+        return str(info["run_id"])
+    if isinstance(info, dict):  # a cluster client: node -> its INFO
+        ids = sorted(str(v.get("run_id", "")) for v in info.values() if isinstance(v, dict))
+        return ",".join(ids) or None
+    return None
+
+
+_GLOB_SPECIAL = frozenset(b"*?[]\\")
+
+
+def glob_escape(prefix: bytes) -> bytes:
+    """``prefix`` with the glob characters of ``SCAN MATCH`` escaped."""
+    return b"".join(b"\\" + bytes([c]) if c in _GLOB_SPECIAL else bytes([c]) for c in prefix)
+
+
+def scan_keys(client: Any, prefix: bytes = b"", count: int = 1000) -> Iterator[bytes]:
+    """Every key that starts with ``prefix`` (``SCAN``, never ``KEYS``), as bytes."""
+    match = glob_escape(prefix) + b"*"
+    for key in client.scan_iter(match=match, count=count):
+        yield key if isinstance(key, bytes) else str(key).encode()
+
+
+def delete_keys(client: Any, prefix: bytes, batch: int = 1000) -> int:
+    """Delete every key that starts with ``prefix`` (``UNLINK`` in batches); how many.
+
+    An empty prefix is refused (it would empty the whole database)."""
+    if not prefix:
+        raise ConfigError("delete_keys: an empty prefix would delete every key of the database")
+    removed = 0
+    todo: list[bytes] = []
+    for key in scan_keys(client, prefix):
+        todo.append(key)
+        if len(todo) >= batch:
+            removed += int(client.unlink(*todo))
+            todo.clear()
+    if todo:
+        removed += int(client.unlink(*todo))
+    return removed
+
+
+@dataclass(frozen=True, slots=True)
+class ValueInfo:
+    """What :func:`inspect_value` finds in one stored value.
+
+    Attributes:
+        verdict: ``"ok"``, ``"corrupt"`` (truncated, bad header or checksum), ``"foreign"``
+            (the key inside is not the key it is stored under), ``"unknown checksum"``.
+        magic, version, checksum_kind, fingerprint, key_length, payload_length, checksum:
+            the header's fields (``None`` when the value is too short to hold a header).
+        key: the chunk key stored inside the value.
+        size: the value's length in bytes.
+    """
+
+    verdict: str
+    size: int
+    magic: bytes | None = None
+    version: int | None = None
+    checksum_kind: int | None = None
+    fingerprint: bytes | None = None
+    key_length: int | None = None
+    payload_length: int | None = None
+    checksum: int | None = None
+    key: bytes = b""
+
+
+def inspect_value(value: bytes, key: bytes | None = None) -> ValueInfo:
+    """The header fields of a stored value and whether it passes its checks (``key``: the
+    chunk key it should hold; ``None``: not compared)."""
+    view = memoryview(value)
+    if len(view) < HEADER.size:
+        return ValueInfo("corrupt", len(view))
+    magic, version, kind, fp, key_len, plen, digest = HEADER.unpack_from(view)
+    start = HEADER.size + key_len
+    inner = bytes(view[HEADER.size : start])
+    fields = {
+        "magic": magic,
+        "version": version,
+        "checksum_kind": kind,
+        "fingerprint": fp,
+        "key_length": key_len,
+        "payload_length": plen,
+        "checksum": digest,
+        "key": inner,
+    }
+    if magic != _MAGIC or version != _VERSION or len(view) != start + plen:
+        return ValueInfo("corrupt", len(view), **fields)
+    actual = _checksum(kind, (view[start:],))
+    if actual is None:
+        verdict = "unknown checksum"
+    elif actual != digest:
+        verdict = "corrupt"
+    elif key is not None and inner != key:
+        verdict = "foreign"
+    else:
+        verdict = "ok"
+    return ValueInfo(verdict, len(view), **fields)
+
+
+def split_key(rkey: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """A server key's ``(prefix, fingerprint hex, chunk key)``; ``None`` when it is not
+    shaped like a tier's key (``<prefix>:<32 hex digits>:<key>``)."""
+    pos = 0
+    while True:
+        colon = rkey.find(b":", pos)
+        if colon < 0:
+            return None
+        fp = rkey[colon + 1 : colon + 33]
+        if len(fp) == 32 and rkey[colon + 33 : colon + 34] == b":":
+            try:
+                bytes.fromhex(fp.decode("ascii"))
+            except (UnicodeDecodeError, ValueError):
+                pass
+            else:
+                return rkey[:colon], fp, rkey[colon + 34 :]
+        pos = colon + 1

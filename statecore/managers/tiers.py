@@ -9,7 +9,10 @@ I/O failures are results (``success=False``), never exceptions.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -28,7 +31,126 @@ from statecore.manager import (
 )
 from statecore.pool import CPUPool
 
-__all__ = ["ExecutorTier", "JobResult", "MemoryTier", "SecondaryTier"]
+__all__ = [
+    "FAULT_KINDS",
+    "ExecutorTier",
+    "FaultLog",
+    "JobResult",
+    "MemoryTier",
+    "SecondaryTier",
+    "failed_job_counter",
+]
+
+FAULT_KINDS: dict[str, str] = {
+    "unreachable": "the server or the storage did not answer (down, refused, timed out)",
+    "out-of-memory": "the server refused a write for lack of memory (maxmemory noeviction)",
+    "rejected": "the server refused a write for another reason",
+    "missing": "a value the tier expected was not there (evicted, expired, flushed, deleted)",
+    "corrupt": "a value failed its checks (truncated, bad header, bad checksum): deleted",
+    "foreign": "a value of another layout or key was found under the key: deleted",
+    "io-error": "a local read or write failed (disk full, permissions)",
+}
+"""Why a tier job can fail: kind -> meaning. Each failed job is counted under one kind
+(``failed_jobs_<kind>`` in the tier's stats, dashes as underscores) and logged by kind."""
+
+
+def failed_job_counter(kind: str) -> str:
+    """The stats counter of the jobs that failed for ``kind`` (``failed_jobs_out_of_memory``)."""
+    return "failed_jobs_" + kind.replace("-", "_")
+
+
+class FaultLog:
+    """A tier's faults, logged by kind as they happen (rate-limited), and its recovery.
+
+    The first fault of a kind is logged at once (WARNING); later ones of that kind are
+    counted and logged at most once per ``interval_s``, with how many there were since. A
+    fault of a kind in ``outage_kinds`` (the server did not answer) starts an outage; the
+    first success after it is logged (INFO) with how long it lasted and the jobs that failed
+    meanwhile. Called from the thread that collects job results; the clock is injected.
+
+    Args:
+        logger: where to log (one logger per tier module).
+        tier: the tier's name, first in every message.
+        interval_s: at most one line per kind in this many seconds.
+        outage_kinds: the kinds that mean the server or storage is unreachable.
+        recovered: what the recovery line says came back.
+        clock: seconds, monotonic.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        tier: str,
+        interval_s: float = 10.0,
+        outage_kinds: Sequence[str] = ("unreachable",),
+        recovered: str = "the server answers again",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.recovered = recovered
+        self.logger = logger
+        self.tier = tier
+        self.interval_s = interval_s
+        self.outage_kinds = frozenset(outage_kinds)
+        self.clock = clock
+        self._last: dict[str, float] = {}
+        self._quiet: Counter[str] = Counter()
+        self._down_since: float | None = None
+        self._down_jobs = 0
+
+    @property
+    def down(self) -> bool:
+        """Whether an outage is going on (an unreachable fault not followed by a success)."""
+        return self._down_since is not None
+
+    def fault(self, kind: str, keys: int, job: str = "a job", error: str = "") -> None:
+        """``job`` (e.g. ``"a store of 4 chunks"``) failed for ``kind`` on ``keys`` of its keys;
+        ``error`` is the error met, if any."""
+        now = self.clock()
+        if kind in self.outage_kinds:
+            if self._down_since is None:
+                self._down_since = now
+                self._down_jobs = 0
+            self._down_jobs += 1
+        last = self._last.get(kind)
+        if last is not None and now - last < self.interval_s:
+            self._quiet[kind] += 1
+            return
+        first = kind not in self._last
+        self._last[kind] = now
+        more = self._quiet.pop(kind, 0)
+        self.logger.warning(
+            "%s: %s: %s failed for %d key%s%s%s%s",
+            self.tier,
+            kind,
+            job,
+            keys,
+            "" if keys == 1 else "s",
+            f" ({error})" if error else "",
+            f"; {more} more such failures since the last line" if more else "",
+            f" [{kind}: {FAULT_KINDS[kind]}]" if first and kind in FAULT_KINDS else "",
+        )
+
+    def success(self) -> None:
+        """A job (or a lookup batch) got its answers from the server or storage."""
+        if self._down_since is None:
+            return
+        lasted = self.clock() - self._down_since
+        jobs = self._down_jobs
+        self._down_since = None
+        self._down_jobs = 0
+        more = 0
+        for kind in self.outage_kinds:
+            self._last.pop(kind, None)
+            more += self._quiet.pop(kind, 0)
+        self.logger.info(
+            "%s: recovered: %s after %.1f s (%d failures meanwhile, %d of them not logged "
+            "one by one)",
+            self.tier,
+            self.recovered,
+            lasted,
+            jobs,
+            more,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,12 +247,21 @@ class ExecutorTier:
     _own_executor: bool
 
     def _job_result(
-        self, job_id: int, keys: Sequence[OffloadKey], ok: set[OffloadKey]
+        self,
+        job_id: int,
+        keys: Sequence[OffloadKey],
+        ok: set[OffloadKey],
+        faults: Counter[str] | None = None,
     ) -> JobResult:
-        """The result of a job whose keys in ``ok`` were copied (counts a failed job)."""
+        """The result of a job whose keys in ``ok`` were copied (counts a failed job, under
+        the most frequent kind in ``faults``: fault kind -> keys that failed for it)."""
         if all(k in ok for k in keys):
             return JobResult(job_id, True)
         self._stats["failed_jobs"] += 1
+        if faults:
+            kind = faults.most_common(1)[0][0]
+            name = failed_job_counter(kind)
+            self._stats[name] = self._stats.get(name, 0) + 1
         return JobResult(job_id, False, tuple(k for k in keys if k in ok) or None)
 
     def _pending_futures(self) -> list[Future[Any]]:

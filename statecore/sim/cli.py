@@ -2,7 +2,9 @@
 
 Exit status: 0 when the run is clean (no invariant violation, data error, hung request, leaked
 state or error raised into the engine), 1 otherwise, 2 on bad arguments (checked before the run
-starts, output paths included).
+starts, output paths included): an option that does nothing in the combination given, a Redis
+URL that does not parse or whose server does not answer at start-up (a server that goes away
+later is a fault the run reports, not an error).
 """
 
 from __future__ import annotations
@@ -86,13 +88,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         type=int_range(1, 16),
         default=1,
-        help="with N >= 2: N engine stacks sharing one Redis tier (restarted mid-run), compared "
-        "with one instance and with N private tiers on the same workload (statecore.sim.multi)",
+        help="with N >= 2: N engine stacks sharing one Redis tier, compared with one instance "
+        "and with N private tiers on the same workload (statecore.sim.multi). The server this "
+        "command starts is restarted mid-run; an operator's (--redis-url) is not, but every "
+        "restart of it is detected and counted",
     )
     p.add_argument(
         "--redis-url",
         metavar="URL",
-        help="the Redis server of --instances (default: start redis-server on loopback)",
+        help="the Redis server of --instances >= 2 (default: start redis-server on loopback); "
+        "it must answer at start-up. The run's keys go under a fresh prefix, deleted at the end",
+    )
+    p.add_argument(
+        "--keep-keys",
+        action="store_true",
+        help="with --instances >= 2: leave the run's keys on the server (statecore tier "
+        "lists, inspects and clears them)",
     )
     p.add_argument(
         "--checked",
@@ -178,9 +189,55 @@ def _check_plot_deps() -> str | None:
     return None
 
 
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    """Options that do nothing in the combination given, or a server that cannot be used."""
+    if args.instances < 2:
+        for flag, given in (("--redis-url", args.redis_url), ("--keep-keys", args.keep_keys)):
+            if given:
+                return f"{flag} is used only with --instances 2 or more"
+    if args.instances >= 2:
+        for flag, given in (
+            ("--plot", args.plot is not None),
+            ("--tiering", args.tiering),
+            ("--manager", args.manager != SimConfig().manager),
+        ):
+            if given:
+                return (
+                    f"{flag} does nothing with --instances (each instance runs a tiering "
+                    "manager over the Redis tier)"
+                )
+    if args.instances >= 2:
+        from statecore.errors import ConfigError
+
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            return '--instances needs the Redis client: pip install "statecore[redis]"'
+        if args.redis_url is not None:
+            from statecore.managers.redistier import probe_server
+
+            try:
+                probe_server(args.redis_url)
+            except ConfigError as exc:
+                return str(exc)
+        else:
+            from statecore.redisserver import find_server
+
+            if find_server() is None:
+                return (
+                    "--instances starts redis-server on loopback and none was found on PATH "
+                    "(install redis-server or valkey-server, set STATECORE_REDIS_SERVER, or "
+                    "give --redis-url)"
+                )
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the simulation the parsed ``args`` describe; 0 when clean, 1 otherwise."""
     if args.plot is not None and (problem := _check_plot_deps()) is not None:
+        print(f"statecore simulate: {problem}", file=sys.stderr)
+        return 2
+    if (problem := _usage_problem(args)) is not None:
         print(f"statecore simulate: {problem}", file=sys.stderr)
         return 2
     faults = args.faults if isinstance(args.faults, SimFaults) else parse_faults(args.faults)
@@ -228,9 +285,34 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_instances(args: argparse.Namespace, cfg: SimConfig) -> int:
     """``--instances N``: the three-run comparison of :mod:`statecore.sim.multi`."""
+    from statecore.progress import Progress
     from statecore.sim.multi import compare
 
-    comparison = compare(cfg, args.instances, args.redis_url, restart=args.redis_url is None)
+    show = not args.no_progress
+    bars: dict[str, Progress] = {}
+
+    def on_round(name: str, done: int, total: int) -> None:
+        bar = bars.get(name)
+        if bar is None:
+            for old in bars.values():
+                old.close()
+            bar = bars[name] = Progress(
+                f"statecore simulate ({name} run)", None, "rounds", enabled=show
+            )
+        bar.update(done, f"at most {total}")
+
+    try:
+        comparison = compare(
+            cfg,
+            args.instances,
+            args.redis_url,
+            restart=args.redis_url is None,
+            keep_keys=args.keep_keys,
+            on_round=on_round,
+        )
+    finally:
+        for bar in bars.values():
+            bar.close()
     if args.json:
         import json
 

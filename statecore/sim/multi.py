@@ -21,6 +21,14 @@ rounds later or, when no tier job has failed by then, as soon as one has (at mos
 ``down_steps`` rounds): whether a job meets the down server depends on when the tier's
 threads run it, so the outage lasts until it has been felt. Promotions and stores fail,
 lookups answer MISS, requests recompute; the run must still end with no violation and no data error.
+An operator's server (``url`` without ``server``) is never stopped by this module; whoever
+restarts it, every restart is detected from the server's ``run_id`` (asked once a round) and
+counted in :attr:`MultiReport.server_restarts`, and the tiers log their faults and recovery
+(logger ``statecore.managers.redistier``).
+
+**Namespaces.** :func:`compare` puts every key of its three runs under one fresh prefix
+(``statecore-sim-<random hex>``), so a run never reads what an earlier run left on the same
+server, and deletes them at the end unless ``keep_keys``.
 
 **Comparison.** :func:`compare` runs the same workload three times: on one instance, on N
 instances sharing the tier, and on N instances with private tiers (a namespace each, same
@@ -30,9 +38,12 @@ another instance had stored (the cross-instance hits).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import random
-from collections.abc import Sequence
+import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,9 +51,15 @@ from statecore.keys import OffloadKey
 from statecore.manager import OffloadingManager
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.managers.filetier import InlineExecutor
-from statecore.managers.redistier import RedisTier, RedisTierConfig, TierLayout
+from statecore.managers.redistier import (
+    RedisTier,
+    RedisTierConfig,
+    TierLayout,
+    delete_keys,
+    public_url,
+)
 from statecore.managers.tiering import TieringOffloadingManager
-from statecore.managers.tiers import JobResult
+from statecore.managers.tiers import FAULT_KINDS, JobResult
 from statecore.sim.engine import SimConfig, SimEngine
 from statecore.sim.report import SimReport
 from statecore.sim.run import SimStack, _report, attach_store_oracle
@@ -57,6 +74,11 @@ __all__ = [
     "compare",
     "run_instances",
 ]
+
+_log = logging.getLogger(__name__)
+
+RoundCallback = Callable[[int, int], None]
+"""``on_round(round, rounds)``: called after every round of a run (progress)."""
 
 
 class InstanceStack(SimStack):
@@ -139,9 +161,12 @@ class MultiReport:
     cross_instance_chunks: int = 0
     """Promoted chunks that another instance had stored."""
     server_restarts: int = 0
+    """Server restarts seen during the run (its ``run_id`` changed), whoever restarted it."""
     failed_tier_jobs: int = 0
     """Store and promotion jobs of the tier that failed (server down, missing values)."""
     tier_stats: dict[str, int] = field(default_factory=dict)
+    failed_by_kind: dict[str, int] = field(default_factory=dict)
+    """:attr:`failed_tier_jobs` by fault kind (:data:`~statecore.managers.tiers.FAULT_KINDS`)."""
 
     @property
     def ok(self) -> bool:
@@ -156,6 +181,7 @@ class MultiReport:
             "cross_instance_chunks": self.cross_instance_chunks,
             "server_restarts": self.server_restarts,
             "failed_tier_jobs": self.failed_tier_jobs,
+            "failed_tier_jobs_by_kind": dict(self.failed_by_kind),
             "violations": self.violations,
             "data_errors": self.data_errors,
             "ok": self.ok,
@@ -237,6 +263,7 @@ def run_instances(
     restart: bool = False,
     down_steps: int = 10,
     max_known_keys: int | None = None,
+    on_round: RoundCallback | None = None,
 ) -> MultiReport:
     """Run ``instances`` stacks in lockstep over one routed workload (module docstring).
 
@@ -252,6 +279,7 @@ def run_instances(
             ``down_steps`` rounds later, or later once a tier job has failed (at most
             ``20 * down_steps`` rounds).
         max_known_keys: every tier's ``max_known_keys`` (None: the tier's default).
+        on_round: called after every round with the round and ``cfg.steps`` (progress).
     """
     cfg = dataclasses.replace(cfg, tiering=True)
     root = random.Random(cfg.seed)
@@ -293,9 +321,31 @@ def run_instances(
         failed_before = 0
         half = cfg.workload.num_requests // 2
         step = 0
+        probe = stacks[0].redis_tier if stacks else None
+        run_id = probe.run_id() if probe is not None else None
+        where = public_url(url)
+
+        def watch_run_id() -> int:
+            """1 when the server's run_id changed since the last answer (a restart)."""
+            nonlocal run_id
+            now = probe.run_id() if probe is not None else None
+            if now is None or now == run_id:
+                return 0
+            changed = run_id is not None
+            if changed:
+                _log.warning(
+                    "the Redis server at %s restarted (run_id %s -> %s): what it held is gone",
+                    where,
+                    run_id[:8] if run_id else "?",
+                    now[:8],
+                )
+            run_id = now
+            return int(changed)
+
         while step < cfg.steps and not all(e.workload.exhausted and not e.by_id for e in engines):
             if restart and server is not None:
                 if restart_at is None and router.workload.issued >= half and server.running:
+                    _log.info("stopping the Redis server at %s (the restart under test)", where)
                     server.stop()
                     restart_at = step + down_steps
                     failed_before = attribution.failed_jobs
@@ -308,14 +358,17 @@ def run_instances(
                         or step >= restart_at + 19 * down_steps
                     )
                 ):
+                    _log.info("starting the Redis server at %s again, empty", where)
                     server.start()
-                    restarts += 1
             for e in engines:
                 e.step(admit=True)
             step += 1
+            restarts += watch_run_id()
+            if on_round is not None:
+                on_round(step, cfg.steps)
         if server is not None and not server.running:
             server.start()
-            restarts += 1
+        restarts += watch_run_id()
         for e in engines:
             for r in list(e.by_id.values()):
                 if not r.aborted:
@@ -327,12 +380,16 @@ def run_instances(
             engine.shutdown()  # under INV-MGR-ERROR, as every engine ends
         reports: list[SimReport] = []
         tier_stats: dict[str, int] = {}
+        by_kind: dict[str, int] = {}
         for stack, engine in zip(stacks, engines, strict=True):
             rep = _report(stack.cfg, stack, engine)
             for name, value in rep.bytes_moved.items():
                 if name.startswith("redis"):
                     key = name.split(".", 1)[1]
                     tier_stats[key] = tier_stats.get(key, 0) + value
+            for name, value in rep.tier_faults.items():
+                kind = name.split(" ", 1)[1]
+                by_kind[kind] = by_kind.get(kind, 0) + value
             reports.append(rep)
         hits = sum(e.stats.local_hit_tokens + e.stats.tokens_loaded for e in engines)
         admitted = sum(e.admitted_prompt_tokens for e in engines)
@@ -344,6 +401,7 @@ def run_instances(
             server_restarts=restarts,
             failed_tier_jobs=attribution.failed_jobs,
             tier_stats=tier_stats,
+            failed_by_kind={k: by_kind[k] for k in FAULT_KINDS if k in by_kind},
         )
     finally:
         for stack in stacks:
@@ -357,6 +415,10 @@ class Comparison:
     single: MultiReport
     shared: MultiReport
     private: MultiReport
+    namespace: str = ""
+    """The key prefix of the three runs' keys on the server."""
+    keys_removed: int | None = None
+    """Keys deleted at the end (``None``: kept, or the server did not answer)."""
 
     @property
     def ok(self) -> bool:
@@ -369,6 +431,8 @@ class Comparison:
             "single": self.single.figures(),
             "shared": self.shared.figures(),
             "private": self.private.figures(),
+            "namespace": self.namespace,
+            "keys_removed": self.keys_removed,
             "ok": self.ok,
         }
 
@@ -397,6 +461,25 @@ class Comparison:
             else "no hits at all"
         )
         for name, rep in (
+            ("1 instance", self.single),
+            (f"{n} instances, shared", self.shared),
+            (f"{n} instances, private", self.private),
+        ):
+            if rep.failed_by_kind:
+                lines.append(
+                    f"failed tier jobs by kind ({name}): "
+                    + ", ".join(f"{k} {v}" for k, v in rep.failed_by_kind.items())
+                )
+        if self.namespace:
+            lines.append(
+                f"keys under {self.namespace}: "
+                + (
+                    "kept (--keep-keys)"
+                    if self.keys_removed is None
+                    else f"{self.keys_removed} removed at the end"
+                )
+            )
+        for name, rep in (
             ("single", self.single),
             ("shared", self.shared),
             ("private", self.private),
@@ -409,22 +492,75 @@ class Comparison:
 
 
 def compare(
-    cfg: SimConfig, instances: int = 2, url: str | None = None, restart: bool = True
+    cfg: SimConfig,
+    instances: int = 2,
+    url: str | None = None,
+    restart: bool = True,
+    keep_keys: bool = False,
+    namespace: str | None = None,
+    on_round: Callable[[str, int, int], None] | None = None,
 ) -> Comparison:
-    """Run :class:`Comparison`'s three runs; without ``url`` a local server is started."""
+    """Run :class:`Comparison`'s three runs; without ``url`` a local server is started.
+
+    Args:
+        cfg: the workload and every instance's configuration.
+        instances: instances of the shared and private runs.
+        url: an operator's server (never stopped here; restarts are detected and counted).
+        restart: restart the server this function starts, mid-run (not an operator's).
+        keep_keys: leave the runs' keys on the server (they are deleted otherwise).
+        namespace: the runs' key prefix (default ``statecore-sim-<8 random hex digits>``).
+        on_round: called after every round with the run's name, the round and the rounds.
+    """
     server: Any = None
     if url is None:
         from statecore.redisserver import LocalRedis
 
         server = LocalRedis().start()
         url = server.url
+    ns = namespace or f"statecore-sim-{secrets.token_hex(4)}"
+
+    def progress(name: str) -> RoundCallback | None:
+        if on_round is None:
+            return None
+        return lambda done, total: on_round(name, done, total)
+
+    _log.info("keys of this run go under the prefix %s on %s", ns, public_url(url))
     try:
-        single = run_instances(cfg, url, 1, prefix=f"single{cfg.seed}")
+        single = run_instances(cfg, url, 1, prefix=f"{ns}-single", on_round=progress("single"))
         shared = run_instances(
-            cfg, url, instances, prefix=f"shared{cfg.seed}", server=server, restart=restart
+            cfg,
+            url,
+            instances,
+            prefix=f"{ns}-shared",
+            server=server,
+            restart=restart and server is not None,
+            on_round=progress("shared"),
         )
-        private = run_instances(cfg, url, instances, prefix=f"private{cfg.seed}", shared=False)
-        return Comparison(single, shared, private)
+        private = run_instances(
+            cfg, url, instances, prefix=f"{ns}-private", shared=False, on_round=progress("private")
+        )
+        removed = None if keep_keys else _remove_keys(url, ns)
+        return Comparison(single, shared, private, namespace=ns, keys_removed=removed)
     finally:
         if server is not None:
             server.close()
+
+
+def _remove_keys(url: str, namespace: str) -> int | None:
+    """Delete the keys under ``namespace``; ``None`` (logged) when the server does not answer."""
+    client = RedisTierConfig(url=url, timeout_s=5.0).make_client()
+    try:
+        return delete_keys(client, namespace.encode())
+    except Exception as exc:
+        _log.warning(
+            "could not delete the keys under %s on %s (%s); `statecore tier clear %s "
+            "--redis-url URL` deletes them",
+            namespace,
+            public_url(url),
+            type(exc).__name__,
+            namespace,
+        )
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            client.close()

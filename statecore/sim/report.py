@@ -60,6 +60,9 @@ class SimReport:
     external_hit_rate: float = 0.0
     bytes_moved: dict[str, int] = field(default_factory=dict)
     jobs: dict[str, int] = field(default_factory=dict)
+    tier_faults: dict[str, int] = field(default_factory=dict)
+    """Failed secondary-tier jobs by tier and fault kind (``"redis0 unreachable"``; the
+    kinds are :data:`statecore.managers.tiers.FAULT_KINDS`)."""
     reports_absorbed: dict[str, int] = field(default_factory=dict)
     faults: dict[str, FaultCount] = field(default_factory=dict)
     invariant_violations: list[str] = field(default_factory=list)
@@ -160,6 +163,12 @@ class SimReport:
         )
         add("bytes moved   " + ", ".join(f"{k} {_human(v)}" for k, v in self.bytes_moved.items()))
         add("jobs          " + ", ".join(f"{k} {v}" for k, v in self.jobs.items()) + " (jobs)")
+        if self.tier_faults:
+            add(
+                "tier faults   "
+                + ", ".join(f"{k} {v}" for k, v in self.tier_faults.items())
+                + " (failed tier jobs by kind)"
+            )
         add(
             "absorbed      "
             + ", ".join(f"{k} {v}" for k, v in self.reports_absorbed.items())

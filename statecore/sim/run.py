@@ -535,6 +535,10 @@ def _report(cfg: SimConfig, stack: SimStack, engine: SimEngine) -> SimReport:
     for k, v in mstats.items():
         if isinstance(v, int) and "bytes" in k:
             rep.bytes_moved[k] = v
+        tier, _, counter = k.partition(".")
+        if counter.startswith("failed_jobs_") and isinstance(v, int) and v:
+            kind = counter.removeprefix("failed_jobs_").replace("_", "-")
+            rep.tier_faults[f"{tier} {kind}"] = v
     rep.jobs = {
         "created": c.jobs_created,
         "loads": c.load_jobs_created,

@@ -8,6 +8,7 @@ at the end.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,9 +28,17 @@ from statecore.managers.redistier import (
     RedisTierConfig,
     TierLayout,
     decode_value,
+    delete_keys,
     encode_value,
+    glob_escape,
+    inspect_value,
+    probe_server,
+    public_url,
+    scan_keys,
+    split_key,
 )
 from statecore.managers.tierconfig import build_tier
+from statecore.managers.tiers import FaultLog
 from statecore.pool import CPUPool
 from statecore.redisserver import LocalRedis, LocalRedisCluster
 from tests.managers.redis_fixtures import require_server
@@ -531,3 +540,121 @@ def test_three_node_cluster_spreads_keys_and_serves_another_instance() -> None:
         assert 0 < written < len(new)
         a.close()
         b.close()
+
+
+# -- what an operator sees: faults by kind, logged as they happen; namespaces ---------------------
+
+
+def test_faults_are_logged_by_kind_as_they_happen_and_recovery_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    require_server()
+    caplog.set_level(logging.INFO, logger="statecore.managers.redistier")
+    with LocalRedis() as srv:
+        cfg = config(srv, timeout_s=2.0)
+        a, b = Instance(cfg), Instance(cfg)
+        a.store(1)
+        assert b.lookup(1) is LookupResult.RETRY
+        b.step()
+        assert b.lookup(1) is LookupResult.HIT_PENDING
+        srv.stop()
+        b.step()  # the promotion meets the stopped server
+        assert b.lookup(1) is LookupResult.MISS  # its result is collected: recompute
+        faults = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert faults and "unreachable: a promotion of 1 chunks failed for 1 key" in (
+            faults[0].getMessage()
+        )
+        assert not [r for r in caplog.records if "recovered" in r.getMessage()]
+        stats = b.tier.get_stats()
+        assert stats["failed_jobs_unreachable"] == 1 and stats["unreachable_keys"] == 1
+        srv.start()
+        b.store(5)  # the server answers again: one line says so
+        recovered = [r for r in caplog.records if "recovered" in r.getMessage()]
+        assert len(recovered) == 1 and recovered[0].levelno == logging.INFO
+        assert b.tier.get_stats()["failed_jobs_unreachable"] == 0  # counters since last call
+        a.close()
+        b.close()
+
+
+def test_fault_log_is_rate_limited_per_kind() -> None:
+    now = [0.0]
+    log = logging.getLogger("statecore.test.faultlog")
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Keep()
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        faults = FaultLog(log, "tier", interval_s=10.0, clock=lambda: now[0])
+        for _ in range(5):
+            faults.fault("unreachable", 2, "a store of 2 chunks")
+        faults.fault("missing", 1, "a promotion of 1 chunks")
+        assert len(lines) == 2  # the first of each kind at once, the rest counted
+        now[0] = 11.0
+        faults.fault("unreachable", 2, "a store of 2 chunks")
+        assert "4 more such failures since the last line" in lines[-1]
+        assert faults.down
+        now[0] = 12.5
+        faults.success()
+        assert "recovered" in lines[-1] and "after 12.5 s (6 failures meanwhile" in lines[-1]
+        assert not faults.down
+        faults.success()  # no outage: nothing more
+        assert len(lines) == 4
+    finally:
+        log.removeHandler(handler)
+
+
+def test_a_full_server_counts_out_of_memory_failures_by_kind() -> None:
+    require_server()
+    with LocalRedis(maxmemory=1 << 20, policy="noeviction") as srv:
+        big = [64 << 10, 64 << 10]
+        a = Instance(config(srv), slots=16, rows=big)
+        for start in range(0, 32, 16):
+            a.store(*range(start, start + 16))
+        stats = a.m.get_stats()
+        assert stats["redis0.out_of_memory_writes"] >= 1
+        assert stats["redis0.failed_jobs_out_of_memory"] >= 1
+        assert stats["redis0.failed_jobs_unreachable"] == 0
+        a.close()
+
+
+def test_values_are_inspected_and_namespaces_listed_and_cleared(server: LocalRedis) -> None:
+    cfg = config(server, prefix="ops-a")
+    a = Instance(cfg)
+    a.store(1, 2, 3)
+    client = server.client()
+    rkey = a.tier.redis_key(k(1))
+    parts = split_key(rkey)
+    assert parts == (b"ops-a", a.tier.fingerprint.hex().encode(), k(1))
+    good = inspect_value(client.get(rkey), k(1))
+    assert good.verdict == "ok" and good.key == k(1) and good.payload_length == sum(ROWS)
+    assert good.fingerprint == a.tier.fingerprint
+    raw = client.get(rkey)
+    assert inspect_value(raw[:-1] + bytes([raw[-1] ^ 1]), k(1)).verdict == "corrupt"
+    assert inspect_value(raw, k(2)).verdict == "foreign"
+    assert inspect_value(b"short", None).verdict == "corrupt"
+    Instance(config(server, prefix="ops-b")).store(1)
+    client.set(b"ops-a-not-a-tier-key", b"x")
+    assert sorted(scan_keys(client, b"ops-a:")) == sorted(a.tier.redis_key(k(i)) for i in (1, 2, 3))
+    assert delete_keys(client, b"ops-a") == 4
+    assert list(scan_keys(client, b"ops-a")) == [] and len(list(scan_keys(client, b"ops-b"))) == 1
+    with pytest.raises(ConfigError):
+        delete_keys(client, b"")
+    assert glob_escape(b"a*b?[c]\\") == b"a\\*b\\?\\[c\\]\\\\"
+    a.close()
+
+
+def test_probe_server_fails_fast_with_one_line(server: LocalRedis) -> None:
+    assert probe_server(server.url)
+    with pytest.raises(ConfigError, match="does not answer") as down:
+        probe_server("redis://127.0.0.1:1/0", timeout_s=1.0)
+    with pytest.raises(ConfigError, match="cannot use Redis URL") as bad:
+        probe_server("http://nope")
+    for exc in (down.value, bad.value):
+        assert "\n" not in str(exc)
+    assert public_url("redis://user:secret@host:1/0") == "redis://user:***@host:1/0"
+    assert public_url("redis://:secret@host:1/0") == "redis://***@host:1/0"
