@@ -24,7 +24,7 @@ path that cannot be written), 130 interrupted (Ctrl-C), 141 output pipe closed e
 Logging: library code logs through :mod:`logging`, one logger per module under
 ``statecore`` (``statecore.managers.redistier``, ``statecore.sim.multi`` ...) and never
 prints. The command writes the ``statecore`` loggers' records to stderr, at the level of
-``--log-level`` (``info`` by default), an option every command accepts anywhere on its command
+``--log-level`` (``warning`` by default: faults, their recovery and other warnings), an option every command accepts anywhere on its command
 line (:func:`configure_logging`). Long commands report progress on stderr
 (:mod:`statecore.progress`).
 
@@ -280,7 +280,7 @@ def _top_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
-        default="info",
+        default="warning",
         help="level of the log lines written to stderr; accepted anywhere on the command line "
         "(before or after the command)",
     )
@@ -323,7 +323,7 @@ def _unreachable(parser: argparse.ArgumentParser) -> NoReturn:  # pragma: no cov
     parser.error("a command is required")
 
 
-def configure_logging(level: str = "info", stream: Any = None) -> None:
+def configure_logging(level: str = "warning", stream: Any = None) -> None:
     """Send the ``statecore`` loggers' records at ``level`` and above to ``stream`` (stderr),
     one line each: time, level, logger, message. Other libraries' loggers are left alone."""
     logger = logging.getLogger("statecore")
@@ -342,8 +342,8 @@ def configure_logging(level: str = "info", stream: Any = None) -> None:
 
 def _log_level(args: list[str]) -> tuple[str, list[str]]:
     """``--log-level LEVEL`` (or ``--log-level=LEVEL``) taken out of ``args``, wherever it is
-    before ``--``; the level (``info`` when absent) and the other arguments."""
-    level = "info"
+    before ``--``; the level (``warning`` when absent) and the other arguments."""
+    level = "warning"
     rest: list[str] = []
     i = 0
     while i < len(args):

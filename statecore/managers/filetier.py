@@ -32,6 +32,11 @@ with the suffix ``.chunk``.
   (two owners would delete each other's temporary files and disagree about the index). The
   lock goes with :meth:`FileTier.shutdown`, the tier object, or the process. Where ``fcntl``
   is missing (not POSIX) no lock is taken.
+* **Faults, logged.** Every failed job is counted under one fault kind (``io-error``,
+  ``corrupt``, ``missing``: ``failed_jobs_<kind>`` in the stats) and logged as it happens on
+  the logger ``statecore.managers.filetier`` (WARNING, rate-limited per kind); the first
+  success after I/O errors logs the recovery (:class:`~statecore.managers.tiers.FaultLog`,
+  the tier's ``fault_log``).
 """
 
 from __future__ import annotations
@@ -242,7 +247,7 @@ class FileTier(ExecutorTier):
             ),
             0,
         )
-        self._faults = FaultLog(
+        self.fault_log = FaultLog(
             _log,
             f"file tier {name} in {self.directory}",
             outage_kinds=("io-error",),
@@ -469,10 +474,10 @@ class FileTier(ExecutorTier):
         ok: set[OffloadKey] = set()
         faults: Counter[str] = Counter(status for status, _ in outcomes if status != _OK)
         if outcomes and _IO_ERROR not in faults:
-            self._faults.success()
-        what = f"{'a store' if job.is_store else 'a load'} of {len(outcomes)} chunks"
+            self.fault_log.success()
+        what = f"{'a store' if job.is_store else 'a load'} of {len(outcomes)} chunk{'' if len(outcomes) == 1 else 's'}"
         for kind, n in faults.items():
-            self._faults.fault(kind, n, what)
+            self.fault_log.fault(kind, n, what)
         if job.is_store:
             stored: list[OffloadKey] = []
             for key, (status, size) in zip(job.written, outcomes, strict=True):

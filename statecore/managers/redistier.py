@@ -60,6 +60,16 @@ and written to each node directly (a node that fails fails only its keys; a ``MO
 rejects that store); promotions and lookups use the client's cluster pipeline, which follows
 ``MOVED`` and refreshes the slot map.
 
+**What an operator sees.** Every failed job is counted under one fault kind
+(:data:`statecore.managers.tiers.FAULT_KINDS`: ``unreachable``, ``out-of-memory``,
+``rejected``, ``missing``, ``corrupt``, ``foreign``) in the stats (``failed_jobs_<kind>``)
+and logged as it happens on the logger ``statecore.managers.redistier`` (WARNING, at most one
+line per kind every ten seconds, with the count of the ones in between); the first success
+after an outage logs the recovery (:class:`~statecore.managers.tiers.FaultLog`). The server
+URL in logs and messages never shows a password. :func:`probe_server` checks a URL at
+start-up; :func:`scan_keys`, :func:`inspect_value` and :func:`delete_keys` serve
+``statecore tier``.
+
 The tier's index lives only in the server; what this object keeps (the lookup answers, the
 keys being stored) is changed only by the thread that calls :meth:`RedisTier.get_finished`,
 :meth:`RedisTier.lookup` and the ``submit_*`` methods (the scheduler's thread).
@@ -380,6 +390,9 @@ class RedisTier(ExecutorTier):
             :meth:`shutdown`).
         name: prefix of the tier's statistics.
         policy: what :meth:`on_new_request` answers.
+
+    Attributes:
+        fault_log: logs the tier's faults and recovery (its ``tier`` text starts each line).
     """
 
     medium = Medium.STORAGE
@@ -446,7 +459,7 @@ class RedisTier(ExecutorTier):
             ),
             0,
         )
-        self._faults = FaultLog(_log, f"redis tier {name} at {public_url(config.url)}")
+        self.fault_log = FaultLog(_log, f"redis tier {name} at {public_url(config.url)}")
         self._last_error = ""
 
     # -- keys -----------------------------------------------------------------------------------
@@ -669,11 +682,11 @@ class RedisTier(ExecutorTier):
             self._querying.difference_update(keys)
             if fut.exception() is not None:
                 self._stats["lookup_batches_failed"] += 1
-                self._faults.fault("unreachable", len(keys), "a lookup batch", self._last_error)
+                self.fault_log.fault("unreachable", len(keys), "a lookup batch", self._last_error)
                 for key in keys:
                     self._unreadable(key)
                 continue
-            self._faults.success()
+            self.fault_log.success()
             answers = fut.result()
             self._stats["lookups_present"] += sum(answers)
             for key, present in zip(keys, answers, strict=True):
@@ -787,11 +800,11 @@ class RedisTier(ExecutorTier):
             stats["server_errors"] += 1
             stats["unreachable_keys"] += faults["unreachable"]
         elif count:
-            self._faults.success()  # the server answered every command of the job
-        what = f"{'a store' if job.is_store else 'a promotion'} of {count} chunks"
+            self.fault_log.success()  # the server answered every command of the job
+        what = f"{'a store' if job.is_store else 'a promotion'} of {count} chunk{'' if count == 1 else 's'}"
         for kind, n in faults.items():
             error = self._last_error if kind == "unreachable" else ""
-            self._faults.fault(kind, n, what, error)
+            self.fault_log.fault(kind, n, what, error)
         if job.is_store:
             stored: list[OffloadKey] = []
             for key, status in zip(job.written, outcomes, strict=True):

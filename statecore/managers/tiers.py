@@ -66,7 +66,9 @@ class FaultLog:
     counted and logged at most once per ``interval_s``, with how many there were since. A
     fault of a kind in ``outage_kinds`` (the server did not answer) starts an outage; the
     first success after it is logged (INFO) with how long it lasted and the jobs that failed
-    meanwhile. Called from the thread that collects job results; the clock is injected.
+    meanwhile, at the same level as the faults (whoever sees an outage sees its end). Called
+    from the thread that collects job results; the clock is injected. :attr:`tier` (the
+    first words of every line) may be changed to tell several tiers apart.
 
     Args:
         logger: where to log (one logger per tier module).
@@ -142,7 +144,7 @@ class FaultLog:
         for kind in self.outage_kinds:
             self._last.pop(kind, None)
             more += self._quiet.pop(kind, 0)
-        self.logger.info(
+        self.logger.warning(
             "%s: recovered: %s after %.1f s (%d failures meanwhile, %d of them not logged "
             "one by one)",
             self.tier,

@@ -315,6 +315,8 @@ def run_instances(
             engine.workload = RoutedWorkload(router, i)
             attach_store_oracle(stack, engine)
             attribution.watch(stack.redis_tier, i)
+            log = stack.redis_tier.fault_log
+            log.tier = f"instance {i}: {log.tier}"
             stacks.append(stack)
             engines.append(engine)
         restart_at: int | None = None

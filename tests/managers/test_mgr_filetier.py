@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -275,3 +276,29 @@ def test_fsync_orders_file_rename_directory(
     again = FileTier(tmp_path, CPUPool(4, ROWS), executor=InlineExecutor())
     assert k(1) in again and k(2) in again  # the renamed files are found after a restart
     again.shutdown()
+
+
+def test_faults_are_counted_and_logged_by_kind_then_recovery(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="statecore.managers.filetier")
+    pool = CPUPool(2, ROWS)
+    tier = FileTier(tmp_path / "d", pool, executor=InlineExecutor())
+    (tmp_path / "d" / LOCK_NAME).unlink()
+    (tmp_path / "d").rmdir()  # the directory vanished: writes fail
+    tier.submit_store(1, [k(1)], [0])
+    tier.submit_store(2, [k(2)], [1])
+    assert [r.success for r in tier.get_finished()] == [False, False]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "io-error: a store of 1 chunk failed for 1 key" in lines[0]
+    assert tier.get_stats()["failed_jobs_io_error"] == 2
+    (tmp_path / "d").mkdir()  # the storage is back
+    tier.submit_store(3, [k(1)], [0])
+    assert tier.get_finished()[0].success
+    assert "recovered: the storage reads and writes again" in caplog.records[-1].getMessage()
+    (tmp_path / "d" / (k(1).hex() + ".chunk")).unlink()
+    tier.submit_load(4, [k(1)], [0])
+    assert tier.get_finished()[0].success is False
+    assert tier.get_stats()["failed_jobs_missing"] == 1
+    assert "missing: a load of 1 chunk failed for 1 key" in caplog.records[-1].getMessage()
+    tier.shutdown()

@@ -561,7 +561,7 @@ def test_faults_are_logged_by_kind_as_they_happen_and_recovery_is_logged(
         b.step()  # the promotion meets the stopped server
         assert b.lookup(1) is LookupResult.MISS  # its result is collected: recompute
         faults = [r for r in caplog.records if r.levelno == logging.WARNING]
-        assert faults and "unreachable: a promotion of 1 chunks failed for 1 key" in (
+        assert faults and "unreachable: a promotion of 1 chunk failed for 1 key" in (
             faults[0].getMessage()
         )
         assert not [r for r in caplog.records if "recovered" in r.getMessage()]
@@ -570,7 +570,7 @@ def test_faults_are_logged_by_kind_as_they_happen_and_recovery_is_logged(
         srv.start()
         b.store(5)  # the server answers again: one line says so
         recovered = [r for r in caplog.records if "recovered" in r.getMessage()]
-        assert len(recovered) == 1 and recovered[0].levelno == logging.INFO
+        assert len(recovered) == 1 and recovered[0].levelno == logging.WARNING
         assert b.tier.get_stats()["failed_jobs_unreachable"] == 0  # counters since last call
         a.close()
         b.close()
