@@ -20,7 +20,12 @@ names (``kv_offload_load_bytes`` ...), per-job sizes as lists under ``load_sizes
   ``vllm:kv_offload_total_time``, ``vllm:kv_offload_size``;
 * statecore's own counters, ``statecore:kv_offload_<counter>`` (lookups, hit tokens, stalled,
   late, stale, failed, discarded and carried jobs, flushes, deferrals, ...), and gauges
-  ``statecore:kv_offload_live_jobs``, ``..._stalled_ledger``, ``..._tracked_requests``.
+  ``statecore:kv_offload_live_jobs``, ``..._stalled_ledger``, ``..._tracked_requests``;
+* the secondary tiers' failed jobs by fault kind, ``statecore:kv_offload_tier_failed_jobs``
+  with the labels ``tier`` (``redis0``, ``file0``: the tier's stats prefix) and ``kind``
+  (``unreachable``, ``out-of-memory``, ``missing``, ``corrupt`` ...:
+  :data:`statecore.managers.tiers.FAULT_KINDS`), from the payload's
+  ``<tier>.failed_jobs_<kind>`` counters.
 
 Every metric carries the engine's label names first (vLLM passes them), as vLLM's do.
 """
@@ -34,6 +39,7 @@ from typing import Any
 __all__ = [
     "COUNTERS",
     "GAUGES",
+    "TIER_FAILED_JOBS",
     "TRANSFER_SIZE_BUCKETS",
     "VLLM_METRICS",
     "OffloadPrometheus",
@@ -116,6 +122,20 @@ GAUGES: dict[str, str] = {
     "tracked_requests": "Requests the scheduler tracks.",
 }
 """statecore's gauges (payload key -> help), as ``statecore:kv_offload_<key>``."""
+
+
+TIER_FAILED_JOBS = "statecore:kv_offload_tier_failed_jobs"
+"""The counter of the secondary tiers' failed jobs, labelled by ``tier`` and ``kind``."""
+
+_FAILED_JOBS = ".failed_jobs_"
+
+
+def _tier_fault(key: str) -> tuple[str, str] | None:
+    """``(tier, kind)`` of a payload key ``<tier>.failed_jobs_<kind>``, else ``None``."""
+    tier, sep, kind = key.partition(_FAILED_JOBS)
+    if not sep or not tier or not kind or "." in tier:
+        return None
+    return tier, kind.replace("_", "-")
 
 
 def stats_payload(
@@ -210,6 +230,11 @@ class OffloadPrometheus:
             key: gauge(name=f"statecore:kv_offload_{key}", documentation=doc, labelnames=names)
             for key, doc in GAUGES.items()
         }
+        self._tier_failed = counter(
+            name=TIER_FAILED_JOBS,
+            documentation="Secondary-tier jobs that failed, by tier and fault kind.",
+            labelnames=[*names, "tier", "kind"],
+        )
 
     def observe(self, data: Mapping[str, Any], engine_idx: int = 0) -> None:
         """Record one (aggregated) stats payload for engine ``engine_idx``."""
@@ -242,3 +267,8 @@ class OffloadPrometheus:
             value = data.get(key)
             if value is not None:
                 metric.labels(*labels).set(value)
+        for key, value in data.items():
+            if value and isinstance(value, int | float) and _FAILED_JOBS in key:
+                fault = _tier_fault(key)
+                if fault is not None:
+                    self._tier_failed.labels(*labels, *fault).inc(value)

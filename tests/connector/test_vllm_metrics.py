@@ -89,3 +89,29 @@ def test_every_statecore_counter_is_a_scheduler_counter() -> None:
 
     names = set(SchedulerCounters().as_dict())
     assert set(COUNTERS) <= names, set(COUNTERS) - names
+
+
+def test_tier_failed_jobs_are_counted_by_tier_and_kind() -> None:
+    reg = prometheus_client.CollectorRegistry()
+    prom = metrics(reg)
+    payload = {
+        "redis0.failed_jobs_unreachable": 3,
+        "redis0.failed_jobs_out_of_memory": 1,
+        "redis0.failed_jobs_corrupt": 0,
+        "file1.failed_jobs_missing": 2,
+        "redis0.failed_jobs": 4,  # the total: not a kind
+    }
+    prom.observe(stats_payload(payload, [], []), engine_idx=0)
+    prom.observe(stats_payload({"redis0.failed_jobs_unreachable": 2}, [], []), engine_idx=0)
+
+    def value(tier: str, kind: str) -> float | None:
+        got: float | None = reg.get_sample_value(
+            "statecore:kv_offload_tier_failed_jobs_total",
+            {"model_name": "m", "engine": "0", "tier": tier, "kind": kind},
+        )
+        return got
+
+    assert value("redis0", "unreachable") == 5
+    assert value("redis0", "out-of-memory") == 1
+    assert value("file1", "missing") == 2
+    assert value("redis0", "corrupt") is None  # never incremented: no series
