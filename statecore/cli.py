@@ -24,9 +24,9 @@ path that cannot be written), 130 interrupted (Ctrl-C), 141 output pipe closed e
 Logging: library code logs through :mod:`logging`, one logger per module under
 ``statecore`` (``statecore.managers.redistier``, ``statecore.sim.multi`` ...) and never
 prints. The command writes the ``statecore`` loggers' records to stderr, at the level of
-``--log-level`` (``warning`` by default: faults, their recovery and other warnings), an option every command accepts anywhere on its command
-line (:func:`configure_logging`). Long commands report progress on stderr
-(:mod:`statecore.progress`).
+``--log-level`` (``warning`` by default: faults, their recovery, other warnings), an option
+every command accepts anywhere on its command line (:func:`configure_logging`). Long
+commands report progress on stderr (:mod:`statecore.progress`).
 
 Helpers for command modules: :func:`int_range`, :func:`float_above` and :func:`output_file`
 are argparse ``type=`` converters whose errors name the allowed range, or the folder that is
@@ -323,21 +323,36 @@ def _unreachable(parser: argparse.ArgumentParser) -> NoReturn:  # pragma: no cov
     parser.error("a command is required")
 
 
+class _StderrHandler(logging.Handler):
+    """Writes each record as one line to the ``sys.stderr`` of the moment (or ``stream``)."""
+
+    def __init__(self, stream: Any = None) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            out = sys.stderr if self.stream is None else self.stream
+            out.write(self.format(record) + "\n")
+            out.flush()
+        except Exception:  # pragma: no cover - a closed stream: logging's own policy
+            self.handleError(record)
+
+
 def configure_logging(level: str = "warning", stream: Any = None) -> None:
-    """Send the ``statecore`` loggers' records at ``level`` and above to ``stream`` (stderr),
-    one line each: time, level, logger, message. Other libraries' loggers are left alone."""
+    """Send the ``statecore`` loggers' records at ``level`` and above to ``stream`` (the
+    current stderr by default), one line each: time, level, logger, message. Other libraries'
+    loggers are left alone; records still propagate to the root logger's handlers, if any."""
     logger = logging.getLogger("statecore")
-    for handler in list(logger.handlers):
-        if getattr(handler, "_statecore_cli", False):
-            logger.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr if stream is None else stream)
+    for old in list(logger.handlers):
+        if isinstance(old, _StderrHandler):
+            logger.removeHandler(old)
+    handler = _StderrHandler(stream)
     handler.setFormatter(
         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     )
-    handler._statecore_cli = True  # type: ignore[attr-defined]
     logger.addHandler(handler)
     logger.setLevel(level.upper())
-    logger.propagate = False
 
 
 def _log_level(args: list[str]) -> tuple[str, list[str]]:

@@ -181,3 +181,59 @@ def test_generated_cli_page_documents_exit_codes() -> None:
     for code, meaning in cli.EXIT_CODES.items():
         assert f"| {code} | {meaning} |" in page
     assert "argparse" in page
+
+
+@pytest.mark.usefixtures("no_simulation")
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["simulate", "--redis-url", "redis://127.0.0.1:1/0"],
+            "--redis-url is used only with --instances 2 or more",
+        ),
+        (["simulate", "--keep-keys"], "--keep-keys is used only with --instances 2 or more"),
+        (["simulate", "--instances", "2", "--tiering"], "--tiering does nothing with --instances"),
+        (
+            ["simulate", "--instances", "2", "--redis-url", "http://nope"],
+            "cannot use Redis URL 'http://nope': ValueError: Redis URL must specify one of",
+        ),
+        (
+            ["simulate", "--instances", "2", "--redis-url", "redis://127.0.0.1:1/0"],
+            "the Redis server at redis://127.0.0.1:1/0 does not answer: ConnectionError",
+        ),
+        (["tier", "--redis-url", "redis://127.0.0.1:1/0", "list"], "does not answer"),
+        (["--log-level", "loud", "simulate"], "--log-level: expected one of debug, info"),
+    ],
+)
+def test_unusable_configuration_fails_fast_with_one_line_and_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    pytest.importorskip("redis", reason="the redis package is not installed (statecore[test])")
+    code, out, err = _run(capsys, *argv)
+    assert code == 2, err
+    assert message in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert out == ""
+
+
+def test_log_level_is_taken_anywhere_and_logs_go_to_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import logging
+
+    assert cli._log_level(["simulate", "--log-level", "debug", "--seed", "1"]) == (
+        "debug",
+        ["simulate", "--seed", "1"],
+    )
+    assert cli._log_level(["--log-level=error", "check"]) == ("error", ["check"])
+    assert cli._log_level(["fuzz", "--", "--log-level", "x"]) == (
+        "warning",
+        ["fuzz", "--", "--log-level", "x"],
+    )
+    cli.configure_logging("info")
+    logging.getLogger("statecore.test.cli").info("a line")
+    logging.getLogger("statecore.test.cli").debug("not this one")
+    out, err = capsys.readouterr()
+    assert out == "" and "INFO statecore.test.cli: a line" in err and "not this" not in err
+    cli.configure_logging("warning")
+    assert len(logging.getLogger("statecore").handlers) == 1

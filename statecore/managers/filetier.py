@@ -475,7 +475,9 @@ class FileTier(ExecutorTier):
         faults: Counter[str] = Counter(status for status, _ in outcomes if status != _OK)
         if outcomes and _IO_ERROR not in faults:
             self.fault_log.success()
-        what = f"{'a store' if job.is_store else 'a load'} of {len(outcomes)} chunk{'' if len(outcomes) == 1 else 's'}"
+        n_chunks = len(outcomes)
+        what = f"{'a store' if job.is_store else 'a load'} of {n_chunks} chunk"
+        what += "" if n_chunks == 1 else "s"
         for kind, n in faults.items():
             self.fault_log.fault(kind, n, what)
         if job.is_store:

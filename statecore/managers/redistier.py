@@ -801,7 +801,8 @@ class RedisTier(ExecutorTier):
             stats["unreachable_keys"] += faults["unreachable"]
         elif count:
             self.fault_log.success()  # the server answered every command of the job
-        what = f"{'a store' if job.is_store else 'a promotion'} of {count} chunk{'' if count == 1 else 's'}"
+        what = f"{'a store' if job.is_store else 'a promotion'} of {count} chunk"
+        what += "" if count == 1 else "s"
         for kind, n in faults.items():
             error = self._last_error if kind == "unreachable" else ""
             self.fault_log.fault(kind, n, what, error)
