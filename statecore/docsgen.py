@@ -637,11 +637,17 @@ def render_invariants_page(root: Path | None = None) -> str:
 # CLI page
 
 
-def _option_rows(parser: argparse.ArgumentParser) -> Iterator[str]:
+def _option_rows(parser: argparse.ArgumentParser, within: str = "") -> Iterator[str]:
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
             continue
-        names = ", ".join(action.option_strings) or action.dest
+        if isinstance(action, argparse._SubParsersAction):  # one row per action, then its own
+            helps = {a.dest: a.help or "" for a in action._choices_actions}
+            for name, sub in action.choices.items():
+                yield f"| `{within}{name}` | {_cell(helps.get(name, ''))} | |"
+                yield from _option_rows(sub, f"{within}{name} ")
+            continue
+        names = ", ".join(action.option_strings) or (action.metavar or action.dest)
         if action.nargs != 0 and action.option_strings:
             if action.metavar is not None:
                 names += f" {action.metavar}"
@@ -655,7 +661,7 @@ def _option_rows(parser: argparse.ArgumentParser) -> Iterator[str]:
         default = ""
         if action.nargs != 0 and action.default not in (None, argparse.SUPPRESS):
             default = f"`{action.default}`"
-        yield f"| `{names}` | {_cell(text)} | {_cell(default)} |"
+        yield f"| `{within}{names}` | {_cell(text)} | {_cell(default)} |"
 
 
 def render_cli_page() -> str:
@@ -672,6 +678,12 @@ def render_cli_page() -> str:
         "commands, `statecore COMMAND --help` (and `statecore bench --help`, "
         "`statecore bench NAME --help`) shows a command's options with their defaults. "
         "`statecore --version` prints the installed version.",
+        "",
+        "Every command accepts `--log-level {debug,info,warning,error}` anywhere on its "
+        "command line (default `warning`): the `statecore` loggers' lines (one logger per "
+        "component, e.g. `statecore.managers.redistier`) go to stderr, the report to stdout. "
+        "Long commands report progress on stderr: a line redrawn in place on a terminal, a "
+        "heartbeat line every few seconds otherwise.",
         "",
         "The command line is built with the standard library's `argparse` (subcommands from a "
         "registry in `statecore.cli`, one line per command, each module imported only when it "

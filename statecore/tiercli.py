@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", action="store_true", help="the server is a cluster node")
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     ls = sub.add_parser("list", help="namespaces on the server, with keys and bytes")
-    ls.add_argument("--prefix", default="", help="only keys that start with this")
+    ls.add_argument("--prefix", help="only keys that start with this (default: every key)")
     ins = sub.add_parser("inspect", help="keys under PREFIX: hex key, header, checksum verdict")
     ins.add_argument("prefix", metavar="PREFIX", help="the key prefix (e.g. statecore)")
     ins.add_argument(
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.action == "list":
-            _list(client, args.prefix.encode())
+            _list(client, (args.prefix or "").encode())
         elif args.action == "inspect":
             _inspect(client, args.prefix.encode(), args.limit)
         else:

@@ -658,3 +658,30 @@ def test_probe_server_fails_fast_with_one_line(server: LocalRedis) -> None:
         assert "\n" not in str(exc)
     assert public_url("redis://user:secret@host:1/0") == "redis://user:***@host:1/0"
     assert public_url("redis://:secret@host:1/0") == "redis://***@host:1/0"
+
+
+def test_tier_command_lists_inspects_and_clears_a_namespace(
+    server: LocalRedis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from statecore import cli
+
+    a = Instance(config(server, prefix="cmd-run"))
+    a.store(1, 2)
+    client = server.client()
+    rkey = a.tier.redis_key(k(2))
+    raw = client.get(rkey)
+    client.set(rkey, raw[:-1] + bytes([raw[-1] ^ 1]))  # one flipped byte
+    url = ["--redis-url", server.url]
+    assert cli.main(["tier", *url, "list", "--prefix", "cmd-run"]) == 0
+    out = capsys.readouterr().out
+    fp = a.tier.fingerprint.hex()
+    assert "cmd-run" in out and fp in out and "1 namespaces; 0 keys" in out
+    assert cli.main(["tier", *url, "inspect", "cmd-run:"]) == 0
+    out = capsys.readouterr().out
+    assert f"key      cmd-run:{fp}:{k(1).hex()}" in out and "verdict ok" in out
+    assert "verdict corrupt" in out and "2 keys inspected: corrupt 1, ok 1" in out
+    assert b"\x00" in k(1) and "\x00" not in out  # raw key bytes never reach the terminal
+    assert cli.main(["tier", *url, "clear", "cmd-run"]) == 0
+    assert "deleted 2 keys" in capsys.readouterr().out
+    assert cli.main(["tier", *url, "clear", ""]) == 2
+    a.close()
