@@ -647,7 +647,7 @@ def _option_rows(parser: argparse.ArgumentParser, within: str = "") -> Iterator[
                 yield f"| `{within}{name}` | {_cell(helps.get(name, ''))} | |"
                 yield from _option_rows(sub, f"{within}{name} ")
             continue
-        names = ", ".join(action.option_strings) or (action.metavar or action.dest)
+        names = ", ".join(action.option_strings) or str(action.metavar or action.dest)
         if action.nargs != 0 and action.option_strings:
             if action.metavar is not None:
                 names += f" {action.metavar}"
