@@ -26,20 +26,22 @@ import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import hypothesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisException
 
-from statecore.sim.engine import GROUP_PRESETS
+from statecore.sim.presets import GROUP_PRESETS
 
-from .stack import STACK_CONFIG, StackHarness, StackMachine
+if TYPE_CHECKING:  # the whole-stack harness needs torch and numpy (statecore[fuzz]); the
+    # conformance kit (--manager) runs without them (statecore[conformance])
+    from .stack import StackHarness
 
 __all__ = ["OPS", "campaign", "decode", "harness_factory_for", "main", "run_program"]
 
-_Op = tuple[str, Callable[[StackHarness, int], Any]]
+_Op: TypeAlias = "tuple[str, Callable[[StackHarness, int], Any]]"
 
 _OP_TABLE: list[tuple[int, _Op]] = [
     (8, ("step", lambda h, a: h.step())),
@@ -98,7 +100,11 @@ def run_program(program: bytes, harness: StackHarness | None = None) -> int:
     Returns the number of operations executed. Raises
     :class:`~statecore.errors.InvariantViolation` (or whatever the stack raised) on a finding.
     """
-    h = harness or StackHarness()
+    if harness is None:
+        from .stack import StackHarness
+
+        harness = StackHarness()
+    h = harness
     ops = decode(program)
     try:
         for name, arg in ops:
@@ -150,6 +156,8 @@ def harness_factory_for(manager: str = "lru", groups: str = "hybrid") -> Callabl
     from statecore.sim.engine import kv_groups
     from statecore.sim.run import parse_manager
 
+    from .stack import STACK_CONFIG, StackHarness
+
     cfg = dataclasses.replace(STACK_CONFIG, manager=parse_manager(manager), groups=groups)
     kv_groups(groups, cfg.tokens_per_block)  # an unknown preset fails here, not per program
     return lambda: StackHarness(cfg)
@@ -159,10 +167,11 @@ def campaign(
     seconds: float,
     max_ops: int = 400,
     examples_per_round: int = 8,
-    harness_factory: Callable[[], StackHarness] = StackHarness,
+    harness_factory: Callable[[], StackHarness] | None = None,
     out: Any = None,
     seed: int | None = None,
     shrink_seconds: float = 30.0,
+    on_program: Callable[[int, int], None] | None = None,
 ) -> tuple[int, int, float, str | None]:
     """Fuzz for ``seconds``; returns (operations, programs, elapsed, failure report or None).
 
@@ -170,13 +179,21 @@ def campaign(
     campaign replays from its seed as far as the time box allows); without, Hypothesis picks.
     Shrinking a failure takes at most ``shrink_seconds`` more (then the smallest failing
     program so far is reported); ``shrink_seconds=0`` reports the first failing program as
-    found (the time to the first finding, as the mutant tests measure it).
+    found (the time to the first finding, as the mutant tests measure it). A failure's report
+    says when it was found and how long shrinking took, separately. ``on_program(operations,
+    programs)`` is called after every passing program (progress).
     """
+    if harness_factory is None:
+        from .stack import StackHarness
+
+        harness_factory = StackHarness
+    make_harness = harness_factory
     out = out or sys.stdout
     counted = {"ops": 0, "programs": 0}
     failing: list[bytes] = []
     deadline = time.monotonic() + seconds
     shrink_until = [float("inf")]
+    found_at = [0.0]
     caught: list[BaseException] = []
 
     @given(st.binary(min_size=max_ops, max_size=2 * max_ops))
@@ -186,14 +203,17 @@ def campaign(
                 raise caught[0]  # Hypothesis replays the smallest failure: report it again
             return  # shrinking time is up: this candidate counts as passing
         try:
-            counted["ops"] += run_program(program, harness_factory())
+            counted["ops"] += run_program(program, make_harness())
             counted["programs"] += 1
         except BaseException as exc:
             if not failing:
-                shrink_until[0] = time.monotonic() + shrink_seconds
+                found_at[0] = time.monotonic()
+                shrink_until[0] = found_at[0] + shrink_seconds
             failing[:] = [program]
             caught[:] = [exc]
             raise
+        if on_program is not None:
+            on_program(counted["ops"], counted["programs"])
 
     prop = _settings(examples_per_round, shrink_seconds > 0)(prop)
     t0 = time.monotonic()
@@ -205,8 +225,15 @@ def campaign(
             run()
         except (Exception, HypothesisException) as exc:
             program = failing[0] if failing else b""
+            now = time.monotonic()
+            timing = (
+                f"found after {found_at[0] - t0:.1f} s ({counted['programs']} programs passed "
+                f"before it); shrinking took {now - found_at[0]:.1f} s"
+                if failing
+                else f"failed after {now - t0:.1f} s"
+            )
             report = (
-                f"FAILED: {type(exc).__name__}: {exc}\n\n"
+                f"FAILED: {type(exc).__name__}: {exc}\n{timing}\n\n"
                 f"shrunk reproduction ({len(program) // 2} operations, "
                 f"program={program!r}):\n\n{format_program(program)}"
             )
@@ -216,6 +243,8 @@ def campaign(
 
 def _stateful_campaign(seconds: float, steps: int) -> tuple[int, int, float, str | None]:
     from hypothesis.stateful import run_state_machine_as_test
+
+    from .stack import StackMachine
 
     deadline = time.monotonic() + seconds
     t0 = time.monotonic()
@@ -346,12 +375,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"statecore fuzz: {exc}", file=sys.stderr)
         return 2
-    if args.mode == "program":
-        ops, programs, elapsed, failure = campaign(
-            args.seconds, args.max_ops, harness_factory=factory, seed=args.seed
-        )
-    else:
-        ops, programs, elapsed, failure = _stateful_campaign(args.seconds, args.max_ops)
+    from statecore.progress import Progress
+
+    with Progress("statecore fuzz", unit="programs") as bar:
+        if args.mode == "program":
+            ops, programs, elapsed, failure = campaign(
+                args.seconds,
+                args.max_ops,
+                harness_factory=factory,
+                seed=args.seed,
+                on_program=lambda ops, n: bar.update(n, f"{ops} steps, {args.seconds:g} s box"),
+            )
+        else:
+            ops, programs, elapsed, failure = _stateful_campaign(args.seconds, args.max_ops)
     rate = ops / elapsed if elapsed > 0 else 0.0
     print(
         f"statecore fuzz ({args.mode}, manager {args.manager}, groups {args.groups}): {ops} "

@@ -11,6 +11,7 @@ argument and returns an :class:`~statecore.manager.OffloadingManager`.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -40,15 +41,26 @@ def resolve_manager(spec: str) -> Callable[[int], OffloadingManager]:
     """The factory ``spec`` (``package.module:Factory``) names; ``ValueError`` if it does not.
 
     The factory is called with the capacity; what it returns must be an
-    :class:`~statecore.manager.OffloadingManager` (checked by :func:`run_kit`).
+    :class:`~statecore.manager.OffloadingManager` (checked by :func:`run_kit`). The module is
+    looked for in the current folder first, then on ``sys.path`` (as ``python -m`` does; an
+    installed ``statecore`` script does not put the current folder on its path by itself).
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--manager {spec!r}: expected package.module:Factory")
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"--manager {spec!r}: cannot import {module_name!r}: {exc}") from exc
+        hint = ""
+        if getattr(exc, "name", None) == module_name.split(".")[0]:
+            hint = (
+                f" (looked in the current folder {here} and on sys.path: run from the folder "
+                "that holds it, or add that folder to PYTHONPATH)"
+            )
+        raise ValueError(f"--manager {spec!r}: cannot import {module_name!r}: {exc}{hint}") from exc
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):

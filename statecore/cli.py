@@ -84,6 +84,29 @@ _BENCHES: dict[str, tuple[str, str]] = {
     "tier": ("statecore.bench.tier", "Redis tier GB/s next to plain pipelined SET/GET"),
 }
 
+# The extra that installs what a command needs (docs/index.md lists them); a missing package
+# is a one-line usage error naming it. Commands not listed need no extra.
+_EXTRA_OF_COMMAND: dict[str, str] = {
+    "simulate": "sim",
+    "fuzz": "fuzz",
+    "check": "sim",
+    "tier": "redis",
+    "bench transfer": "torch",
+    "bench scheduler": "sim",
+    "bench tier": "redis",
+}
+# otherwise, the extra that brings a missing top-level module
+_EXTRA_OF_MODULE: dict[str, str] = {
+    "numpy": "sim",
+    "torch": "torch",
+    "matplotlib": "sim",
+    "hypothesis": "fuzz",
+    "redis": "redis",
+    "mkdocs": "docs",
+    "vllm": "vllm",
+    "cosmic_ray": "mutate",
+}
+
 EXIT_CODES: dict[int, str] = {
     0: "success: the run or the check passed",
     1: "a check failed (violation, stale file, failure found)",
@@ -391,12 +414,41 @@ class _UsageError(Exception):
     """A usage error found before a command's parser runs (exit status 2)."""
 
 
+def _extra_for(command: str, args: list[str], module: str) -> str | None:
+    """The extra that brings ``module`` (a missing top-level module) to ``command``."""
+    if module.split(".")[0] not in _EXTRA_OF_MODULE and module.split(".")[0] != "xxhash":
+        return None
+    if command == "fuzz" and any(":" in a for a in args):  # --manager pkg.mod:Factory
+        return "conformance"
+    if command == "simulate" and module.split(".")[0] in ("redis", "xxhash"):
+        return "redis"
+    return _EXTRA_OF_COMMAND.get(command) or _EXTRA_OF_MODULE.get(module.split(".")[0])
+
+
+def _missing_extra(command: str, args: list[str], exc: ModuleNotFoundError) -> int:
+    """A package a command needs is not installed: one line naming the extra (status 2)."""
+    extra = _extra_for(command, args, exc.name or "")
+    if extra is None:
+        raise exc
+    print(
+        f"statecore {command}: needs the {exc.name} package, which is not installed: "
+        f'pip install "statecore[{extra}]"',
+        file=sys.stderr,
+    )
+    return 2
+
+
 def _dispatch(args: list[str]) -> int:
     name, rest = _split(_top_parser(), args)
-    if name == "bench":
-        name, rest = _split(_bench_parser(), rest)
-        return _call(_BENCHES[name][0], rest)
-    return _call(_COMMANDS[name][0], rest)
+    command = name
+    try:
+        if name == "bench":
+            name, rest = _split(_bench_parser(), rest)
+            command = f"bench {name}"
+            return _call(_BENCHES[name][0], rest)
+        return _call(_COMMANDS[name][0], rest)
+    except ModuleNotFoundError as exc:
+        return _missing_extra(command, rest, exc)
 
 
 def _quiet_pipe() -> None:

@@ -66,6 +66,7 @@ from statecore.sim.blocks import BlockPool
 from statecore.sim.faults import ReportChannel, SimFaults
 from statecore.sim.hashing import ROOT_HASH, extend_block_hashes
 from statecore.sim.kv import KVCache
+from statecore.sim.presets import GROUP_PRESETS
 from statecore.sim.workload import Turn, Workload, WorkloadConfig
 from statecore.views import Request, ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, WorkerMetadata
@@ -90,14 +91,6 @@ __all__ = [
     "shutdown_observed",
     "update_observed",
 ]
-
-GROUP_PRESETS: dict[str, str] = {
-    "full": "one full-attention group",
-    "hybrid": "full attention + sliding window of 2.5 blocks (not a multiple of a chunk)",
-    "mixed": "full attention + a sliding-window group with twice the tokens per block",
-    "hybrid3": "full attention + two sliding windows (2.5 and 5.5 blocks)",
-}
-"""KV-cache group configurations by name (``SimConfig.groups``, ``--groups``)."""
 
 
 def kv_groups(name: str, tokens_per_block: int) -> tuple[GroupConfig, ...]:
