@@ -242,8 +242,8 @@ print(json.dumps({extra: closure(extra) for extra in sys.argv[1:]}))
 """
 
 
-def _wheel_requirements(wheel: Path) -> list[str]:
-    """The wheel's requirements that ``statecore[sim,fuzz]`` installs (base and those extras)."""
+def _wheel_requirements(wheel: Path, extras: tuple[str, ...] = EXTRAS) -> list[str]:
+    """The wheel's requirements that ``statecore[<extras>]`` installs (base and those extras)."""
     import zipfile
 
     from packaging.requirements import Requirement
@@ -255,7 +255,7 @@ def _wheel_requirements(wheel: Path) -> list[str]:
     for line in metadata.splitlines():
         if line.startswith("Requires-Dist:"):
             req = Requirement(line.split(":", 1)[1].strip())
-            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in EXTRAS):
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras):
                 out.append(str(req))
     return out
 
@@ -333,6 +333,13 @@ def wheel_venv(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     If the test environment lacks a declared dependency, pip installs it from the index
     instead (torch pinned).
     """
+    return _make_venv(built_wheel, tmp_path_factory, EXTRAS)
+
+
+def _make_venv(
+    built_wheel: Path, tmp_path_factory: pytest.TempPathFactory, extras: tuple[str, ...]
+) -> Path:
+    """A fresh venv with the wheel and ``extras`` (see :func:`wheel_venv`)."""
     import sysconfig
 
     venv = tmp_path_factory.mktemp("wheel-venv") / "venv"
@@ -350,11 +357,11 @@ def wheel_venv(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> P
         ).stdout.strip()
     )
     assert Path(sysconfig.get_paths()["purelib"]) != site
-    closure = _installed_closure([*_wheel_requirements(built_wheel), "pip"])
+    closure = _installed_closure([*_wheel_requirements(built_wheel, extras), "pip"])
     closure.pop("statecore", None)
     for dist in closure.values():
         _link_distribution(dist, site)
-    spec = f"{built_wheel}[{','.join(EXTRAS)}]"
+    spec = f"{built_wheel}[{','.join(extras)}]"
     install = _pip(python, "--no-index", spec, timeout=300)
     if install.returncode != 0:  # a declared dependency this environment does not have
         install = _pip(python, spec, TORCH_PIN)
@@ -388,9 +395,9 @@ def _run_installed(
     )
 
 
-def _closures(venv: Path) -> dict[str, list[str]]:
+def _closures(venv: Path, extras: tuple[str, ...] = EXTRAS) -> dict[str, list[str]]:
     result = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", CLOSURE, *EXTRAS],
+        [str(venv / "bin" / "python"), "-c", CLOSURE, *extras],
         capture_output=True,
         text=True,
         timeout=120,
@@ -477,3 +484,59 @@ def test_wheel_metadata_declares_license_and_extras_and_no_invented_url(built_wh
     assert "Classifier: License" not in metadata or "Apache" in metadata
     assert "Classifier: Typing :: Typed" in metadata
     assert "Project-URL: " not in metadata  # there is no public repository to point at
+
+
+def test_installed_wheel_check_mutant_says_it_needs_a_checkout(
+    wheel_venv: Path, tmp_path: Path
+) -> None:
+    run = _run_installed(wheel_venv, tmp_path, "check", "--mutant", "anything")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "--mutant needs a source checkout of statecore" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr
+
+
+@pytest.fixture(scope="module")
+def conformance_venv(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv with the wheel and the ``conformance`` extra alone (no torch, no numpy)."""
+    return _make_venv(built_wheel, tmp_path_factory, ("conformance",))
+
+
+MANAGER_MODULE = """
+from statecore.managers.cpu import CPUOffloadingManager
+
+
+def make(capacity):
+    return CPUOffloadingManager(capacity)
+"""
+
+
+def test_conformance_extra_runs_the_kit_on_a_module_of_the_current_folder(
+    conformance_venv: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "mymanager.py").write_text(MANAGER_MODULE, encoding="utf-8")
+    audit = tmp_path / "imports.json"
+    run = _run_installed(
+        conformance_venv,
+        tmp_path,
+        *("fuzz", "--manager", "mymanager:make", "--examples", "5", "--steps", "10"),
+        *("--seed", "1"),
+        audit=audit,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "conformance: no violation found" in run.stdout
+    allowed = _closures(conformance_venv, ("conformance",))["conformance"]
+    outside = _imported_outside(audit, allowed)
+    assert not outside, f"statecore[conformance] does not declare what the kit imports: {outside}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "extra"),
+    [(["simulate"], "sim"), (["fuzz", "--seconds", "1"], "fuzz"), (["tier", "list"], "redis")],
+)
+def test_a_missing_extra_is_one_line_naming_it(
+    conformance_venv: Path, tmp_path: Path, argv: list[str], extra: str
+) -> None:
+    run = _run_installed(conformance_venv, tmp_path, *argv)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f'pip install "statecore[{extra}]"' in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr

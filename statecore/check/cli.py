@@ -22,7 +22,7 @@ from statecore.check.explore import Result, explore, format_counterexample, pyte
 from statecore.check.scopes import SCOPES
 from statecore.cli import float_above, int_range, run_module
 
-__all__ = ["add_arguments", "main", "mutant_applied", "run"]
+__all__ = ["MutantUnavailable", "add_arguments", "find_mutant", "main", "mutant_applied", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,11 +57,23 @@ def mutant_applied(name: str | None) -> Iterator[None]:
     """Apply the catalogue mutant ``name`` (None: nothing) for the duration of the block.
 
     The catalogue lives in the checkout's ``tests/mutants``; it is looked up from the current
-    directory upwards, then beside this package.
+    directory upwards, then beside this package (:func:`find_mutant`).
     """
     if name is None:
         yield
         return
+    mutant = find_mutant(name)
+    with mutant.apply():
+        yield
+
+
+class MutantUnavailable(Exception):
+    """``--mutant`` cannot be used: no source checkout, or no such mutant (a usage error)."""
+
+
+def find_mutant(name: str) -> Any:
+    """The catalogue's mutant ``name``; :class:`MutantUnavailable` (with the one-line reason)
+    when there is no source checkout to take the catalogue from, or no such mutant."""
     here = Path.cwd().resolve()
     candidates = [d / "tests" / "mutants" for d in (here, *here.parents)]
     candidates.append(Path(__file__).resolve().parents[2] / "tests" / "mutants")
@@ -71,14 +83,17 @@ def mutant_applied(name: str | None) -> Iterator[None]:
                 sys.path.insert(0, str(d))
             break
     else:
-        raise SystemExit("statecore check: tests/mutants/catalogue.py not found")
+        raise MutantUnavailable(
+            "--mutant needs a source checkout of statecore: the seeded mutants live in its "
+            f"tests/mutants/catalogue.py, not found from {here} upwards (an installed wheel "
+            "does not ship them); run from the checkout"
+        )
     import catalogue  # type: ignore[import-not-found]
 
     mutants: dict[str, Any] = {**catalogue.MUTANTS, **getattr(catalogue, "REDIS_MUTANTS", {})}
     if name not in mutants:
-        raise SystemExit(f"statecore check: unknown mutant {name!r}; known: {sorted(mutants)}")
-    with mutants[name].apply():
-        yield
+        raise MutantUnavailable(f"unknown mutant {name!r}; known: {', '.join(sorted(mutants))}")
+    return mutants[name]
 
 
 def _figures(res: Result) -> dict[str, Any]:
@@ -118,18 +133,32 @@ def run(args: argparse.Namespace) -> int:
             )
         return 0
     names = list(SCOPES) if args.all else (args.scope or ["one"])
+    if args.mutant is not None:
+        try:
+            find_mutant(args.mutant)
+        except MutantUnavailable as exc:
+            print(f"statecore check: {exc}", file=sys.stderr)
+            return 2
+    from statecore.progress import Progress
+
     failed = False
     out: list[dict[str, Any]] = []
     for name in names:
         scope = SCOPES[name]
         if args.depth is not None:
             scope = dataclasses.replace(scope, depth=args.depth)
-        with mutant_applied(args.mutant):
+        with (
+            mutant_applied(args.mutant),
+            Progress(f"statecore check ({scope.name})", unit="states") as bar,
+        ):
             res = explore(
                 scope,
                 liveness=not args.no_liveness,
                 max_states=args.max_states,
                 time_limit=args.time_limit,
+                progress=lambda r, bound=scope.depth: bar.update(  # type: ignore[misc]
+                    r.states, f"depth {r.depth} of {bound}, {r.transitions} transitions"
+                ),
             )
             text = (
                 None

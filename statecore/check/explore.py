@@ -235,6 +235,8 @@ def explore(
                     w = _loads(blob)
                 w.apply(action)
                 res.transitions += 1
+                if progress is not None and not res.transitions & 8191:
+                    progress(res)  # within a level too: a deep level takes minutes
                 k2 = hash(w.key())
                 if k2 in parents:
                     continue

@@ -272,7 +272,7 @@ class RedisTierConfig:
             from redis.retry import Retry
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ConfigError(
-                "RedisTier needs the redis package: pip install 'statecore[redis]'"
+                'RedisTier needs the redis package: pip install "statecore[redis]"'
             ) from exc
         common: dict[str, Any] = {
             "socket_timeout": self.timeout_s,
