@@ -865,10 +865,14 @@ def _coverage(items: list[Any], failures: _Failures) -> dict[str, Any]:
         return cached
 
     def trace() -> str:
+        from statecore.progress import Progress
+
         tracer = _Tracer()
         result: dict[str, Any] = {"killers": {}, "failed": []}
+        bar = Progress("coverage run", total=len(items), unit="killers")
         tracer.start()
         for i, item in enumerate(items):
+            bar.update(i)
             nxt = items[i + 1] if i + 1 < len(items) else None
             tracer.hits = set()
             t0 = time.perf_counter()
@@ -883,6 +887,7 @@ def _coverage(items: list[Any], failures: _Failures) -> dict[str, Any]:
             if killed:
                 failures.failed.add(name)
         tracer.stop()
+        bar.close()
         result["failed"] = sorted(failures.failed)
         CACHE.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

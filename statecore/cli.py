@@ -36,6 +36,7 @@ missing; argparse prefixes them with the flag.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -445,7 +446,14 @@ def _dispatch(args: list[str]) -> int:
         if name == "bench":
             name, rest = _split(_bench_parser(), rest)
             command = f"bench {name}"
-            return _call(_BENCHES[name][0], rest)
+            if "--help" in rest or "-h" in rest:
+                return _call(_BENCHES[name][0], rest)
+            from statecore.progress import Heartbeat
+
+            with contextlib.suppress(AttributeError, ValueError):  # a replaced stdout
+                sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+            with Heartbeat(f"statecore {command}"):  # each row is printed as it is measured
+                return _call(_BENCHES[name][0], rest)
         return _call(_COMMANDS[name][0], rest)
     except ModuleNotFoundError as exc:
         return _missing_extra(command, rest, exc)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-__all__ = ["Progress"]
+__all__ = ["Heartbeat", "Progress"]
 
 
 class Progress:
@@ -89,3 +89,43 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Heartbeat:
+    """A line on ``stream`` every ``interval_s`` seconds while a block runs, from a thread
+    (for commands whose work has no natural place to report from, e.g. the benchmarks; the
+    thread sleeps in between, so it does not disturb what they measure).
+
+    Args:
+        label: what is running.
+        interval_s: seconds between lines (the first after one interval).
+        stream: where to write (default ``sys.stderr``).
+    """
+
+    def __init__(self, label: str, interval_s: float = 10.0, stream: TextIO | None = None) -> None:
+        import threading
+
+        self.label = label
+        self.interval_s = interval_s
+        self.stream = sys.stderr if stream is None else stream
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="statecore-heartbeat", daemon=True)
+        self._start = time.monotonic()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            elapsed = time.monotonic() - self._start
+            try:
+                self.stream.write(f"{self.label}: still running, {elapsed:.0f} s\n")
+                self.stream.flush()
+            except (OSError, ValueError):  # stderr closed: stop quietly
+                return
+
+    def __enter__(self) -> Heartbeat:
+        self._start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -237,3 +237,38 @@ def test_log_level_is_taken_anywhere_and_logs_go_to_stderr(
     assert out == "" and "INFO statecore.test.cli: a line" in err and "not this" not in err
     cli.configure_logging("warning")
     assert len(logging.getLogger("statecore").handlers) == 1
+
+
+def test_progress_heartbeat_lines_off_a_terminal_and_a_redrawn_line_on_one() -> None:
+    import io
+
+    from statecore.progress import Progress
+
+    now = [0.0]
+    log = io.StringIO()
+    bar = Progress("work", total=10, unit="steps", stream=log, interval_s=5.0, clock=lambda: now[0])
+    for step in range(10):
+        now[0] = step * 2.0
+        bar.update(step, "note")
+    bar.close()
+    assert log.getvalue().splitlines() == [
+        "work: 3/10 steps, 6 s, note",  # one line every 5 s, none before the first 5 s
+        "work: 6/10 steps, 12 s, note",
+        "work: 9/10 steps, 18 s, note",
+    ]
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    bar = Progress("work", unit="steps", stream=term, clock=lambda: now[0])
+    bar.update(1)
+    now[0] += 1.0
+    bar.update(2)
+    bar.close()
+    text = term.getvalue()
+    assert "\n" not in text and text.count("\r") == 4 and "work: 2 steps, 1 s" in text
+    quiet = io.StringIO()
+    Progress("work", stream=quiet, enabled=False, interval_s=0.0).update(1)
+    assert quiet.getvalue() == ""
