@@ -95,7 +95,8 @@ class SimReport:
         if self.requests_wanted and arrived < self.requests_wanted:
             out.append(
                 f"only {arrived} of {self.requests_wanted} requests arrived within "
-                f"{self.steps} steps; the figures cover those {arrived} (raise --steps)"
+                f"{self.steps} steps; the figures cover those {arrived} (give the run more "
+                "steps, or fewer requests)"
             )
         out.extend(
             f"{jam}: the engine model jammed (its GPU pool is too small for the blocks its "

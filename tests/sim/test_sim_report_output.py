@@ -43,7 +43,8 @@ def test_requests_that_never_arrived_are_a_warning(short_run: tuple[SimConfig, S
     assert header.startswith("statecore simulate: PASS with 1 warning")
     assert f"WARNING       only {arrived} of 400 requests arrived within 60 steps" in text
     data = json.loads(report.to_json())
-    assert data["warnings"] and "raise --steps" in data["warnings"][0]
+    assert data["warnings"] and "give the run more steps" in data["warnings"][0]
+    assert "--" not in data["warnings"][0]  # no command-line flag: the report serves Python too
 
 
 def test_json_has_settings_seed_and_wall_time(short_run: tuple[SimConfig, SimReport]) -> None:
