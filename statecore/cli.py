@@ -93,7 +93,6 @@ _EXTRA_OF_COMMAND: dict[str, str] = {
     "check": "sim",
     "tier": "redis",
     "bench transfer": "torch",
-    "bench scheduler": "sim",
     "bench tier": "redis",
 }
 # otherwise, the extra that brings a missing top-level module

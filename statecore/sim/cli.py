@@ -212,7 +212,7 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
         try:
             import redis  # noqa: F401
         except ImportError:
-            return '--instances needs the Redis client: pip install "statecore[redis]"'
+            return '--instances needs the Redis client: pip install "statecore[sim,redis]"'
         if args.redis_url is not None:
             from statecore.managers.redistier import probe_server
 
