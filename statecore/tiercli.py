@@ -87,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+_KIND_NAMES = {1: "CRC-32", 2: "XXH3-64"}
+
+
 def _text(raw: bytes) -> str:
     return raw.decode("utf-8", "backslashreplace")
 
@@ -137,7 +140,8 @@ def _inspect(client: Any, prefix: bytes, limit: int) -> None:
             continue
         print(
             f"  value  {info.size} bytes: magic {info.magic!r} version {info.version} "
-            f"checksum kind {info.checksum_kind} fingerprint "
+            f"checksum kind {info.checksum_kind} ({_KIND_NAMES.get(info.checksum_kind or 0, '?')}) "
+            "fingerprint "
             f"{(info.fingerprint or b'').hex()} key length {info.key_length} payload length "
             f"{info.payload_length} checksum {info.checksum:016x}  verdict {info.verdict}"
         )
