@@ -65,8 +65,9 @@ class FaultLog:
     The first fault of a kind is logged at once (WARNING); later ones of that kind are
     counted and logged at most once per ``interval_s``, with how many there were since. A
     fault of a kind in ``outage_kinds`` (the server did not answer) starts an outage; the
-    first success after it is logged (INFO) with how long it lasted and the jobs that failed
-    meanwhile, at the same level as the faults (whoever sees an outage sees its end). Called
+    first success after it is logged with how long it lasted and the failures meanwhile, at
+    the same level as the faults (whoever sees an outage sees its end), at most once per
+    ``interval_s`` too (a flapping server or disk does not flood the log). Called
     from the thread that collects job results; the clock is injected. :attr:`tier` (the
     first words of every line) may be changed to tell several tiers apart.
 
@@ -95,7 +96,10 @@ class FaultLog:
         self.outage_kinds = frozenset(outage_kinds)
         self.clock = clock
         self._last: dict[str, float] = {}
+        self._seen: set[str] = set()
         self._quiet: Counter[str] = Counter()
+        self._last_recovery: float | None = None
+        self._quiet_recoveries = 0
         self._down_since: float | None = None
         self._down_jobs = 0
 
@@ -117,7 +121,8 @@ class FaultLog:
         if last is not None and now - last < self.interval_s:
             self._quiet[kind] += 1
             return
-        first = kind not in self._last
+        first = kind not in self._seen
+        self._seen.add(kind)
         self._last[kind] = now
         more = self._quiet.pop(kind, 0)
         self.logger.warning(
@@ -136,22 +141,25 @@ class FaultLog:
         """A job (or a lookup batch) got its answers from the server or storage."""
         if self._down_since is None:
             return
-        lasted = self.clock() - self._down_since
+        now = self.clock()
+        lasted = now - self._down_since
         jobs = self._down_jobs
         self._down_since = None
         self._down_jobs = 0
-        more = 0
-        for kind in self.outage_kinds:
-            self._last.pop(kind, None)
-            more += self._quiet.pop(kind, 0)
+        last = self._last_recovery
+        if last is not None and now - last < self.interval_s:
+            self._quiet_recoveries += 1
+            return
+        self._last_recovery = now
+        more = self._quiet_recoveries
+        self._quiet_recoveries = 0
         self.logger.warning(
-            "%s: recovered: %s after %.1f s (%d failures meanwhile, %d of them not logged "
-            "one by one)",
+            "%s: recovered: %s after %.1f s (%d failures meanwhile)%s",
             self.tier,
             self.recovered,
             lasted,
             jobs,
-            more,
+            f"; {more} more outages ended since the last such line" if more else "",
         )
 
 

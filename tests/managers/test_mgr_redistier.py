@@ -604,6 +604,15 @@ def test_fault_log_is_rate_limited_per_kind() -> None:
         assert not faults.down
         faults.success()  # no outage: nothing more
         assert len(lines) == 4
+        now[0] = 13.0  # a flapping server: a short outage, within the interval of both lines
+        faults.fault("unreachable", 1, "a store of 1 chunk")
+        faults.success()
+        assert len(lines) == 4  # counted, not logged
+        now[0] = 30.0
+        faults.fault("unreachable", 1, "a store of 1 chunk")
+        faults.success()
+        assert "1 more such failures" in lines[-2] and "[unreachable:" not in lines[-2]
+        assert "1 more outages ended since the last such line" in lines[-1]
     finally:
         log.removeHandler(handler)
 
