@@ -471,6 +471,8 @@ def _quiet_pipe() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``statecore`` command; returns the exit status (see module doc)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    logger = logging.getLogger("statecore")
+    before = (logger.level, list(logger.handlers))
     try:
         level, args = _log_level(args)
         configure_logging(level)
@@ -488,6 +490,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _quiet_pipe()
         return 141
+    finally:  # called in-process (tests, an embedding): leave logging as it was
+        logger.setLevel(before[0])
+        logger.handlers[:] = before[1]
 
 
 def _parser_of(entry: tuple[str, str], prog: str) -> argparse.ArgumentParser | None:

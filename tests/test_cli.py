@@ -235,8 +235,13 @@ def test_log_level_is_taken_anywhere_and_logs_go_to_stderr(
     logging.getLogger("statecore.test.cli").debug("not this one")
     out, err = capsys.readouterr()
     assert out == "" and "INFO statecore.test.cli: a line" in err and "not this" not in err
+    logger = logging.getLogger("statecore")
     cli.configure_logging("warning")
-    assert len(logging.getLogger("statecore").handlers) == 1
+    assert len(logger.handlers) == 1
+    logger.handlers.clear()
+    logger.setLevel(logging.NOTSET)
+    assert cli.main(["--log-level", "debug", "--version"]) == 0
+    assert logger.level == logging.NOTSET and not logger.handlers  # main leaves it as it was
 
 
 def test_progress_heartbeat_lines_off_a_terminal_and_a_redrawn_line_on_one() -> None:
