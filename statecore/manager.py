@@ -100,6 +100,10 @@ class ReqContext:
         kv_transfer_params: the request's connector parameters, if any.
         load_tier_filter: which secondary tiers may serve its loads.
         scratch: private per-manager storage (a manager may keep its own per-request state here).
+        key_positions: each of the request's keys -> the number of tokens up to the end of its
+            chunk (vLLM's offload key position), filled by the scheduler as the request's keys
+            are built when the manager's :attr:`OffloadingManager.wants_key_positions` is true;
+            ``None`` otherwise. A manager reads it to order a request's chunks head to tail.
     """
 
     req_id: str
@@ -107,6 +111,12 @@ class ReqContext:
     # (shared: frozen, so one instance serves every request and none is built per request)
     load_tier_filter: TierFilter = TierFilter.ALL  # type: ignore[attr-defined]
     scratch: dict[str, Any] = field(default_factory=dict)
+    key_positions: dict[OffloadKey, int] | None = None
+
+    def key_position(self, key: OffloadKey) -> int | None:
+        """``key``'s end-token position in this request, or ``None`` when not recorded."""
+        positions = self.key_positions
+        return None if positions is None else positions.get(key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +197,16 @@ class OffloadingManager(ABC):
     reuse the slot at once; a manager that writes primary slots itself (a promotion from a
     secondary tier) must not hand it to such a write before the second ``on_schedule_end``
     after the slot was freed (it answers ``MISS`` or waits instead).
+
+    Request boundaries: a manager learns a request's chunks through the calls that carry its
+    context, and its end through ``on_request_finished``. A manager whose
+    :attr:`wants_key_positions` is true also gets each key's position in the request
+    (:attr:`ReqContext.key_positions`), so it can rank a request's chunks head to tail.
     """
+
+    wants_key_positions: bool = False
+    """Whether the scheduler should record each request key's position in
+    :attr:`ReqContext.key_positions` (off by default: it costs a dict entry per key)."""
 
     @abstractmethod
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:

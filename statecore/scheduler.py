@@ -492,6 +492,7 @@ class OffloadingScheduler:
         self._n_groups = n
         self._bpc = config.blocks_per_chunk
         self._tpc = [config.tokens_per_chunk(g) for g in range(n)]
+        self._positions = bool(getattr(manager, "wants_key_positions", False))
         self._group_suffix = [make_offload_key(b"", g) for g in range(n)]
         self._tpb = [config.groups[g].tokens_per_block for g in range(n)]
         self._hpc = [config.hashes_per_chunk(g) for g in range(n)]
@@ -612,6 +613,8 @@ class OffloadingScheduler:
             rid = request.request_id
         params = request.kv_transfer_params
         ctx = ReqContext(rid, params)
+        if self._positions:  # (the manager ranks a request's chunks by position)
+            ctx.key_positions = {}
         rec = RequestRecord(self, request, ctx, OffloadPolicy.CHUNK_LEVEL, self._n_groups, rid)
         self._register(rec)  # the manager's answer sets the policy
         rec.hashes_ok = len(request.block_hashes)  # the caller validated the view
@@ -763,13 +766,19 @@ class OffloadingScheduler:
                             return
                 new.append((gs.keys, ends, g, plain))
         rec.n_hashes = n_hashes
+        positions = rec.ctx.key_positions
         for keys, ends, g, plain in new:
             # make_offload_key without its argument checks (done above): hash + group bytes
             suffix = self._group_suffix[g]
+            have = len(keys)
             if plain:  # (the + operator: twice as fast per key as map(bytes.__add__, ...))
                 keys += [h + suffix for h in ends]
             else:
                 keys.extend([OffloadKey(bytes(h) + suffix) for h in ends])
+            if positions is not None:  # each chunk's end token (vLLM's key position)
+                tpc = self._tpc[g]
+                ends_at = range((have + 1) * tpc, (len(keys) + 1) * tpc, tpc)
+                positions.update(zip(keys[have:], ends_at, strict=True))
 
     def _lookup(
         self, rec: RequestRecord, num_computed: int, max_num_new_tokens: int | None

@@ -53,6 +53,7 @@ from statecore.manager import (
     OffloadingManager,
     PrepareStoreOutput,
     ReqContext,
+    RequestOffloadingContext,
     ScheduleEndContext,
 )
 from statecore.managers.keyorder import DistinctKeys, KeyTable
@@ -60,6 +61,7 @@ from statecore.managers.policies import (
     BUILTIN_POLICIES,
     PRESIZE_LIMIT,
     CachePolicy,
+    RequestCachePolicy,
     allocation_plan,
     pin_counts,
     unpin_counts,
@@ -230,6 +232,36 @@ def _resolve_policy(policy: str | CachePolicy, capacity: int) -> CachePolicy:
     return instance
 
 
+_ACCESS_SCRATCH = "cpu-request-access"
+REUSE_COUNTS = ("offers", "lookups")
+"""What the reuse filter (``store_threshold``) counts: store offers (vLLM 0.33) or lookups."""
+
+
+class _RequestAccess:
+    """The keys one request observed (loads and store offers), for a request-aware policy."""
+
+    __slots__ = (
+        "finished",
+        "generation",
+        "groups",
+        "inserted",
+        "owner",
+        "reused",
+        "seen",
+        "store_missed",
+    )
+
+    def __init__(self, owner: object, generation: int) -> None:
+        self.owner = owner
+        self.generation = generation
+        self.groups: dict[int, list[OffloadKey]] = {}
+        self.seen: set[OffloadKey] = set()
+        self.inserted: set[OffloadKey] = set()
+        self.reused: set[OffloadKey] = set()
+        self.store_missed: set[OffloadKey] = set()
+        self.finished = False
+
+
 class CPUOffloadingManager(OffloadingManager):
     """Single-tier manager over ``num_slots`` slots of the shared CPU pool.
 
@@ -238,9 +270,19 @@ class CPUOffloadingManager(OffloadingManager):
         policy: ``"lru"``, ``"arc"``, an import path ``"package.module:Class"`` (constructed
             with the capacity) or a :class:`~statecore.managers.policies.CachePolicy`.
         enable_events: record stored/removed :class:`OffloadingEvent` s (medium CPU).
-        store_threshold: with 2 or more, only keys looked up at least that many times are
+        store_threshold: with 2 or more, only keys counted at least that many times are
             stored (reuse filter); 0 and 1 disable it.
         max_tracker_size: how many keys the reuse filter remembers (oldest dropped first).
+        reuse_counts: what the reuse filter counts: ``"lookups"`` (each lookup of the key;
+            the default) or ``"offers"`` (each store offer of the key, as vLLM 0.33 counts:
+            the keys of an offer are counted before it is filtered, and keys already tracked
+            that the offer names are not dropped to make room for its new ones).
+
+    A request-aware policy (:class:`~statecore.managers.policies.RequestCachePolicy`, such as
+    ``"request-lru"`` and ``"request-arc"``) also sees request boundaries: the manager records
+    the keys each request loads and offers (in ``ctx.scratch``) and hands them to the policy
+    when the request finishes, and asks the scheduler for key positions
+    (:attr:`wants_key_positions`).
     """
 
     medium = Medium.CPU
@@ -252,8 +294,15 @@ class CPUOffloadingManager(OffloadingManager):
         enable_events: bool = True,
         store_threshold: int = 1,
         max_tracker_size: int = 64_000,
+        reuse_counts: str = "lookups",
     ) -> None:
         owner = "CPUOffloadingManager"
+        if reuse_counts not in REUSE_COUNTS:
+            raise ConfigError(
+                f"{owner}.reuse_counts must be 'offers' or 'lookups', got {reuse_counts!r}",
+                f"{owner}.reuse_counts",
+                reuse_counts,
+            )
         validate.config_int(owner, "num_slots", num_slots, 0)
         if num_slots > MAX_SLOTS:
             raise ConfigError(
@@ -267,6 +316,12 @@ class CPUOffloadingManager(OffloadingManager):
         self.capacity = num_slots
         self.policy: CachePolicy = _resolve_policy(policy, num_slots)
         self._pin_many = _batch_form(self.policy, "mark_non_evictable")
+        self._request_policy: RequestCachePolicy | None = (
+            self.policy if isinstance(self.policy, RequestCachePolicy) else None
+        )
+        self.wants_key_positions = self._request_policy is not None
+        self._generation = 0  # reset_cache count: request state from before is void
+        self.reuse_counts = reuse_counts
         self.enable_events = enable_events
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
@@ -292,6 +347,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._tracker: OrderedDict[OffloadKey, int] | None = (
             OrderedDict() if store_threshold >= 2 else None
         )
+        # the tracker counted by lookup, or None (no filter, or it counts offers)
+        self._lookup_tracker = self._tracker if reuse_counts == "lookups" else None
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -299,7 +356,7 @@ class CPUOffloadingManager(OffloadingManager):
         """MISS, HIT_PENDING (write in flight) or HIT; counts the lookup for the reuse filter."""
         if type(key) is not bytes or len(key) < 4:
             validate.offload_key(key, "lookup")
-        tracker = self._tracker
+        tracker = self._lookup_tracker
         if tracker is not None:
             count = tracker.pop(key, 0)
             if count == 0 and len(tracker) >= self.max_tracker_size:
@@ -315,7 +372,7 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> list[LookupResult]:
         """:meth:`lookup` of each key in order (see the contract); in bulk unless the reuse
         filter counts lookups or a key needs the argument check."""
-        if self._tracker is not None or type(keys) not in _SEQ:
+        if self._lookup_tracker is not None or type(keys) not in _SEQ:
             return super().lookup_many(keys, ctx, until_miss)
         try:  # (an unhashable key: the per-key path raises what lookup raises)
             if until_miss:  # the hits up to the first miss, and only those keys are looked at
@@ -500,8 +557,84 @@ class CPUOffloadingManager(OffloadingManager):
             return []
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
-        """Pin ``keys``; their slot ids, co-indexed with ``keys``. Nothing pinned on error."""
-        return self.prepare_read(keys, ctx)
+        """Pin ``keys``; their slot ids, co-indexed with ``keys``. Nothing pinned on error.
+
+        A request-aware policy counts them as reused by the request."""
+        spec = self.prepare_read(keys, ctx)
+        if self._request_policy is not None:
+            self._record_access(keys, ctx, reused=keys)
+        return spec
+
+    # -- request access (request-aware policies) ------------------------------------------------
+
+    def _access(self, ctx: ReqContext) -> _RequestAccess:
+        """``ctx``'s access record for this manager (a new one after ``reset_cache``)."""
+        state = ctx.scratch.get(_ACCESS_SCRATCH)
+        if (
+            not isinstance(state, _RequestAccess)
+            or state.owner is not self
+            or state.generation != self._generation
+        ):
+            state = _RequestAccess(self, self._generation)
+            ctx.scratch[_ACCESS_SCRATCH] = state
+        return state
+
+    def _record_access(
+        self,
+        keys: Iterable[OffloadKey],
+        ctx: ReqContext,
+        reused: Iterable[OffloadKey] = (),
+    ) -> None:
+        """Note the keys ``ctx``'s request observes (first sightings go to the policy's
+        ``on_request_access``) and the ready keys it reuses."""
+        policy = self._request_policy
+        assert policy is not None  # (callers check)
+        state = self._access(ctx)
+        seen = state.seen
+        new: list[OffloadKey] = []
+        if not state.finished:  # (nothing is recorded after the finish: the contract)
+            for key in keys:
+                if key in seen:
+                    continue
+                state.groups.setdefault(int.from_bytes(key[-4:], "big"), []).append(key)
+                seen.add(key)
+                new.append(key)
+        if new:
+            policy.on_request_access(new, ctx)
+        inserted = state.inserted
+        # re-reading a key this request inserted (a cascade) is not a second access
+        state.reused.update(k for k in reused if k not in inserted)
+
+    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+        """Chunk-level offloading; a request-aware policy's record of the request starts."""
+        if self._request_policy is not None:
+            self._access(ctx)
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        """Hand the request's accesses to a request-aware policy (once per request)."""
+        policy = self._request_policy
+        if policy is None:
+            return
+        state = ctx.scratch.get(_ACCESS_SCRATCH)
+        if (
+            not isinstance(state, _RequestAccess)
+            or state.owner is not self
+            or state.generation != self._generation
+            or state.finished
+        ):
+            return
+        state.finished = True
+        positions = ctx.key_positions
+        groups: list[tuple[OffloadKey, ...]] = []
+        for g in sorted(state.groups):
+            keys = state.groups[g]
+            if positions is not None and all(k in positions for k in keys):
+                keys = sorted(keys, key=positions.__getitem__)
+            groups.append(tuple(keys))
+        policy.on_request_finished(
+            tuple(groups), state.inserted - state.reused, frozenset(state.reused), ctx
+        )
 
     def prepare_read(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
         """Pin ``keys`` for any reader (GPU load or cascade to a secondary tier)."""
@@ -611,6 +744,12 @@ class CPUOffloadingManager(OffloadingManager):
         skipped = 0
         if tracker is not None:
             validate.offload_keys(keys, "prepare_store")
+            if self._lookup_tracker is None and not bypass_reuse_filter:
+                self._count_offer(keys, tracker)
+        if self._request_policy is not None:
+            return self._prepare_write_for_request(
+                keys, ctx, bypass_reuse_filter, protected, skip_quarantined
+            )
         if tracker is not None and not bypass_reuse_filter:
             threshold = self.store_threshold
             admitted: list[OffloadKey] = []
@@ -633,6 +772,89 @@ class CPUOffloadingManager(OffloadingManager):
         # present keys are valid keys; only the new ones need the argument check (C speed)
         if to_store and (set(map(type, to_store)) != _BYTES_ONLY or min(map(len, to_store)) < 4):
             validate.offload_keys(keys, "prepare_store")
+        return self._allocate(to_store, keys, ctx, protected, skip_quarantined, skipped)
+
+    def _count_offer(
+        self, keys: Sequence[OffloadKey], tracker: OrderedDict[OffloadKey, int]
+    ) -> None:
+        """Count one store offer of ``keys`` in the reuse filter (``reuse_counts="offers"``).
+
+        Tracked keys the offer names are counted (once per listing) and made the newest; its
+        untracked keys enter with a count of 1, dropping the oldest entries the offer does not
+        name to make room, and are not tracked when only such entries would have to go.
+        """
+        named: set[OffloadKey] = set()
+        for key in keys:
+            count = tracker.pop(key, None)
+            if count is not None:
+                tracker[key] = count + 1
+                named.add(key)
+        droppable = len(tracker) - len(named)
+        limit = self.max_tracker_size
+        for key in keys:
+            if key in tracker:
+                continue
+            if len(tracker) >= limit:
+                if droppable == 0:
+                    continue
+                tracker.popitem(last=False)
+                droppable -= 1
+            tracker[key] = 1
+
+    def _prepare_write_for_request(
+        self,
+        keys: Sequence[OffloadKey],
+        ctx: ReqContext,
+        bypass_reuse_filter: bool,
+        protected: AbstractSet[OffloadKey],
+        skip_quarantined: bool,
+    ) -> PrepareStoreOutput | None:
+        """:meth:`prepare_write` for a request-aware policy: the offer is recorded as the
+        request's access (its absent keys as store misses, its ready present keys as reuses)
+        before room is made, as vLLM 0.33 records it."""
+        validate.offload_keys(keys, "prepare_store")
+        policy = self._request_policy
+        assert policy is not None  # (the caller checks)
+        entries = self._entries
+        get = entries.get
+        to_store: list[OffloadKey] = []
+        ready: list[OffloadKey] = []
+        for key in dict.fromkeys(keys):
+            entry = get(key)
+            if entry is None:
+                to_store.append(key)
+            elif entry >= _ONE:
+                ready.append(key)
+        skipped = 0
+        tracker = self._tracker
+        if tracker is not None and not bypass_reuse_filter:
+            threshold = self.store_threshold
+            admitted = [k for k in to_store if tracker.get(k, 0) >= threshold]
+            skipped = len(to_store) - len(admitted)
+            to_store = admitted
+        state = self._access(ctx)
+        missed = [k for k in to_store if k not in state.store_missed]
+        if missed:  # (ARC learns from its ghosts before the insertion drops them)
+            policy.on_store_miss(missed, ctx)
+            state.store_missed.update(missed)
+        recorded = set(to_store).union(ready)
+        self._record_access([k for k in keys if k in recorded], ctx, reused=ready)
+        out = self._allocate(to_store, keys, ctx, protected, skip_quarantined, skipped)
+        if out is not None:
+            state.inserted.update(out.keys_to_store)
+        return out
+
+    def _allocate(
+        self,
+        to_store: list[OffloadKey],
+        keys: Sequence[OffloadKey],
+        ctx: ReqContext,
+        protected: AbstractSet[OffloadKey],
+        skip_quarantined: bool,
+        skipped: int,
+    ) -> PrepareStoreOutput | None:
+        """Room for the new keys ``to_store`` (distinct, absent) of the offer ``keys``."""
+        entries = self._entries
         n = len(to_store)
         if n == 0:
             self._stores_skipped += skipped
@@ -667,7 +889,10 @@ class CPUOffloadingManager(OffloadingManager):
                 for slot in slots:
                     quarantine.pop(slot, None)
         entries.update(zip(to_store, slots, strict=True))  # write-pending: the slot itself
-        self.policy.insert_many(to_store)
+        if self._request_policy is not None:
+            self._request_policy.insert_for_request(to_store, ctx)
+        else:
+            self.policy.insert_many(to_store)
         self._write_pending += n
         self._alloc_sizes[n] += 1
         self._stores_skipped += skipped
@@ -802,6 +1027,7 @@ class CPUOffloadingManager(OffloadingManager):
                     self._quarantine_slot(_slot(entry))
         self._entries.clear()
         self.policy.clear()
+        self._generation += 1
         self._free.clear()
         self._high_water = 0
         self._evictable = 0

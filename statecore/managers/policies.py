@@ -34,25 +34,32 @@ PEP 316 contract (``pre:``/``post:`` lines) that CrossHair checks::
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import filterfalse, islice
 from typing import Protocol, TypeVar, runtime_checkable
 
 from statecore.keys import OffloadKey
-from statecore.managers.keyorder import DistinctKeys, KeyOrder
+from statecore.manager import ReqContext
+from statecore.managers.keyorder import DistinctKeys, KeyOrder, KeyTable
 
 __all__ = [
     "PRESIZE_LIMIT",
     "ARCCachePolicy",
     "CachePolicy",
     "LRUCachePolicy",
+    "RequestARCCachePolicy",
+    "RequestCachePolicy",
+    "RequestLRUCachePolicy",
     "allocation_plan",
     "arc_select_victims",
     "arc_target_after_b1_hit",
     "arc_target_after_b2_hit",
     "lru_select_victims",
+    "order_request_keys",
     "pin_counts",
+    "request_rank",
     "trim_excess",
     "unpin_counts",
     "usage_gauges",
@@ -504,8 +511,354 @@ class ARCCachePolicy:
         return [k for k in (*self.t1, *self.t2) if k in self._idle]
 
 
-BUILTIN_POLICIES: dict[str, type[LRUCachePolicy] | type[ARCCachePolicy]] = {
+# --------------------------------------------------------------------------------------------
+# Request-aware policies (vLLM 0.33's semantics)
+# --------------------------------------------------------------------------------------------
+
+_POS_BITS = 40
+_POS_MAX = (1 << _POS_BITS) - 1
+
+
+def request_rank(rank: int, position: int | None) -> int:
+    """One int ordering chunks as vLLM's ``(rank, -position)`` pairs do: by ``rank``, then
+    tail before head (a larger position first); ``None`` (no position) sorts after every
+    position of the same rank. Positions beyond 2**40 - 1 tokens count as that.
+
+    pre: rank >= 0
+    post: __return__ >= 0
+    post: (__return__ >> 40) == rank
+    """
+    low = _POS_MAX if position is None else _POS_MAX - min(max(position, 0), _POS_MAX)
+    return (rank << _POS_BITS) | low
+
+
+def order_request_keys(
+    key_groups: Sequence[Sequence[OffloadKey]], positions: Mapping[OffloadKey, int] | None
+) -> list[OffloadKey]:
+    """One head-to-tail order across a request's groups: the groups' keys in turn, sorted by
+    position when every key has one (a stable sort: equal positions keep group order)."""
+    keys = [key for group in key_groups for key in group]
+    if positions is not None and all(key in positions for key in keys):
+        keys.sort(key=positions.__getitem__)
+    return keys
+
+
+@runtime_checkable
+class RequestCachePolicy(CachePolicy, Protocol):
+    """A policy that sees request boundaries (vLLM 0.33's CachePolicy hooks).
+
+    The CPU manager calls, for such a policy (one with ``on_request_finished``), besides the
+    :class:`CachePolicy` hooks:
+
+    * ``on_store_miss(keys, ctx)``: keys a request offers that are absent, once per request
+      and key, before they are inserted (ARC adapts its target to ghost hits here);
+    * ``on_request_access(keys, ctx)``: keys the request observes for the first time (loads,
+      store offers), present or about to be inserted;
+    * ``insert_for_request(keys, ctx)`` instead of ``insert_many(keys)``;
+    * ``on_request_finished(key_groups, insertion_only, reused, ctx)`` once per request: its
+      keys per group, head to tail; the keys it only inserted and the ready keys it reused.
+    """
+
+    def on_store_miss(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Absent keys offered for storing (once per request and key)."""
+
+    def on_request_access(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Keys the request observes for the first time."""
+
+    def insert_for_request(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """``insert_many(keys)`` for the storing request ``ctx``."""
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only: AbstractSet[OffloadKey],
+        reused: AbstractSet[OffloadKey],
+        ctx: ReqContext,
+    ) -> None:
+        """One request-scoped access, applied when the request ends."""
+
+
+_RANK_SCRATCH = "policy-request-rank"
+
+
+class RequestLRUCachePolicy:
+    """vLLM 0.33's LRU: request-ranked and position-ordered.
+
+    Every key has a rank; the idle key of smallest rank is evicted first. A request gets one
+    rank at its first access (shared by all its steps); the keys it stores, and the present
+    keys it observes, take that rank paired with their position, so a prefix's tail ranks
+    below its head (evicted first) and an unfinished request's prefix ranks with the request,
+    above everything finished before the request began. When the request finishes its keys
+    take fresh ranks, tail first, head last: the head is the most recent. A use outside a
+    request (``touch``, ``insert`` without a context) takes a fresh rank.
+
+    Ranks live in a :class:`~statecore.managers.keyorder.KeyTable` (key -> rank, see
+    :func:`request_rank`); idle keys in a :class:`~statecore.managers.keyorder.KeyOrder` used
+    as a set; the eviction order in a heap of ``(rank, key)`` whose stale entries (the key is
+    no longer idle, or was ranked again) are skipped when popped and dropped when the heap
+    grows past twice the idle keys.
+    """
+
+    __slots__ = ("_evictable", "_generation", "_heap", "_next", "_ranks", "capacity")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._ranks = KeyTable(min(max(capacity, 0), PRESIZE_LIMIT))
+        self._evictable = _key_order(capacity)
+        self._heap: list[tuple[int, OffloadKey]] = []
+        self._next = 0
+        self._generation = 0
+
+    # -- ranks ----------------------------------------------------------------------------------
+
+    def _fresh(self) -> int:
+        self._next += 1
+        return request_rank(self._next, None)
+
+    def _request_rank(self, ctx: ReqContext) -> int:
+        state = ctx.scratch.get(_RANK_SCRATCH)
+        if state is None or state[0] is not self or state[1] != self._generation:
+            self._next += 1
+            state = (self, self._generation, self._next)
+            ctx.scratch[_RANK_SCRATCH] = state
+        rank: int = state[2]
+        return rank
+
+    def _push(self, keys: Sequence[OffloadKey]) -> None:
+        """Enter the idle ``keys``' current ranks in the heap."""
+        if not keys:
+            return
+        ranks = self._ranks
+        if len(keys) >= max(64, len(self._evictable) // 4):  # rebuilding is linear
+            self._rebuild()
+            return
+        for key in keys:
+            heapq.heappush(self._heap, (ranks[key], key))
+        self._compact()
+
+    def _rebuild(self) -> None:
+        ranks = self._ranks
+        self._heap = [(ranks[key], key) for key in self._evictable]
+        heapq.heapify(self._heap)
+
+    def _compact(self) -> None:
+        if len(self._heap) >= max(64, 2 * len(self._evictable)):
+            self._rebuild()
+
+    def _refresh(self, keys: Iterable[OffloadKey]) -> None:
+        """Fresh ranks for the present ``keys``, in order (the last one most recent)."""
+        ranks = self._ranks
+        evictable = self._evictable
+        moved: list[OffloadKey] = []
+        for key in keys:
+            if key in ranks:
+                ranks[key] = self._fresh()
+                if key in evictable:
+                    moved.append(key)
+        self._push(moved)
+
+    # -- CachePolicy ----------------------------------------------------------------------------
+
+    def insert(self, key: OffloadKey) -> None:
+        """A new key outside any request: a fresh rank."""
+        self._ranks[key] = self._fresh()
+
+    def insert_many(self, keys: Sequence[OffloadKey]) -> None:
+        """``insert`` of each key, in order."""
+        for key in keys:
+            self._ranks[key] = self._fresh()
+
+    def insert_for_request(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """New keys stored by ``ctx``'s request: its rank and their positions (a key without
+        a position takes a fresh rank)."""
+        ranks = self._ranks
+        for key in keys:
+            position = ctx.key_position(key)
+            if position is None:
+                ranks[key] = self._fresh()
+            else:
+                ranks[key] = request_rank(self._request_rank(ctx), position)
+
+    def remove(self, key: OffloadKey) -> None:
+        """Forget ``key``."""
+        self._ranks.pop(key, None)
+        self._evictable.discard(key)
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        """``key`` is idle: it enters the heap at its rank."""
+        self._evictable.append(key)
+        heapq.heappush(self._heap, (self._ranks[key], key))
+        self._compact()
+
+    def mark_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
+        """``mark_evictable`` of each key."""
+        for key in keys:
+            self.mark_evictable(key)
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        """``key`` is pinned (its heap entry goes stale)."""
+        self._evictable.discard(key)
+
+    def mark_non_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
+        """``mark_non_evictable`` of each key."""
+        self._evictable.discard_many(keys)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Fresh ranks for present ``keys``, the first key most recent."""
+        self._refresh(reversed(list(keys)))
+
+    def on_store_miss(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Nothing: LRU does not learn from misses."""
+
+    def on_request_access(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Present keys observed by the request take its rank at their position, unless they
+        rank higher already."""
+        request = self._request_rank(ctx)
+        ranks = self._ranks
+        evictable = self._evictable
+        moved: list[OffloadKey] = []
+        for key in keys:
+            position = ctx.key_position(key)
+            if position is None or key not in ranks:
+                continue
+            rank = request_rank(request, position)
+            if ranks[key] >= rank:
+                continue
+            ranks[key] = rank
+            if key in evictable:
+                moved.append(key)
+        self._push(moved)
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only: AbstractSet[OffloadKey],
+        reused: AbstractSet[OffloadKey],
+        ctx: ReqContext,
+    ) -> None:
+        """The request's keys take fresh ranks, tail first: its head ends most recent."""
+        self._refresh(reversed(order_request_keys(key_groups, ctx.key_positions)))
+
+    def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> list[OffloadKey] | None:
+        """The ``n`` idle keys of smallest rank not in ``protected``, or ``None`` (no change)."""
+        if n == 0:
+            return []
+        heap = self._heap
+        ranks = self._ranks
+        evictable = self._evictable
+        chosen: list[tuple[int, OffloadKey]] = []
+        taken: set[OffloadKey] = set()
+        deferred: list[tuple[int, OffloadKey]] = []
+        while heap and len(chosen) < n:
+            entry = heapq.heappop(heap)
+            rank, key = entry
+            if key not in evictable or ranks.get(key) != rank or key in taken:
+                continue  # stale (pinned since, ranked again) or a duplicate entry
+            if key in protected:
+                deferred.append(entry)
+                continue
+            chosen.append(entry)
+            taken.add(key)
+        for entry in deferred:
+            heapq.heappush(heap, entry)
+        if len(chosen) < n:
+            for entry in chosen:
+                heapq.heappush(heap, entry)
+            return None
+        victims = [key for _, key in chosen]
+        evictable.discard_many(victims)
+        for key in victims:
+            del ranks[key]
+        self._compact()
+        return victims
+
+    def clear(self) -> None:
+        """Forget every key; requests' ranks from before are void."""
+        self._ranks.clear()
+        self._evictable.clear()
+        self._heap = []
+        self._next = 0
+        self._generation += 1
+
+    def evictable_keys(self) -> list[OffloadKey]:
+        """The idle keys (introspection for checks)."""
+        return list(self._evictable)
+
+    def eviction_order(self) -> list[OffloadKey]:
+        """The idle keys, first victim first (introspection for tests; O(n log n))."""
+        ranks = self._ranks
+        return sorted(self._evictable, key=lambda k: (ranks[k], k))
+
+
+class RequestARCCachePolicy(ARCCachePolicy):
+    """vLLM 0.33's ARC: reuse counted, and the target adapted, once per request.
+
+    As :class:`ARCCachePolicy`, but a request's accesses act when it finishes: a ready key it
+    reused moves from T1 to T2 (or to T2's recent end) once, however many times the request
+    loaded it; a key it only inserted keeps its list and moves to that list's recent end; the
+    request's keys are applied tail first, so its head ends most recent. A ghost hit adapts
+    the target when the request offers the absent key for storing, once per request and key,
+    before the insertion drops the ghost.
+    """
+
+    __slots__ = ()
+
+    def insert_for_request(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """``insert_many(keys)`` (ARC ranks no request)."""
+        self.insert_many(keys)
+
+    def on_store_miss(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Adapt the target to each ghost among the offered absent keys (last to first)."""
+        for key in reversed(keys):
+            if key in self.b1:
+                self.target_t1_size = arc_target_after_b1_hit(
+                    self.target_t1_size, len(self.b1), len(self.b2), self.capacity
+                )
+                self.b1.append(key)
+            elif key in self.b2:
+                self.target_t1_size = arc_target_after_b2_hit(
+                    self.target_t1_size, len(self.b1), len(self.b2)
+                )
+                self.b2.append(key)
+
+    def on_request_access(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Nothing until the request finishes."""
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only: AbstractSet[OffloadKey],
+        reused: AbstractSet[OffloadKey],
+        ctx: ReqContext,
+    ) -> None:
+        """Apply the request's accesses, tail first (see the class docstring)."""
+        t1, t2 = self.t1, self.t2
+        for key in reversed(order_request_keys(key_groups, ctx.key_positions)):
+            if key in insertion_only:
+                if key in t1:
+                    t1.append(key)
+                elif key in t2:
+                    t2.append(key)
+            elif key in reused:
+                if key in t1:
+                    t1.discard(key)
+                    t2.append(key)
+                elif key in t2:
+                    t2.append(key)
+
+
+BUILTIN_POLICIES: dict[
+    str,
+    type[LRUCachePolicy]
+    | type[ARCCachePolicy]
+    | type[RequestLRUCachePolicy]
+    | type[RequestARCCachePolicy],
+] = {
     "lru": LRUCachePolicy,
     "arc": ARCCachePolicy,
+    "request-lru": RequestLRUCachePolicy,
+    "request-arc": RequestARCCachePolicy,
 }
-"""Policies known by name."""
+"""Policies known by name: ``lru`` and ``arc`` order by each access (statecore's own
+semantics); ``request-lru`` and ``request-arc`` by request (vLLM 0.33's), the vLLM adapter's
+default."""
