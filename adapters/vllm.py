@@ -667,7 +667,10 @@ def build_scheduler(
     (:func:`secondary_tier_specs`), whose tiers copy to and from ``pool``, the CPU pool of the
     worker (by default the one the worker registered in this process; without one this raises
     :class:`~statecore.errors.ConfigError`). Manager keys: ``eviction_policy`` (with
-    ``cache_policy_module_path``), ``store_threshold``, ``max_tracker_size``. KV events are
+    ``cache_policy_module_path``), ``store_threshold``, ``max_tracker_size``, and
+    ``policy_semantics`` (``vllm``, the default: vLLM 0.33's request-aware ``lru`` and ``arc``
+    and a ``store_threshold`` that counts store offers; ``access``: statecore's former
+    per-access semantics). KV events are
     recorded when vLLM's ``kv_events_config.enable_kv_cache_events`` is on.
     """
     cfg = scheduler_config_from_vllm(vllm_config, kv_cache_config)
@@ -687,6 +690,7 @@ def build_scheduler(
         enable_events=_events_on(vllm_config),
         store_threshold=extra.store_threshold,
         max_tracker_size=extra.max_tracker_size,
+        reuse_counts=extra.reuse_counts,
     )
     manager: OffloadingManager = primary
     if extra.tiering:

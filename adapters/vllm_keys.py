@@ -196,6 +196,15 @@ def _zero_only(what: str) -> Check:
     return check
 
 
+def _one_of(*allowed: str) -> Check:
+    def check(value: Any, config: Mapping[str, Any]) -> str | None:
+        if value in allowed:
+            return None
+        return f"must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+
+    return check
+
+
 def _root_dir(value: Any, config: Mapping[str, Any]) -> str | None:
     return None if isinstance(value, str) and value else f"must be a directory, got {value!r}"
 
@@ -251,7 +260,9 @@ _KEYS: tuple[ExtraKey, ...] = (
         "CachePolicyFactory, or a class name with cache_policy_module_path.",
         "implemented",
         "'lru', 'arc', 'package.module:Class', or a class name with cache_policy_module_path; "
-        "the class must implement statecore's CachePolicy.",
+        "the class must implement statecore's CachePolicy (a RequestCachePolicy also sees "
+        "request boundaries). 'lru' and 'arc' have vLLM 0.33's request-aware semantics "
+        "(statecore's request-lru and request-arc) unless policy_semantics is 'access'.",
         _eviction_policy,
     ),
     ExtraKey(
@@ -263,10 +274,12 @@ _KEYS: tuple[ExtraKey, ...] = (
     ),
     ExtraKey(
         "store_threshold",
-        "With 2 or more, only keys looked up that many times are stored (not supported with "
+        "With 2 or more, a new key is stored only once it has been offered for storing that "
+        "many times (store offers are counted, not lookups; not supported with "
         "TieringOffloadingSpec).",
         "implemented",
-        "The same, refused with TieringOffloadingSpec as in vLLM.",
+        "The same (offers counted), refused with TieringOffloadingSpec as in vLLM; with "
+        "policy_semantics 'access', lookups are counted instead.",
         _store_threshold,
     ),
     ExtraKey(
@@ -336,6 +349,16 @@ _KEYS: tuple[ExtraKey, ...] = (
         "implemented",
         "The same payloads, both ways.",
         _is_bool,
+    ),
+    ExtraKey(
+        "policy_semantics",
+        "(statecore only)",
+        "statecore",
+        "How the CPU tier's policies count uses: 'vllm' (the default: vLLM 0.33's, a "
+        "request-ranked, position-ordered LRU; ARC counting reuse and adapting its target once "
+        "per request; store_threshold counting store offers) or 'access' (statecore's former "
+        "semantics: recency and reuse per access, store_threshold counting lookups).",
+        _one_of("vllm", "access"),
     ),
     ExtraKey(
         "num_cpu_chunks",
@@ -450,9 +473,14 @@ class ExtraConfig:
     storage_events: bool
     """Some file-system tier asked for KV events (vLLM's ``enable_kv_events``)."""
     eviction_policy: str
+    """The CPU tier's policy name for :class:`~statecore.managers.cpu.CPUOffloadingManager`
+    (``lru`` and ``arc`` already mapped to ``request-lru`` / ``request-arc`` under the
+    ``vllm`` policy semantics)."""
     store_threshold: int
     max_tracker_size: int
     self_describing_kv_events: bool
+    reuse_counts: str = "offers"
+    """What ``store_threshold`` counts: ``offers`` (vLLM's) or ``lookups``."""
 
 
 def validate_extra_config(extra: Mapping[str, Any] | None) -> ExtraConfig:
@@ -491,8 +519,11 @@ def validate_extra_config(extra: Mapping[str, Any] | None) -> ExtraConfig:
         storage_events |= bool(tier.get("enable_kv_events", False))
         tiers.append(file_spec)
     policy = str(cfg.get("eviction_policy", "lru"))
+    vllm_semantics = cfg.get("policy_semantics", "vllm") == "vllm"
     if "cache_policy_module_path" in cfg:
         policy = f"{cfg['cache_policy_module_path']}:{policy}"
+    elif vllm_semantics and policy in ("lru", "arc"):
+        policy = f"request-{policy}"
     return ExtraConfig(
         raw=cfg,
         tiering=cfg.get("spec_name") == "TieringOffloadingSpec" or bool(tiers),
@@ -502,6 +533,7 @@ def validate_extra_config(extra: Mapping[str, Any] | None) -> ExtraConfig:
         store_threshold=int(cfg.get("store_threshold", 0)),
         max_tracker_size=int(cfg.get("max_tracker_size", 64_000)),
         self_describing_kv_events=bool(cfg.get("self_describing_kv_events", False)),
+        reuse_counts="offers" if vllm_semantics else "lookups",
     )
 
 

@@ -116,6 +116,8 @@ class TieringOffloadingManager(OffloadingManager):
                     tier,
                 )
         self.primary = primary
+        # (the primary's request-aware policy ranks a request's chunks by their positions)
+        self.wants_key_positions = bool(getattr(primary, "wants_key_positions", False))
         self.secondaries: tuple[SecondaryTier, ...] = tuple(secondaries)
         self._jobs: dict[int, _TierJob] = {}
         self._pending_promotions: list[dict[str, _PendingPromotion]] = [

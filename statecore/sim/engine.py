@@ -133,7 +133,8 @@ class SimConfig:
         stall_check_interval_s: the scheduler's stall check interval.
         live_bound_steps: INV-LIVE bound; 0 derives it from the stall timeout.
         drain_steps: at most this many steps to drain at the end; 0 derives it.
-        manager: ``lru`` or ``arc`` (the CPU tier alone, with that policy) or ``tiering``
+        manager: ``lru``, ``arc``, ``request-lru`` or ``request-arc`` (the CPU tier alone, with
+            that policy) or ``tiering``
             (an LRU CPU tier with three file-system secondaries: a fast one, a slow one whose
             jobs complete steps later, and one whose jobs fail at random).
         tiering: shorthand for ``manager="tiering"``.

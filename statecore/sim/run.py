@@ -55,6 +55,8 @@ __all__ = [
 MANAGERS: dict[str, str] = {
     "lru": "the CPU tier alone, LRU eviction",
     "arc": "the CPU tier alone, ARC eviction",
+    "request-lru": "the CPU tier alone, vLLM 0.33's request-ranked, position-ordered LRU",
+    "request-arc": "the CPU tier alone, vLLM 0.33's ARC (reuse counted once per request)",
     "tiering": "an LRU CPU tier over three file tiers: fast, slow (jobs land steps later), "
     "failing (jobs fail at random)",
 }
@@ -312,7 +314,7 @@ def make_manager(stack: SimStack, rng: random.Random) -> OffloadingManager:
     """The manager ``stack.cfg`` names (see :data:`MANAGERS`)."""
     cfg = stack.cfg
     kind = parse_manager(cfg.manager_kind())
-    if kind in ("lru", "arc"):
+    if kind in ("lru", "arc", "request-lru", "request-arc"):
         return CPUOffloadingManager(cfg.cpu_slots, policy=kind)
     from statecore.managers.filetier import FileTier
     from statecore.managers.tiering import TieringOffloadingManager
