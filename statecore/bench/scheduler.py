@@ -98,6 +98,9 @@ class Scenario:
     warmup_steps: int = 20
     reset_at: int | None = None
     seed: int = 0
+    policy: str = "lru"
+    """The standalone CPU tier's eviction policy (``lru``, ``arc``, ``request-lru`` or
+    ``request-arc``; the vLLM engine runs use the adapter's default)."""
     reset_with_loads: bool = False
     """Reset at the first step from ``reset_at`` on at which a load is in flight."""
     load_fail_every: int = 0
@@ -582,7 +585,7 @@ def _standalone_scheduler(sc: Scenario) -> tuple[OffloadingScheduler, CPUOffload
         num_workers=sc.num_workers,
         offload_prompt_only=True,
     )
-    manager = CPUOffloadingManager(sc.num_cpu_chunks(), policy="lru", enable_events=False)
+    manager = CPUOffloadingManager(sc.num_cpu_chunks(), policy=sc.policy, enable_events=False)
     return OffloadingScheduler(cfg, manager), manager
 
 
@@ -1505,6 +1508,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "and evicts early, e.g. for a soak's steady state)",
     )
     p.add_argument(
+        "--policy",
+        choices=["lru", "arc", "request-lru", "request-arc"],
+        default="lru",
+        help="the standalone CPU tier's eviction policy (request-lru, request-arc: vLLM 0.33's "
+        "request-aware semantics, the vLLM adapter's default) (default: lru)",
+    )
+    p.add_argument(
         "--clock",
         choices=["perf", "thread"],
         default="perf",
@@ -1565,6 +1575,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gpu_cache_factor": a.gpu_cache_factor,
         "cpu_cache_factor": a.cpu_cache_factor,
         "clock": a.clock,
+        "policy": a.policy,
     }
     if a.soak:
         return _soak_main(a, shape)

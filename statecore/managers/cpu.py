@@ -812,7 +812,12 @@ class CPUOffloadingManager(OffloadingManager):
         """:meth:`prepare_write` for a request-aware policy: the offer is recorded as the
         request's access (its absent keys as store misses, its ready present keys as reuses)
         before room is made, as vLLM 0.33 records it."""
-        validate.offload_keys(keys, "prepare_store")
+        try:  # (C speed: exact bytes keys of at least 4 bytes; the checks otherwise)
+            bad = set(map(type, keys)) != _BYTES_ONLY or min(map(len, keys)) < 4
+        except TypeError:  # not iterable, or a key without a length
+            bad = True
+        if bad:
+            validate.offload_keys(keys, "prepare_store")
         policy = self._request_policy
         assert policy is not None  # (the caller checks)
         entries = self._entries

@@ -625,15 +625,15 @@ class RequestLRUCachePolicy:
         return rank
 
     def _push(self, keys: Sequence[OffloadKey]) -> None:
-        """Enter the idle ``keys``' current ranks in the heap."""
+        """Enter the idle ``keys``' current ranks in the heap (one push each: a rebuild would
+        cost every idle key, a one-step stall on a large tier)."""
         if not keys:
             return
         ranks = self._ranks
-        if len(keys) >= max(64, len(self._evictable) // 4):  # rebuilding is linear
-            self._rebuild()
-            return
+        heap = self._heap
+        push = heapq.heappush
         for key in keys:
-            heapq.heappush(self._heap, (ranks[key], key))
+            push(heap, (ranks[key], key))
         self._compact()
 
     def _rebuild(self) -> None:
@@ -717,9 +717,14 @@ class RequestLRUCachePolicy:
         ranks = self._ranks
         evictable = self._evictable
         moved: list[OffloadKey] = []
+        positions = ctx.key_positions
+        if positions is None:
+            return
         for key in keys:
-            position = ctx.key_position(key)
-            if position is None or key not in ranks:
+            if key not in ranks:  # (the usual offer: new keys, ranked when inserted)
+                continue
+            position = positions.get(key)
+            if position is None:
                 continue
             rank = request_rank(request, position)
             if ranks[key] >= rank:
