@@ -671,7 +671,9 @@ def build_scheduler(
     ``policy_semantics`` (``vllm``, the default: vLLM 0.33's request-aware ``lru`` and ``arc``
     and a ``store_threshold`` that counts store offers; ``access``: statecore's former
     per-access semantics). KV events are
-    recorded when vLLM's ``kv_events_config.enable_kv_cache_events`` is on.
+    recorded when vLLM's ``kv_events_config.enable_kv_cache_events`` is on. An out-of-tree
+    ``spec_name`` with ``spec_module_path``: that spec's manager, through
+    :class:`~statecore.adapters.vllm_spec.VllmSpecManager`.
     """
     cfg = scheduler_config_from_vllm(vllm_config, kv_cache_config)
     extra = validate_extra_config(_extra(vllm_config))
@@ -684,6 +686,10 @@ def build_scheduler(
             f"statecore connector: the pool has {pool.num_slots} slots, the config asks for "
             f"{num_chunks} CPU chunks"
         )
+    if extra.spec_module_path is not None:  # an out-of-tree spec's manager, converted
+        from statecore.adapters.vllm_spec import spec_manager
+
+        return OffloadingScheduler(cfg, spec_manager(vllm_config, kv_cache_config))
     primary = CPUOffloadingManager(
         num_chunks,
         policy=extra.eviction_policy,

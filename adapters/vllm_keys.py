@@ -94,10 +94,27 @@ def _is_bool(value: Any, config: Mapping[str, Any]) -> str | None:
 def _spec_name(value: Any, config: Mapping[str, Any]) -> str | None:
     if value in SPEC_NAMES:
         return None
+    if not isinstance(value, str) or not value:
+        return f"must be a spec class name, got {value!r}"
+    if "spec_module_path" in config:
+        return None
     return (
-        f"{value!r} is not a spec statecore builds; use one of {', '.join(SPEC_NAMES)} "
-        "(statecore replaces vLLM's managers and workers, so other specs cannot be honoured)"
+        f"{value!r} is not a spec statecore builds; use one of {', '.join(SPEC_NAMES)}, or "
+        "name an out-of-tree OffloadingSpec's module with spec_module_path"
     )
+
+
+def _spec_module_path(value: Any, config: Mapping[str, Any]) -> str | None:
+    if not isinstance(value, str) or not value:
+        return f"must be a module path, got {value!r}"
+    if config.get("spec_name", SPEC_NAMES[0]) in SPEC_NAMES:
+        return (
+            "is read only with an out-of-tree spec_name (vLLM ignores it for its registered "
+            "specs): name the spec class in spec_name"
+        )
+    if config.get("secondary_tiers"):
+        return "an out-of-tree spec builds its own tiers: remove secondary_tiers"
+    return None
 
 
 def _store_threshold(value: Any, config: Mapping[str, Any]) -> str | None:
@@ -220,17 +237,20 @@ _KEYS: tuple[ExtraKey, ...] = (
         "or an out-of-tree class name with spec_module_path.",
         "implemented",
         "CPUOffloadingSpec: statecore's CPU tier; TieringOffloadingSpec: statecore's "
-        "TieringOffloadingManager over the CPU tier, with the secondary_tiers below. Any "
-        "other name is refused.",
+        "TieringOffloadingManager over the CPU tier, with the secondary_tiers below; another "
+        "name with spec_module_path: that out-of-tree spec's manager behind statecore's "
+        "scheduler (statecore.adapters.vllm_spec). Any other name is refused.",
         _spec_name,
     ),
     ExtraKey(
         "spec_module_path",
         "Module to import an out-of-tree OffloadingSpec from.",
-        "rejected",
-        "an out-of-tree vLLM OffloadingSpec builds vLLM managers and workers, which "
-        "statecore's connector does not drive; use spec_name CPUOffloadingSpec or "
-        "TieringOffloadingSpec, or a statecore eviction policy",
+        "implemented",
+        "The same (vLLM's OffloadingSpecFactory loads it); the spec's manager runs behind "
+        "statecore's scheduler and must place chunks in CPU slots (vLLM's CPULoadStoreSpec), "
+        "which statecore's workers copy; the spec's own workers are not used. The spec's "
+        "own extra-config keys are passed to it unchecked.",
+        _spec_module_path,
     ),
     ExtraKey(
         "cpu_bytes_to_use",
@@ -472,6 +492,8 @@ class ExtraConfig:
     """The secondary tiers as statecore tier specs (``{"kind": ...}``)."""
     storage_events: bool
     """Some file-system tier asked for KV events (vLLM's ``enable_kv_events``)."""
+    spec_module_path: str | None
+    """An out-of-tree spec's module (its manager runs behind statecore's scheduler)."""
     eviction_policy: str
     """The CPU tier's policy name for :class:`~statecore.managers.cpu.CPUOffloadingManager`
     (``lru`` and ``arc`` already mapped to ``request-lru`` / ``request-arc`` under the
@@ -490,8 +512,11 @@ def validate_extra_config(extra: Mapping[str, Any] | None) -> ExtraConfig:
     key statecore rejects, or a value it does not implement.
     """
     cfg: Mapping[str, Any] = dict(extra or {})
+    out_of_tree = "spec_module_path" in cfg
     for key in sorted(cfg):
         spec = EXTRA_KEYS.get(key)
+        if spec is None and out_of_tree:
+            continue  # (the out-of-tree spec's own key: vLLM hands the config to the spec)
         if spec is None:
             raise ConfigError(
                 f"statecore connector: unknown kv_connector_extra_config key {key!r} (see "
@@ -529,6 +554,7 @@ def validate_extra_config(extra: Mapping[str, Any] | None) -> ExtraConfig:
         tiering=cfg.get("spec_name") == "TieringOffloadingSpec" or bool(tiers),
         tier_specs=tuple(tiers),
         storage_events=storage_events,
+        spec_module_path=(str(cfg["spec_module_path"]) if "spec_module_path" in cfg else None),
         eviction_policy=policy,
         store_threshold=int(cfg.get("store_threshold", 0)),
         max_tracker_size=int(cfg.get("max_tracker_size", 64_000)),

@@ -111,6 +111,9 @@ class Scenario:
     """``TieringOffloadingSpec`` with a file-system tier (in a temporary directory)."""
     kv_events: bool = False
     """Enable KV events (self-describing ones) and collect the connector's event stream."""
+    extra: tuple[tuple[str, Any], ...] = ()
+    """vLLM engine runs: further ``kv_connector_extra_config`` entries, for both connectors
+    (an out-of-tree ``spec_name`` and ``spec_module_path``, say)."""
     clock: str = "perf"
     """Timer of the hooks: ``perf`` (wall) or ``thread`` (this thread's CPU time)."""
     active: int = 0
@@ -1136,6 +1139,7 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
         extra["tier_poll_interval_s"] = 0
     if sc.kv_events:
         extra["self_describing_kv_events"] = True
+    extra.update(sc.extra)
     common: dict[str, Any] = {
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
@@ -1415,9 +1419,10 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
             "stalled": len(s.stalled_jobs),
             "fences": len(s.fence_index),
             "backend_pending": pending,
-            "pinned": int(cpu.counters().pinned),
-            "write_pending": int(cpu.counters().write_pending),
         }
+        if hasattr(cpu, "counters"):  # (statecore's CPU tier; not an out-of-tree manager)
+            res.leftovers["pinned"] = int(cpu.counters().pinned)
+            res.leftovers["write_pending"] = int(cpu.counters().write_pending)
     res.leftovers["engine_requests"] = len(engine.requests)
     if tier_dir is not None:
         if conn is not None:

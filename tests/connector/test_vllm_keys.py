@@ -132,7 +132,20 @@ def test_implemented_values_build_the_config() -> None:
     }
     assert cfg.eviction_policy == "pkg.policies:MyPolicy"
     plain = validate_extra_config({"num_cpu_chunks": 8})
-    assert not plain.tiering and plain.eviction_policy == "lru" and not plain.tier_specs
+    assert not plain.tiering and not plain.tier_specs
+    # vLLM 0.33's semantics by default; statecore's former ones by name
+    assert plain.eviction_policy == "request-lru" and plain.reuse_counts == "offers"
+    access = validate_extra_config({"eviction_policy": "arc", "policy_semantics": "access"})
+    assert access.eviction_policy == "arc" and access.reuse_counts == "lookups"
+    assert validate_extra_config({"eviction_policy": "arc"}).eviction_policy == "request-arc"
+    with pytest.raises(ConfigError, match="policy_semantics"):
+        validate_extra_config({"policy_semantics": "lru"})
+    oot = validate_extra_config(
+        {"spec_name": "MySpec", "spec_module_path": "my_pkg.spec", "my_own_key": 1}
+    )
+    assert oot.spec_module_path == "my_pkg.spec" and not oot.tiering
+    with pytest.raises(ConfigError, match="spec_module_path"):
+        validate_extra_config({"spec_name": "CPUOffloadingSpec", "spec_module_path": "m"})
     own = validate_extra_config({"secondary_tiers": [{"kind": "redis", "url": "redis://h/0"}]})
     assert own.tiering and own.tier_specs == ({"kind": "redis", "url": "redis://h/0"},)
 

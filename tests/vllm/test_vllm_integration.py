@@ -352,3 +352,25 @@ def test_the_engine_without_a_connector_is_the_engine_step_baseline() -> None:
         e = res.engine_step
         assert e["steps"] > 0 and e["median_us"] > 0 and "collections" in e
     assert ours.engine_step["median_us"] > ours.summary["sum of 4 hooks"]["median_us"]
+
+
+OUT_OF_TREE = dataclasses.replace(
+    BASE,
+    extra=(("spec_name", "OutOfTreeCPUSpec"), ("spec_module_path", "vllm_oot_spec")),
+)
+"""``steady`` with an out-of-tree spec (tests/vllm/vllm_oot_spec.py: vLLM's CPU spec under
+another name): statecore's scheduler runs vLLM's own CPU manager through
+statecore.adapters.vllm_spec."""
+
+
+def test_an_out_of_tree_specs_manager_runs_behind_statecores_scheduler() -> None:
+    upstream = run_vllm(OUT_OF_TREE, "vllm")
+    ours = run_vllm(OUT_OF_TREE, "statecore")
+    assert not upstream.errors and not ours.errors
+    assert ours.outputs == upstream.outputs
+    assert upstream.counters.get("load_jobs", 0) > 0, "scenario produced no CPU hits"
+    assert ours.hits == upstream.hits
+    assert ours.loads == upstream.loads
+    for key in ("load_jobs", "store_jobs", "flushed", "lookups_deferred", "preempted"):
+        assert ours.counters.get(key, 0) == upstream.counters.get(key, 0), key
+    assert all(v == 0 for v in ours.leftovers.values()), ours.leftovers
