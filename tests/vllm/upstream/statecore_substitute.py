@@ -1,0 +1,143 @@
+"""A pytest plugin that substitutes statecore's CPU tier for vLLM 0.33's CPU manager in vLLM's
+own tests (scripts/vllm-upstream-tests.sh loads it with ``-p statecore_substitute``; no test
+body is edited).
+
+``vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager`` (and the name vLLM's CPU spec imported)
+becomes :class:`StatecoreCPUManager`: vLLM's constructor and interface over statecore's
+:class:`~statecore.managers.cpu.CPUOffloadingManager`, types converted at the boundary. The
+policy semantics follow ``STATECORE_POLICY_SEMANTICS`` (``vllm``, the default, or ``access``,
+statecore's former semantics), as the vLLM adapter's ``policy_semantics`` key does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload import base as vb
+from vllm.v1.kv_offload.cpu import manager as vllm_cpu_manager
+from vllm.v1.kv_offload.cpu import spec as vllm_cpu_spec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from statecore.manager import ReqContext
+from statecore.managers.cpu import CPUOffloadingManager
+
+SEMANTICS = os.environ.get("STATECORE_POLICY_SEMANTICS", "vllm")
+
+
+class _Context:
+    """statecore's request context, kept in vLLM's (by type, as vLLM's managers keep state)."""
+
+    def __init__(self, ctx: ReqContext) -> None:
+        self.ctx = ctx
+
+
+class StatecoreCPUManager(vb.OffloadingManager):
+    """statecore's CPU tier with vLLM's CPU manager's constructor and interface."""
+
+    def __init__(
+        self,
+        num_chunks: int,
+        cache_policy: str = "lru",
+        cache_policy_module_path: str | None = None,
+        enable_events: bool = False,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+        info: Any = None,
+    ) -> None:
+        policy = cache_policy
+        if cache_policy_module_path is not None:
+            policy = f"{cache_policy_module_path}:{cache_policy}"
+        elif SEMANTICS == "vllm" and policy in ("lru", "arc"):
+            policy = f"request-{policy}"
+        self.medium = vb.Medium.CPU
+        self.statecore = CPUOffloadingManager(
+            num_chunks,
+            policy=policy,
+            enable_events=enable_events,
+            store_threshold=store_threshold,
+            max_tracker_size=max_tracker_size,
+            reuse_counts="offers" if SEMANTICS == "vllm" else "lookups",
+        )
+        self.store_threshold = store_threshold
+        self._info = info.as_config_info() if info is not None else {}
+
+    def _ctx(self, vctx: Any) -> ReqContext:
+        got = vctx.get_state(_Context)
+        if got is None:
+            ctx = ReqContext(vctx.req_id, vctx.kv_transfer_params)
+            ctx.key_positions = vctx._offload_key_positions  # (shared with the scheduler)
+            got = _Context(ctx)
+            vctx.set_state(got)
+        return got.ctx
+
+    def lookup(self, key: Any, req_context: Any) -> Any:
+        return vb.LookupResult[self.statecore.lookup(key, self._ctx(req_context)).name]
+
+    def get_load_source(self, key: Any, req_context: Any) -> CacheHitSource:
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Any, req_context: Any) -> Any:
+        spec = self.statecore.prepare_load(list(keys), self._ctx(req_context))
+        return CPULoadStoreSpec(list(spec.slots))
+
+    def touch(self, keys: Any, req_context: Any) -> None:
+        self.statecore.touch(list(keys), self._ctx(req_context))
+
+    def complete_load(self, keys: Any, req_context: Any) -> None:
+        self.statecore.complete_load(list(keys), self._ctx(req_context))
+
+    def prepare_store(self, keys: Any, req_context: Any) -> Any:
+        out = self.statecore.prepare_store(list(keys), self._ctx(req_context))
+        if out is None:
+            return None
+        return vb.PrepareStoreOutput(
+            keys_to_store=list(out.keys_to_store),
+            store_spec=CPULoadStoreSpec(list(out.store_spec.slots)),  # type: ignore[attr-defined]
+            evicted_keys=list(out.evicted_keys),
+        )
+
+    def complete_store(self, keys: Any, req_context: Any, success: bool = True) -> None:
+        self.statecore.complete_store(list(keys), self._ctx(req_context), success)
+
+    def take_events(self) -> Iterator[Any]:
+        for ev in self.statecore.take_events():
+            yield vb.OffloadingEvent(keys=list(ev.keys), medium=self.medium, removed=ev.removed)
+
+    def reset_cache(self) -> None:
+        self.statecore.reset_cache()
+
+    def on_new_request(self, req_context: Any) -> Any:
+        got = self.statecore.on_new_request(self._ctx(req_context))
+        return vb.RequestOffloadingContext(vb.OffloadPolicy[got.policy.name])
+
+    def on_request_finished(self, req_context: Any) -> None:
+        self.statecore.on_request_finished(self._ctx(req_context))
+
+    def config_info(self) -> Iterable[Any]:
+        return [self._info]
+
+    def get_stats(self) -> OffloadingConnectorStats:
+        got = self.statecore.get_stats()
+        stats = OffloadingConnectorStats()
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, got["cpu_cache_usage_perc"])
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, got["write_usage"])
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, got["read_usage"])
+        sizes = got["allocation_sizes"]
+        assert isinstance(sizes, list)
+        for size in sizes:
+            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, int(size))
+        if self.store_threshold >= 2:
+            stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, got["stores_skipped"])
+        return stats
+
+
+def pytest_configure(config: Any) -> None:
+    """Substitute statecore's CPU tier before the test modules import vLLM's."""
+    vllm_cpu_manager.CPUOffloadingManager = StatecoreCPUManager  # type: ignore[misc]
+    vllm_cpu_spec.CPUOffloadingManager = StatecoreCPUManager  # type: ignore[attr-defined]

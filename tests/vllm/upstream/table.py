@@ -1,0 +1,73 @@
+"""The table of scripts/vllm-upstream-tests.sh: every vLLM test that passes on vLLM and fails
+with statecore substituted, with its reason and its class (read from two JUnit XML reports).
+
+    python table.py VLLM_XML STATECORE_XML [LABEL]
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import xml.etree.ElementTree as ET
+
+TYPED = re.compile(
+    r"\b(UnknownKeyError|KeyNotReadyError|PinUnderflowError|WritePendingPinError|"
+    r"InvalidKeyError|ManagerError|ManagerStateError|ConfigError|InvalidArgumentError)\b"
+)
+INTERNAL = re.compile(r"has no attribute '(_\w+|t1|t2|b1|b2|target_t1_size|chunks|counts)'")
+
+
+def outcomes(path: str) -> dict[str, tuple[str, str]]:
+    """test id -> (outcome, first line of its failure message)."""
+    out: dict[str, tuple[str, str]] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        outcome, reason = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = "skipped" if tag == "skipped" else "failed"
+                text = (el.get("message") or el.text or "").strip()
+                reason = text.splitlines()[0] if text else ""
+                break
+        out[name] = (outcome, reason)
+    return out
+
+
+def classify(reason: str) -> str:
+    """typed error (statecore raises where vLLM asserts), vLLM-internal name, or behaviour."""
+    if TYPED.search(reason):
+        return "typed error"
+    if INTERNAL.search(reason) or "ChunkStatus" in reason:
+        return "vLLM-internal name"
+    return "behaviour"
+
+
+def main(argv: list[str]) -> int:
+    upstream, ours = outcomes(argv[0]), outcomes(argv[1])
+    label = argv[2] if len(argv) > 2 else "statecore"
+    passed_up = {t for t, (o, _) in upstream.items() if o == "passed"}
+    passed_ours = {t for t, (o, _) in ours.items() if o == "passed"}
+    diff = sorted(t for t in passed_up if ours.get(t, ("missing", ""))[0] != "passed")
+    print(
+        f"tests: {len(upstream)}; passing on vLLM {len(passed_up)}, on {label} {len(passed_ours)}"
+    )
+    print(f"passing on vLLM, failing on {label}: {len(diff)}")
+    counts: dict[str, int] = {}
+    rows = []
+    for t in diff:
+        reason = ours.get(t, ("missing", "not run"))[1]
+        cls = classify(reason)
+        counts[cls] = counts.get(cls, 0) + 1
+        rows.append((t.replace("tests.v1.", ""), cls, reason[:110]))
+    for cls, n in sorted(counts.items()):
+        print(f"  {cls}: {n}")
+    if rows:
+        print(f"\n{'test':<90} {'class':<20} reason")
+        for t, cls, reason in rows:
+            print(f"{t:<90} {cls:<20} {reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
