@@ -864,6 +864,8 @@ class CPUOffloadingManager(OffloadingManager):
         if n == 0:
             self._stores_skipped += skipped
             return PrepareStoreOutput((), CPULoadStoreSpec(()), ())
+        # (counted whether or not room is made, as vLLM's allocation-size histogram counts)
+        self._alloc_sizes[n] += 1
         quarantine = self._quarantine
         avoid = skip_quarantined and bool(quarantine)
         need = n - (self.num_free_for_promotion if avoid else self.num_free)
@@ -899,7 +901,6 @@ class CPUOffloadingManager(OffloadingManager):
         else:
             self.policy.insert_many(to_store)
         self._write_pending += n
-        self._alloc_sizes[n] += 1
         self._stores_skipped += skipped
         return PrepareStoreOutput(tuple(to_store), CPULoadStoreSpec(tuple(slots)), tuple(victims))
 
@@ -1065,9 +1066,10 @@ class CPUOffloadingManager(OffloadingManager):
     def get_stats(self) -> dict[str, float | int | list[float]]:
         """Gauges ``cpu_cache_usage_perc`` (pinned + write-pending, as a fraction),
         ``write_usage``, ``read_usage``; ``allocation_sizes`` since the last call (one entry
-        per store that allocated, grouped by size in first-seen order: kept as a count per
-        size, so a caller that never asks costs no memory per store); and ``stores_skipped``
-        since the last call when the reuse filter is on."""
+        per store that asked for slots, whether or not room was made, as vLLM counts; grouped
+        by size in first-seen order: kept as a count per size, so a caller that never asks
+        costs no memory per store); and ``stores_skipped`` since the last call when the reuse
+        filter is on."""
         busy = len(self._entries) - self._evictable
         usage, write, read = usage_gauges(self.capacity, busy, self._write_pending)
         stats: dict[str, float | int | list[float]] = {

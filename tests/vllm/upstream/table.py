@@ -14,7 +14,9 @@ TYPED = re.compile(
     r"\b(UnknownKeyError|KeyNotReadyError|PinUnderflowError|WritePendingPinError|"
     r"InvalidKeyError|ManagerError|ManagerStateError|ConfigError|InvalidArgumentError)\b"
 )
-INTERNAL = re.compile(r"has no attribute '(_\w+|t1|t2|b1|b2|target_t1_size|chunks|counts)'")
+INTERNAL = re.compile(
+    r"has no attribute '(_\w+|t1|t2|b1|b2|target_t1_size|chunks|counts|\w+_in_current_batch)'"
+)
 
 
 def outcomes(path: str) -> dict[str, tuple[str, str]]:
