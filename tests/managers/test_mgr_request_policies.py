@@ -45,7 +45,7 @@ def ids(keys: Sequence[OffloadKey]) -> list[int]:
     return [int.from_bytes(v[:8], "big") for v in keys]
 
 
-def scenario_issue(policy: str) -> list[int]:
+def scenario_prefix_tail(policy: str) -> list[int]:
     """4 chunks stored in order by a request without positions (still running); a request
     loads [2, 3] and finishes; a third offers [6, 7, 8]: the victims."""
     m = CPUOffloadingManager(4, policy=policy)
@@ -65,9 +65,9 @@ def scenario_issue(policy: str) -> list[int]:
 
 
 def test_request_lru_evicts_a_prefix_tail_before_its_head() -> None:
-    assert scenario_issue("request-lru") == [4, 5, 3]
+    assert scenario_prefix_tail("request-lru") == [4, 5, 3]
     # statecore's access-recency LRU keeps chunk 3 and evicts 2: no prefix can reach 3
-    assert scenario_issue("lru") == [4, 5, 2]
+    assert scenario_prefix_tail("lru") == [4, 5, 2]
 
 
 def test_request_lru_finished_prefix_ranks_its_head_most_recent() -> None:

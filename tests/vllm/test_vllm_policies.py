@@ -214,7 +214,7 @@ def scenario(manager: Any, context: Any, positions: bool) -> list[int]:
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
-def test_the_issue_example_evicts_as_vllm(policy: str) -> None:
+def test_the_prefix_tail_example_evicts_as_vllm(policy: str) -> None:
     """statecore's request-aware policy evicts what vLLM's does (LRU: [4, 5, 3]); the
     access-ordered policies evict otherwise (LRU: [4, 5, 2], a chunk no prefix reaches kept)."""
     theirs = scenario(VManager(4, cache_policy=policy), VReqContext, True)
