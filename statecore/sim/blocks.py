@@ -27,6 +27,9 @@ class BlockPool:
         on_evict: called with a block id when its cached content is dropped for reuse.
         reuse_freed_first: a freed block goes to the head of the free list (the next
             allocation takes it: immediate reuse) instead of the tail.
+        uncached_first: vLLM 0.33's order: a freed block that holds no cached hash goes to
+            the head of the free list (the blocks of one release in the order they are
+            released, so the first is handed out first), a cached one to the tail.
     """
 
     def __init__(
@@ -34,6 +37,7 @@ class BlockPool:
         num_blocks: int,
         on_evict: Callable[[int], None] | None = None,
         reuse_freed_first: bool = False,
+        uncached_first: bool = False,
     ) -> None:
         if num_blocks < 2:
             raise BlockPoolError(f"need at least 2 blocks, got {num_blocks}")
@@ -44,6 +48,7 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self._on_evict = on_evict
         self._reuse_first = reuse_freed_first
+        self._uncached_first = uncached_first
         self.hits = 0
         self.queries = 0
 
@@ -89,6 +94,7 @@ class BlockPool:
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block, tail first (so prefix blocks are evicted last)."""
+        first: list[int] = []
         for b in reversed(blocks):
             if b == 0:
                 continue
@@ -99,6 +105,10 @@ class BlockPool:
                 self.free[b] = None
                 if self._reuse_first:
                     self.free.move_to_end(b, last=False)
+                elif self._uncached_first and self.hash_of[b] is None:
+                    first.append(b)
+        for b in reversed(first):
+            self.free.move_to_end(b, last=False)
 
     def cache(self, block: int, block_hash: bytes) -> None:
         """Record that ``block`` holds the full block ``block_hash`` (first one wins)."""
