@@ -26,6 +26,18 @@ earlier order (phases 2 and 1 swapped, and 6 before 5) to show the two step alik
 Aborts come between steps: ``request_finished``, then the request's blocks are freed at once
 (an aborted request that waits on a load keeps its blocks until the load ended).
 
+With vLLM's order come the parts of vLLM 0.33's KV-cache manager that decide which block ids
+a connector sees: an admission needs room for the request's whole sequence (its
+``scheduler_reserve_full_isl``), and an asynchronous load also leaves free what the prefills
+in flight still need; the blocks a step's tokens fill are cached when they are allocated; a
+freed block without a hash is handed out next, a cached one last; a sliding-window group
+skips ``computed - window + 1`` tokens; new and resumed requests are listed first, resumed
+ones as new. ``tests/vllm/test_engine_differential.py`` runs the same workloads through
+vLLM's real ``Scheduler`` and asserts the same connector calls step by step. Not modelled
+(hybrid runs longer than that test's depart from vLLM there): the sliding-window admission
+cap (``max_admission_blocks_per_request``) and the order in which a request's null holes are
+refilled after a load.
+
 After every step: ``scheduler.check_invariants()``, the data oracle over every valid GPU block,
 the allocator's own consistency, and INV-LIVE (no request deferred or waiting on a load for
 more than a bounded number of steps; a deferral counts the steps in which the engine asked).
@@ -763,6 +775,7 @@ class SimEngine:
         self._job_req: dict[int, str] = {}
         self._completeness: list[tuple[str, list[OffloadKey], int]] = []
         self._n_foreign = 0
+        self._vllm_window = cfg.step_order != "waiting-first"
         self._inflight: dict[str, SimRequest] = {}
         """vLLM's in-flight prefills: requests loading, or admitted with prompt tokens not yet
         scheduled (with :attr:`SimConfig.step_order` ``"vllm"``)."""
@@ -849,11 +862,16 @@ class SimEngine:
         foreign = self._schedule_foreign(admit)
         listed = scheduled
         if cfg.step_order != "waiting-first":
-            # as vLLM's SchedulerOutput lists them: new requests, running, resumed ones
-            listed = sorted(
-                scheduled,
-                key=lambda e: 0 if e[0].turn.req_id in new_ids else 2 if e[3] else 1,
-            )
+            # as vLLM 0.33's SchedulerOutput lists them: new requests, then resumed ones (as
+            # new ones too: whole block lists, no resumed flag), then running ones
+            listed = [
+                (r, n, blocks, False)
+                for r, n, blocks, resumed in sorted(
+                    scheduled,
+                    key=lambda e: 0 if e[0].turn.req_id in new_ids else 1 if e[3] else 2,
+                )
+            ]
+            new_ids = new_ids | {r.turn.req_id for r, _, _, resumed in scheduled if resumed}
         output = SchedulerOutput(
             scheduled=tuple(
                 ScheduledRequest(r.turn.req_id, tuple(tuple(b) for b in blocks), n, resumed)
@@ -1207,7 +1225,11 @@ class SimEngine:
         """Leading blocks of sliding-window group ``g`` that no token after ``computed``
         attends to (0 for full attention)."""
         w = self.g_win[g]
-        if w is None or computed <= w:
+        if w is None:
+            return 0
+        if self._vllm_window:  # vLLM: the next token attends to the last w tokens
+            return max(0, computed - w + 1) // self.g_tpb[g]
+        if computed <= w:
             return 0
         return (computed - w) // self.g_tpb[g]
 
@@ -1309,12 +1331,18 @@ class SimEngine:
         computed = r.req.num_computed_tokens
         for g in self.sliding:
             row = r.blocks[g]
+            left: list[int] = []
             for i in range(min(self._out_of_window(g, computed), len(row))):
                 b = row[i]
                 if b:
-                    self.pool.release([b])
+                    if self._vllm_window:
+                        left.append(b)  # freed together, the last first, as vLLM does
+                    else:
+                        self.pool.release([b])
                     row[i] = 0
                     self.stats.window_blocks_freed += 1
+            if left:
+                self.pool.release(left)
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -1393,14 +1421,20 @@ class SimEngine:
                 r.deferred_steps = 0
                 if ext > 0 and is_async:
                     total = n_local + ext
+                    if self._vllm_window:
+                        # vLLM takes no local hit block that falls out of the window of the
+                        # whole hit (a null block in its place)
+                        for g in self.sliding:
+                            for i in range(min(self._out_of_window(g, total), len(local[g]))):
+                                local[g][i] = 0
                     r.blocks = [list(x) for x in local]
                     need = sum(self._need(r, total, total))
                     room = self._room(local)
                     if cfg.step_order != "waiting-first":
-                        # vLLM: the whole sequence must fit, beside what the prefills in
-                        # flight still need
-                        room -= self._inflight_reserved()
-                        need = max(need, sum(self._need(r, r.req.num_tokens, total)))
+                        # vLLM: the whole sequence must fit, and the loaded prefix beside
+                        # what the prefills in flight still need
+                        full = sum(self._need(r, r.req.num_tokens, total))
+                        need = max(need + self._inflight_reserved(), full)
                     if room - need < cfg.watermark_blocks:
                         r.blocks = [[] for _ in range(self.n_groups)]
                         break

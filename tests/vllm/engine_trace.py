@@ -22,6 +22,11 @@ from typing import Any
 BLOCK = 16
 """Tokens per GPU block (every group), as in the peer harness."""
 
+STEP_SECONDS = 0.5
+"""The clock both sides' schedulers read moves on this much as each engine step begins (the
+engine model's :class:`~statecore.sim.engine.SimClock`); the scheduler's stall timeout and
+its bound on waiting for another request's load are in those seconds."""
+
 
 @dataclass(frozen=True)
 class Arrival:
@@ -212,7 +217,7 @@ def run_engine_model(
     from statecore.sim.engine import SimConfig
     from statecore.sim.faults import SimFaults
     from statecore.sim.run import build_stack
-    from statecore.sim.workload import Turn
+    from statecore.sim.workload import Turn, WorkloadConfig
 
     cfg = SimConfig(
         seed=0,
@@ -228,6 +233,12 @@ def run_engine_model(
         max_running=shape.max_running,
         watermark_blocks=0,
         foreign_prob=0.0,
+        step_seconds=STEP_SECONDS,
+        stall_timeout_s=20.0,
+        stall_check_interval_s=2.0,
+        # the engine model's own aborts of loading requests are off: the workload's are the
+        # only ones, on both sides
+        workload=WorkloadConfig(abort_during_load_prob=0.0),
     )
     if order is not None:
         cfg = dataclasses.replace(cfg, step_order=order)
@@ -306,6 +317,9 @@ def run_vllm_engine(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 
         "blocks_per_chunk": shape.blocks_per_chunk,
         "offload_prompt_only": False,  # as the simulator's stack: generated blocks too
         "num_cpu_chunks": shape.num_cpu_chunks,
+        # the engine model's (SimConfig's defaults)
+        "stall_timeout_s": 20.0,
+        "stall_check_interval_s": 2.0,
     }
     ktc = vcfg.KVTransferConfig(
         kv_connector="StatecoreOffloadingConnector",
@@ -351,6 +365,9 @@ def run_vllm_engine(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 
     conn = engine.connector
     trace = Trace()
     record(conn.scheduler, trace)
+    # the engine model's clock: STEP_SECONDS a step, moved on as each step begins
+    now = [0.0]
+    conn.scheduler.clock = lambda: now[0]
     clock = [0]
     worker = type(conn)(vc, base.KVConnectorRole.WORKER, kcc)
     worker.attach_backend(StepDelayBackend(clock, 0, 0), rank=0)
@@ -371,6 +388,7 @@ def run_vllm_engine(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 
     for k in range(max_steps):
         trace.step = k
         clock[0] = k
+        now[0] = k * STEP_SECONDS
         for a in by_step.get(k, ()):
             sp = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
             sp.update_from_generation_config({}, None)
@@ -383,11 +401,12 @@ def run_vllm_engine(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 
                     block_hasher=hasher,
                 )
             )
-        live = [r for r in aborts.get(k, ()) if r in engine.requests]
-        if live:
-            engine.finish_requests(live, status.FINISHED_ABORTED)
+        for rid in aborts.get(k, ()):  # one by one: finish_requests iterates a set of ids
+            if rid in engine.requests:
+                engine.finish_requests(rid, status.FINISHED_ABORTED)
         if k > last and not engine.has_requests():
             break
+        now[0] = (k + 1) * STEP_SECONDS
         so = engine.schedule()
         ids = list(so.num_scheduled_tokens)
         sampled = []
