@@ -234,6 +234,7 @@ def run_engine_model(
         watermark_blocks=0,
         foreign_prob=0.0,
         step_seconds=STEP_SECONDS,
+        vllm_window=True,
         stall_timeout_s=20.0,
         stall_check_interval_s=2.0,
         # the engine model's own aborts of loading requests are off: the workload's are the
