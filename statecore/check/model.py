@@ -9,9 +9,10 @@ plays the environment.
 
 The environment's moves are :data:`Action` tuples, applied by :meth:`World.apply`:
 
-* engine: ``("arrive", r)``, ``("step",)`` (admission with lookups, allocation from a LIFO
-  free list so just-freed blocks are reused first, chunked prefill and decode, preemption under
-  memory pressure, ``build_connector_meta``, every rank's ``start_step``, compute, ``end_step``,
+* engine: ``("arrive", r)``, ``("step",)`` (in vLLM 0.33's order: the running requests'
+  chunked prefill and decode with preemption under memory pressure, then, when none was
+  preempted, admission with lookups; allocation from a LIFO free list so just-freed blocks are
+  reused first; ``build_connector_meta``, every rank's ``start_step``, compute, ``end_step``,
   then ``update_connector_output``), ``("finish", r)``, ``("abort", r)``, ``("preempt", r)``;
 * workers: ``("ok", rank, job)`` (the copy runs now and its report arrives), ``("fail", ...)``
   (the copy scribbles garbage and the job is reported failed), ``("lose", ...)`` (the copy
@@ -357,6 +358,11 @@ def _guarded(world: World, call: str, fn: Callable[..., Any], *args: Any) -> Any
 
 class World:
     """The whole stack of one scope, in one state (see the module docstring)."""
+
+    step_order = "vllm"
+    """The engine step's order: ``"vllm"`` (vLLM 0.33's: running requests, then waiting
+    ones when none was preempted) or ``"waiting-first"`` (the order this model used before,
+    kept to compare state spaces)."""
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
@@ -964,7 +970,10 @@ class World:
                 blocks[i] = 0
 
     def step(self) -> None:
-        """One engine step in vLLM's order (see the module docstring)."""
+        """One engine step in vLLM 0.33's order (see the module docstring): the running
+        requests, then (when none was preempted) the waiting ones; with
+        :attr:`step_order` ``"waiting-first"``, the earlier order (waiting, then those that were
+        running when the step began)."""
         sched = self.sched
         self.observed.refused.clear()
         budget = self.scope.max_batched_tokens
@@ -972,6 +981,55 @@ class World:
         new_ids: set[str] = set()
         preempted: set[int] = set()
         running_before = list(self.running)
+        if self.step_order == "waiting-first":
+            budget = self._step_waiting(budget, scheduled, new_ids, preempted)
+            budget = self._step_running(running_before, budget, scheduled, preempted)
+        else:
+            budget = self._step_running(running_before, budget, scheduled, preempted)
+            if not preempted:
+                budget = self._step_waiting(budget, scheduled, new_ids, preempted)
+        output = SchedulerOutput(
+            scheduled=tuple(
+                ScheduledRequest(r.req.request_id, nb, n, res) for r, n, nb, res in scheduled
+            ),
+            new_req_ids=frozenset(new_ids),
+            finished_req_ids=frozenset(self.reqs[i].req.request_id for i in self.finished_since),
+            preempted_req_ids=frozenset(
+                self.reqs[i].req.request_id for i in preempted | self.preempted_next
+            ),
+        )
+        self.finished_since = set()
+        self.preempted_next = set()
+        meta = _guarded(self, "build_connector_meta", sched.build_connector_meta, output)
+        if meta is None:
+            meta = ConnectorMetadata()
+        if meta.store_jobs:
+            self._check_owners(meta)
+        self.handed_now.clear()
+        if self.completeness:
+            self._check_completeness()
+        self.observed.refused.clear()  # used only by that check: empty between steps
+        for w in self.workers:
+            _guarded(self, "worker.start_step", w.start_step, meta)
+        for r, n, _, _ in scheduled:
+            if r.status == RUNNING:
+                self._compute(r, n)
+        for w in self.workers:
+            _guarded(self, "worker.end_step", w.end_step, meta)
+        for r, n, _, _ in scheduled:
+            if r.status == RUNNING:
+                self._after_compute(r, n)
+        self.feed(None)
+
+    def _step_waiting(
+        self,
+        budget: int,
+        scheduled: list[tuple[EngineRequest, int, tuple[tuple[int, ...], ...], bool]],
+        new_ids: set[str],
+        preempted: set[int],
+    ) -> int:
+        """Admit waiting requests into the step; returns the token budget left."""
+        sched = self.sched
         for idx in list(self.waiting):
             r = self.reqs[idx]
             if budget <= 0:
@@ -1050,7 +1108,20 @@ class World:
             r.scheduled_once = True
             r.resumed = False
             budget -= n
+        return budget
+
+    def _step_running(
+        self,
+        running_before: list[int],
+        budget: int,
+        scheduled: list[tuple[EngineRequest, int, tuple[tuple[int, ...], ...], bool]],
+        preempted: set[int],
+    ) -> int:
+        """Schedule the running requests of ``running_before`` (chunked prefill, then
+        decode), preempting the newest not yet scheduled when blocks run out; returns the
+        token budget left."""
         done: set[int] = set()
+        vllm_order = self.step_order != "waiting-first"
         for idx in running_before:
             r = self.reqs[idx]
             if r.status != RUNNING or budget <= 0:
@@ -1075,43 +1146,14 @@ class World:
                 if victim is r:
                     break
             if r.status != RUNNING:
+                if vllm_order:
+                    break  # vLLM stops scheduling running requests there
                 continue
             new = self._allocate(r, need)
             scheduled.append((r, n, tuple(tuple(b) for b in new), False))
             done.add(idx)
             budget -= n
-        output = SchedulerOutput(
-            scheduled=tuple(
-                ScheduledRequest(r.req.request_id, nb, n, res) for r, n, nb, res in scheduled
-            ),
-            new_req_ids=frozenset(new_ids),
-            finished_req_ids=frozenset(self.reqs[i].req.request_id for i in self.finished_since),
-            preempted_req_ids=frozenset(
-                self.reqs[i].req.request_id for i in preempted | self.preempted_next
-            ),
-        )
-        self.finished_since = set()
-        self.preempted_next = set()
-        meta = _guarded(self, "build_connector_meta", sched.build_connector_meta, output)
-        if meta is None:
-            meta = ConnectorMetadata()
-        if meta.store_jobs:
-            self._check_owners(meta)
-        self.handed_now.clear()
-        if self.completeness:
-            self._check_completeness()
-        self.observed.refused.clear()  # used only by that check: empty between steps
-        for w in self.workers:
-            _guarded(self, "worker.start_step", w.start_step, meta)
-        for r, n, _, _ in scheduled:
-            if r.status == RUNNING:
-                self._compute(r, n)
-        for w in self.workers:
-            _guarded(self, "worker.end_step", w.end_step, meta)
-        for r, n, _, _ in scheduled:
-            if r.status == RUNNING:
-                self._after_compute(r, n)
-        self.feed(None)
+        return budget
 
     def _compute(self, r: EngineRequest, n: int) -> None:
         start = r.req.num_computed_tokens

@@ -27,6 +27,11 @@ class BlockPool:
         on_evict: called with a block id when its cached content is dropped for reuse.
         reuse_freed_first: a freed block goes to the head of the free list (the next
             allocation takes it: immediate reuse) instead of the tail.
+        uncached_first: vLLM 0.33's prefix cache: a freed block that holds no cached hash
+            goes to the head of the free list (the blocks of one release in the order they
+            are released, so the first is handed out first), a cached one to the tail; and
+            every full block keeps its hash, also when another block already holds the same
+            one (a hit takes the block cached first; when it is evicted, the next).
     """
 
     def __init__(
@@ -34,6 +39,7 @@ class BlockPool:
         num_blocks: int,
         on_evict: Callable[[int], None] | None = None,
         reuse_freed_first: bool = False,
+        uncached_first: bool = False,
     ) -> None:
         if num_blocks < 2:
             raise BlockPoolError(f"need at least 2 blocks, got {num_blocks}")
@@ -44,6 +50,9 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self._on_evict = on_evict
         self._reuse_first = reuse_freed_first
+        self._uncached_first = uncached_first
+        self._same: dict[bytes, dict[int, None]] = {}
+        """With ``uncached_first``: every block that holds each hash, in caching order."""
         self.hits = 0
         self.queries = 0
 
@@ -78,7 +87,17 @@ class BlockPool:
             b, _ = self.free.popitem(last=False)
             h = self.hash_of[b]
             if h is not None:
-                if self.cached.get(h) == b:
+                if self._uncached_first:
+                    same = self._same[h]
+                    del same[b]
+                    if self.cached.get(h) == b:
+                        if same:
+                            self.cached[h] = next(iter(same))
+                        else:
+                            del self.cached[h]
+                    if not same:
+                        del self._same[h]
+                elif self.cached.get(h) == b:
                     del self.cached[h]
                 self.hash_of[b] = None
             if self._on_evict is not None:
@@ -89,6 +108,7 @@ class BlockPool:
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block, tail first (so prefix blocks are evicted last)."""
+        first: list[int] = []
         for b in reversed(blocks):
             if b == 0:
                 continue
@@ -99,10 +119,19 @@ class BlockPool:
                 self.free[b] = None
                 if self._reuse_first:
                     self.free.move_to_end(b, last=False)
+                elif self._uncached_first and self.hash_of[b] is None:
+                    first.append(b)
+        for b in reversed(first):
+            self.free.move_to_end(b, last=False)
 
     def cache(self, block: int, block_hash: bytes) -> None:
         """Record that ``block`` holds the full block ``block_hash`` (first one wins)."""
         if self.hash_of[block] is not None:
+            return
+        if self._uncached_first:
+            self.hash_of[block] = block_hash
+            self._same.setdefault(block_hash, {})[block] = None
+            self.cached.setdefault(block_hash, block)
             return
         if block_hash not in self.cached:
             self.cached[block_hash] = block

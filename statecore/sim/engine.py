@@ -1,21 +1,42 @@
 """The simulated engine: an LLM serving loop that drives the real statecore stack.
 
-Per step, in the order vLLM's engine uses (see the module docs of :mod:`statecore.sim`):
+Per step, in vLLM 0.33's order (its ``Scheduler.schedule()``, the workers, then its
+``update_from_output``); :attr:`SimConfig.step_order` ``"waiting-first"`` keeps this engine's
+earlier order (phases 2 and 1 swapped, and 6 before 5) to show the two step alike:
 
-1. waiting requests, those that hold KV blocks first (a load ended, failed or not), then the
-   others, each in arrival order (vLLM 0.33's ``kv_holding_waiting`` queue): local GPU
-   prefix-cache hit, then
+1. running requests, in running order: chunked prefill, then one decode token per step; when
+   blocks run out, the newest running request is preempted (blocks freed, listed in
+   ``preempted_req_ids``), the request itself last; a request that preempted itself ends
+   this phase;
+2. only when phase 1 preempted nothing: waiting requests, those that hold KV blocks first (a
+   load ended, failed or not), then the others, each in arrival order (vLLM 0.33's
+   ``kv_holding_waiting`` queue): local GPU prefix-cache hit, then
    ``get_num_new_matched_tokens``; ``None`` keeps the request waiting; an asynchronous hit
    allocates blocks, calls ``update_state_after_alloc`` and parks the request until its id
    appears in ``finished_loads``; otherwise the request is allocated and scheduled;
-2. running requests: chunked prefill, then one decode token per step; when blocks run out the
-   newest running request is preempted (blocks freed, listed in ``preempted_req_ids``);
 3. ``build_connector_meta``;
 4. every worker rank: ``start_step`` (flush, loads), compute (the scheduled tokens' KV bytes are
    written into their GPU blocks), ``end_step``, ``build_worker_metadata``; the reports pass the
-   fault channel, are aggregated and fed to ``update_connector_output``;
-5. finished and aborted requests: ``request_finished``, then their blocks are freed at once
-   (an aborted request that waits on a load keeps its blocks until the load ended).
+   fault channel and are aggregated;
+5. the step's outputs: each scheduled request's tokens; a request that reached its output
+   length finishes: ``request_finished``, then its blocks are freed at once;
+6. the aggregated report to ``update_connector_output``; loads that ended put their requests
+   back in the waiting queue.
+
+Aborts come between steps: ``request_finished``, then the request's blocks are freed at once
+(an aborted request that waits on a load keeps its blocks until the load ended).
+
+With vLLM's order come the parts of vLLM 0.33's KV-cache manager that decide which block ids
+a connector sees: an admission needs room for the request's whole sequence (its
+``scheduler_reserve_full_isl``), and an asynchronous load also leaves free what the prefills
+in flight still need; the blocks a step's tokens fill are cached when they are allocated; a
+freed block without a hash is handed out next, a cached one last; new and resumed requests
+are listed first, resumed ones as new. ``tests/vllm/test_engine_differential.py`` runs the
+same workloads through vLLM's real ``Scheduler`` and asserts the same connector calls step
+by step (with :attr:`SimConfig.vllm_window`, vLLM's sliding-window freeing). Not modelled
+(hybrid runs longer than that test's depart from vLLM there): the sliding-window admission
+cap (``max_admission_blocks_per_request``) and the order in which a request's null holes are
+refilled after a load.
 
 After every step: ``scheduler.check_invariants()``, the data oracle over every valid GPU block,
 the allocator's own consistency, and INV-LIVE (no request deferred or waiting on a load for
@@ -145,6 +166,16 @@ class SimConfig:
         copy_impl: the torch adapter's copy mode on the CPU tensors: ``"auto"`` (direct
             copies) or ``"staging"`` (the CUDA staging path's code: queued jobs, bounce
             buffers, the host scatter of a store when it completes).
+        step_order: ``"vllm"`` (the step of the module docstring, vLLM 0.33's) or
+            ``"waiting-first"`` (the order this engine used before: waiting requests
+            scheduled before running ones, and the workers' report applied before the
+            step's finished requests; kept to show the two step alike for fixed seeds).
+        vllm_window: a sliding-window group frees its blocks as vLLM 0.33 does (the next
+            token attends to the last ``window`` tokens: ``computed - window + 1`` skipped),
+            one token earlier than this engine's own rule (``computed - window``); on in the
+            differential test against vLLM. Off by default: with it, ``simulate`` seed 5
+            (3 workers, checked mode, 120 requests) finds a store that completes with wrong
+            bytes in the sliding-window group, not yet explained.
     """
 
     seed: int = 0
@@ -173,6 +204,8 @@ class SimConfig:
     reuse_freed_first: bool = False
     checked: bool = False
     copy_impl: str = "auto"
+    step_order: str = "vllm"
+    vllm_window: bool = False
 
     def kv_groups(self) -> tuple[GroupConfig, ...]:
         """The KV-cache groups of this run."""
@@ -631,6 +664,16 @@ class ObservedManager:
         self.known.clear()
 
 
+@dataclass(slots=True)
+class _SchedulePass:
+    """What one step's scheduling has decided so far."""
+
+    budget: int
+    scheduled: list[tuple[SimRequest, int, list[list[int]], bool]] = field(default_factory=list)
+    new_ids: set[str] = field(default_factory=set)
+    preempted: set[str] = field(default_factory=set)
+
+
 class SimEngine:
     """The engine loop over a connector, worker ranks and the data oracle.
 
@@ -710,7 +753,10 @@ class SimEngine:
         """Last hash of a chunk (tagged with its group) -> the block hashes of its blocks."""
         self._preempted_next: set[str] = set()
         self.pool = BlockPool(
-            cfg.num_gpu_blocks, on_evict=kv.dont_care, reuse_freed_first=cfg.reuse_freed_first
+            cfg.num_gpu_blocks,
+            on_evict=kv.dont_care,
+            reuse_freed_first=cfg.reuse_freed_first,
+            uncached_first=cfg.step_order != "waiting-first",
         )
         self.tpb = self.tph
         self.waiting: list[SimRequest] = []
@@ -737,6 +783,10 @@ class SimEngine:
         self._job_req: dict[int, str] = {}
         self._completeness: list[tuple[str, list[OffloadKey], int]] = []
         self._n_foreign = 0
+        self._vllm_window = cfg.vllm_window and cfg.step_order != "waiting-first"
+        self._inflight: dict[str, SimRequest] = {}
+        """vLLM's in-flight prefills: requests loading, or admitted with prompt tokens not yet
+        scheduled (with :attr:`SimConfig.step_order` ``"vllm"``)."""
 
     @property
     def admitted_prompt_tokens(self) -> int:
@@ -818,10 +868,22 @@ class SimEngine:
         else:
             self._note_progress(k)
         foreign = self._schedule_foreign(admit)
+        listed = scheduled
+        if cfg.step_order != "waiting-first":
+            # as vLLM 0.33's SchedulerOutput lists them: new requests, then resumed ones (as
+            # new ones too: whole block lists, no resumed flag), then running ones
+            listed = [
+                (r, n, blocks, False)
+                for r, n, blocks, resumed in sorted(
+                    scheduled,
+                    key=lambda e: 0 if e[0].turn.req_id in new_ids else 1 if e[3] else 2,
+                )
+            ]
+            new_ids = new_ids | {r.turn.req_id for r, _, _, resumed in scheduled if resumed}
         output = SchedulerOutput(
             scheduled=tuple(
                 ScheduledRequest(r.turn.req_id, tuple(tuple(b) for b in blocks), n, resumed)
-                for r, n, blocks, resumed in scheduled
+                for r, n, blocks, resumed in listed
             )
             + foreign,
             new_req_ids=frozenset(new_ids),
@@ -852,9 +914,14 @@ class SimEngine:
         for rank, s in enumerate(self.stacks):
             s.end_step(meta)
             self.channel.submit(rank, s.report(), k)
-        self.feed(self.channel.deliver(k))
-        self._take_events()
-        self._after_compute(k, scheduled)
+        if self.cfg.step_order == "waiting-first":
+            self.feed(self.channel.deliver(k))
+            self._take_events()
+            self._after_compute(k, scheduled)
+        else:  # vLLM's update_from_output: the finished requests, then the workers' report
+            self._after_compute(k, scheduled)
+            self.feed(self.channel.deliver(k))
+            self._take_events()
         if self.check_each_step:
             self._check(k)
         self.step_no += 1
@@ -1142,6 +1209,7 @@ class SimEngine:
         self._note_finished(r)
 
     def _retire(self, r: SimRequest, completed: bool) -> None:
+        self._inflight.pop(r.turn.req_id, None)
         if r.status is Status.RUNNING:
             self.running.remove(r)
         elif r in self.waiting:
@@ -1165,7 +1233,11 @@ class SimEngine:
         """Leading blocks of sliding-window group ``g`` that no token after ``computed``
         attends to (0 for full attention)."""
         w = self.g_win[g]
-        if w is None or computed <= w:
+        if w is None:
+            return 0
+        if self._vllm_window:  # vLLM: the next token attends to the last w tokens
+            return max(0, computed - w + 1) // self.g_tpb[g]
+        if computed <= w:
             return 0
         return (computed - w) // self.g_tpb[g]
 
@@ -1267,12 +1339,18 @@ class SimEngine:
         computed = r.req.num_computed_tokens
         for g in self.sliding:
             row = r.blocks[g]
+            left: list[int] = []
             for i in range(min(self._out_of_window(g, computed), len(row))):
                 b = row[i]
                 if b:
-                    self.pool.release([b])
+                    if self._vllm_window:
+                        left.append(b)  # freed together, the last first, as vLLM does
+                    else:
+                        self.pool.release([b])
                     row[i] = 0
                     self.stats.window_blocks_freed += 1
+            if left:
+                self.pool.release(left)
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -1291,16 +1369,38 @@ class SimEngine:
     def _schedule(
         self, k: int
     ) -> tuple[list[tuple[SimRequest, int, list[list[int]], bool]], set[str], set[str]]:
-        cfg = self.cfg
-        budget = cfg.max_batched_tokens
-        scheduled: list[tuple[SimRequest, int, list[list[int]], bool]] = []
-        new_ids: set[str] = set()
-        preempted: set[str] = set()
-        running_before = list(self.running)
+        """Step 1 of the module docstring, in the configured order (:attr:`SimConfig.step_order`):
+        ``"vllm"`` (vLLM 0.33's ``Scheduler.schedule()``): the running requests first, then,
+        only when none was preempted in this step, the waiting ones; ``"waiting-first"``: the
+        waiting requests first, then those that were running when the step began."""
+        pass_ = _SchedulePass(self.cfg.max_batched_tokens)
+        if self.cfg.step_order == "waiting-first":
+            running_before = list(self.running)
+            self._schedule_waiting(k, pass_)
+            self._schedule_running(running_before, pass_)
+        else:
+            self._schedule_running(self.running, pass_)
+            if not pass_.preempted:
+                self._schedule_waiting(k, pass_)
+            for r, n, _, _ in pass_.scheduled:
+                if r.req.num_computed_tokens + n >= r.req.num_tokens:
+                    self._inflight.pop(r.turn.req_id, None)  # its prefill is scheduled
+        return pass_.scheduled, pass_.new_ids, pass_.preempted
 
-        # 1. waiting requests
+    def _inflight_reserved(self) -> int:
+        """Blocks the prefills in flight (admitted or loading, not yet fully scheduled) still
+        need to hold their whole sequence: vLLM keeps them free when it admits a load."""
+        return sum(
+            sum(self._need(r, r.req.num_tokens, r.req.num_computed_tokens))
+            for r in self._inflight.values()
+        )
+
+    def _schedule_waiting(self, k: int, pass_: _SchedulePass) -> None:
+        """Admit waiting requests (lookups, allocation, asynchronous loads) into ``pass_``."""
+        cfg = self.cfg
+        scheduled, new_ids = pass_.scheduled, pass_.new_ids
         for r in self._waiting_order():
-            if budget <= 0 or len(self.running) >= cfg.max_running:
+            if pass_.budget <= 0 or len(self.running) >= cfg.max_running:
                 break
             if r.status is Status.LOADING or r.turn.req_id in self._preempted_next:
                 continue  # waits for its load / was preempted between steps: not this step
@@ -1329,9 +1429,21 @@ class SimEngine:
                 r.deferred_steps = 0
                 if ext > 0 and is_async:
                     total = n_local + ext
+                    if self._vllm_window:
+                        # vLLM takes no local hit block that falls out of the window of the
+                        # whole hit (a null block in its place)
+                        for g in self.sliding:
+                            for i in range(min(self._out_of_window(g, total), len(local[g]))):
+                                local[g][i] = 0
                     r.blocks = [list(x) for x in local]
                     need = sum(self._need(r, total, total))
-                    if self._room(local) - need < cfg.watermark_blocks:
+                    room = self._room(local)
+                    if cfg.step_order != "waiting-first":
+                        # vLLM: the whole sequence must fit, and the loaded prefix beside
+                        # what the prefills in flight still need
+                        full = sum(self._need(r, r.req.num_tokens, total))
+                        need = max(need + self._inflight_reserved(), full)
+                    if room - need < cfg.watermark_blocks:
                         r.blocks = [[] for _ in range(self.n_groups)]
                         break
                     self._share(r.turn.req_id, [b for x in local for b in x])
@@ -1344,6 +1456,8 @@ class SimEngine:
                         ext,
                     )
                     r.status = Status.LOADING
+                    if cfg.step_order != "waiting-first":
+                        self._inflight[r.turn.req_id] = r
                     r.load = (n_local, ext)
                     r.covered = max(r.covered, total)
                     r.load_since = k
@@ -1356,14 +1470,19 @@ class SimEngine:
                 r.blocks = [list(x) for x in local]
             else:
                 computed = r.req.num_computed_tokens
-            n = min(r.req.num_tokens - computed, budget)
+            n = min(r.req.num_tokens - computed, pass_.budget)
             need = sum(self._need(r, computed + n, computed))
+            if cfg.step_order != "waiting-first":  # vLLM: the whole sequence must fit
+                need = max(need, sum(self._need(r, r.req.num_tokens, computed)))
             if self._room(local) - need < cfg.watermark_blocks:
                 if any(local):
                     r.blocks = [[] for _ in range(self.n_groups)]
                 break
             self._share(r.turn.req_id, [b for x in local for b in x])
             self._extend(r, computed + n, computed)
+            if cfg.step_order != "waiting-first":
+                # vLLM caches the blocks the step's tokens fill when it allocates them
+                self._cache_blocks(r, computed, computed + n)
             self._guard(
                 "update_state_after_alloc",
                 self.conn.update_state_after_alloc,
@@ -1373,6 +1492,8 @@ class SimEngine:
             )
             if fresh_lookup:
                 self._count_hits(r, computed, 0)
+            if cfg.step_order != "waiting-first" and computed + n < r.req.num_tokens:
+                self._inflight[r.turn.req_id] = r
             r.req.num_computed_tokens = computed
             self.waiting.remove(r)
             self.running.append(r)
@@ -1382,15 +1503,21 @@ class SimEngine:
             scheduled.append((r, n, [list(x) for x in r.blocks], r.resumed and r.scheduled_once))
             r.scheduled_once = True
             r.resumed = False
-            budget -= n
+            pass_.budget -= n
 
-        # 2. running requests: chunked prefill, then decode
+    def _schedule_running(self, order: Sequence[SimRequest], pass_: _SchedulePass) -> None:
+        """Schedule the running requests of ``order`` (chunked prefill, then decode) into
+        ``pass_``; when blocks run out, the newest running request not yet scheduled in this
+        step is preempted (the request itself last)."""
+        scheduled, preempted = pass_.scheduled, pass_.preempted
+        vllm_order = self.cfg.step_order != "waiting-first"
+        running_before = list(order)
         done: set[int] = set()
         for r in running_before:
-            if r.status is not Status.RUNNING or budget <= 0:
+            if r.status is not Status.RUNNING or pass_.budget <= 0:
                 continue
             computed = r.req.num_computed_tokens
-            n = min(r.req.num_tokens - computed, budget)
+            n = min(r.req.num_tokens - computed, pass_.budget)
             if n <= 0:
                 continue
             self._slide(r)
@@ -1409,12 +1536,15 @@ class SimEngine:
                 if victim is r:
                     break
             if r in self.waiting:  # preempted itself: nothing left to preempt
+                if vllm_order:
+                    break  # vLLM stops scheduling running requests there
                 continue
             fresh = self._extend(r, computed + n, computed)
+            if vllm_order:
+                self._cache_blocks(r, computed, computed + n)
             scheduled.append((r, n, fresh, False))
             done.add(id(r))
-            budget -= n
-        return scheduled, new_ids, preempted
+            pass_.budget -= n
 
     def _schedule_foreign(self, admit: bool) -> tuple[ScheduledRequest, ...]:
         """Foreign requests: new ones take blocks (any group), old ones end."""
@@ -1471,6 +1601,7 @@ class SimEngine:
 
     def _preempt(self, r: SimRequest) -> None:
         self.stats.preemptions += 1
+        self._inflight.pop(r.turn.req_id, None)
         self.running.remove(r)
         self._release_all(r)
         r.req.num_computed_tokens = 0

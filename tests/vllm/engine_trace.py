@@ -1,0 +1,478 @@
+"""The connector calls of one seeded workload, step by step, through two engines: vLLM 0.33's
+real ``Scheduler`` (with :class:`~statecore.adapters.vllm.StatecoreOffloadingConnector`) and
+statecore's engine model (:class:`~statecore.sim.engine.SimEngine`), both over statecore's
+:class:`~statecore.scheduler.OffloadingScheduler`.
+
+Each call that reaches the scheduler is recorded, normalised to plain tuples (hook name,
+request ids, block ids, token counts), under the engine step it happened in; the two traces
+are then compared step by step (:func:`first_divergence`). Both sides run one worker rank
+whose copies complete in the step they were submitted in (the simulator's fault preset
+``none``; vLLM's side a backend with no delay), so a difference is the engine's own.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+BLOCK = 16
+"""Tokens per GPU block (every group), as in the peer harness."""
+
+STEP_SECONDS = 0.5
+"""The clock both sides' schedulers read moves on this much as each engine step begins (the
+engine model's :class:`~statecore.sim.engine.SimClock`); the scheduler's stall timeout and
+its bound on waiting for another request's load are in those seconds."""
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request of the workload: when it arrives and, perhaps, when it is aborted."""
+
+    step: int
+    req_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    abort_at: int | None = None
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The engine both sides run: KV groups, block counts, budgets."""
+
+    groups: str = "full"  # a statecore.sim.engine.GROUP_PRESETS name: "full" or "hybrid"
+    num_gpu_blocks: int = 48  # null block 0 included
+    num_cpu_chunks: int = 512
+    blocks_per_chunk: int = 1
+    max_batched_tokens: int = 128
+    max_running: int = 8
+
+
+def workload(
+    seed: int,
+    n: int = 24,
+    steps: int = 40,
+    prefixes: int = 3,
+    prefix_len: int = 64,
+    suffix_len: tuple[int, int] = (8, 72),
+    output_len: tuple[int, int] = (4, 24),
+    abort_prob: float = 0.15,
+) -> list[Arrival]:
+    """``n`` requests arriving over ``steps`` steps: a shared prefix (one of ``prefixes``)
+    and a unique suffix each; some are aborted a few steps after arrival."""
+    rng = random.Random(seed)
+
+    def tokens(k: int) -> list[int]:
+        return [rng.randrange(3, 50000) for _ in range(k)]
+
+    shared = [tokens(prefix_len) for _ in range(prefixes)]
+    out = []
+    for i in range(n):
+        step = sorted(rng.randrange(steps) for _ in range(1))[0] if i >= 4 else 0
+        prompt = shared[rng.randrange(prefixes)] + tokens(rng.randint(*suffix_len))
+        abort = step + rng.randint(1, 6) if rng.random() < abort_prob else None
+        out.append(Arrival(step, f"c{i}t0", tuple(prompt), rng.randint(*output_len), abort))
+    out.sort(key=lambda a: (a.step, int(a.req_id[1:-2])))
+    return out
+
+
+# -- the trace -------------------------------------------------------------------------------
+
+Call = tuple[Any, ...]
+
+
+@dataclass
+class Trace:
+    """The scheduler calls, per engine step (calls between steps count to the next one)."""
+
+    step: int = 0
+    calls: dict[int, list[Call]] = field(default_factory=lambda: defaultdict(list))
+
+    def add(self, call: Call) -> None:
+        self.calls[self.step].append(call)
+
+    def steps(self) -> list[int]:
+        return sorted(self.calls)
+
+
+def _blocks(lists: Any) -> tuple[tuple[int, ...], ...]:
+    if lists is None:
+        return ()
+    return tuple(tuple(int(b) for b in g) for g in lists)
+
+
+def _scheduled(output: Any) -> list[Call]:
+    rows = [
+        (
+            e.req_id,
+            _blocks(e.new_block_ids),
+            int(e.num_scheduled_tokens),
+            bool(e.resumed_from_preemption),
+        )
+        for e in output.scheduled
+    ]
+    cols = output.columns
+    if cols is not None:
+        for rid, blocks, n in zip(
+            cols.req_ids, cols.new_block_ids, cols.num_scheduled_tokens, strict=True
+        ):
+            rows.append((rid, _blocks(blocks), int(n), rid in cols.resumed_req_ids))
+    # a request that got no new blocks: the same whether the engine sends () or ((), ())
+    return sorted((r, b if any(b) else (), n, res) for r, b, n, res in rows)
+
+
+def _jobs(jobs: Any) -> list[Call]:
+    out = []
+    for job_id, job in sorted(jobs.items()):
+        ends = []
+        for spec in (job.src, job.dst):
+            ids = getattr(spec, "block_ids", None)
+            ends.append(tuple(int(b) for b in ids) if ids is not None else None)
+        out.append((int(job_id), job.req_id, *ends))
+    return out
+
+
+def record(sched: Any, trace: Trace) -> None:
+    """Wrap ``sched``'s engine-facing methods (on the instance) so every call lands in
+    ``trace``, normalised."""
+
+    def wrap(name: str, note: Callable[[tuple[Any, ...], Any], Call | None]) -> None:
+        real = getattr(sched, name)
+
+        def call(*args: Any) -> Any:
+            out = real(*args)
+            row = note(args, out)
+            if row is not None:
+                trace.add(row)
+            return out
+
+        setattr(sched, name, call)
+
+    wrap("on_new_request", lambda a, _: ("new", a[0].request_id))
+    wrap(
+        "get_num_new_matched_tokens",
+        lambda a, out: ("lookup", a[0].request_id, int(a[1]), tuple(out)),
+    )
+    wrap(
+        "update_state_after_alloc",
+        lambda a, _: ("alloc", a[0].request_id, _blocks(a[1]), int(a[2])),
+    )
+
+    def build(a: tuple[Any, ...], meta: Any) -> Call:
+        o = a[0]
+        return (
+            "build",
+            tuple(_scheduled(o)),
+            tuple(sorted(o.new_req_ids)),
+            tuple(sorted(o.finished_req_ids)),
+            tuple(sorted(o.preempted_req_ids)),
+            tuple(_jobs(meta.load_jobs)),
+            tuple(_jobs(meta.store_jobs)),
+            tuple(sorted(meta.jobs_to_flush)),
+        )
+
+    wrap("build_connector_meta", build)
+
+    def output(a: tuple[Any, ...], res: Any) -> Call | None:
+        done = tuple(sorted(res.finished_loads)) if res is not None else ()
+        bad = tuple(sorted(res.invalid_block_ids)) if res is not None else ()
+        rep = a[0]
+        ended = tuple(sorted(rep.completed)) if rep is not None else ()
+        if not (done or bad or ended):
+            return None  # an empty report: engines differ in whether they send one
+        return ("output", ended, done, bad)
+
+    wrap("update_connector_output", output)
+    wrap("request_finished", lambda a, _: ("finished", a[0].request_id))
+
+
+def first_divergence(a: Trace, b: Trace) -> str | None:
+    """Where two traces first differ (None: the same, step by step)."""
+    for step in sorted(set(a.calls) | set(b.calls)):
+        x, y = a.calls.get(step, []), b.calls.get(step, [])
+        if x == y:
+            continue
+        i = next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), None)
+        if i is None:
+            i = min(len(x), len(y))
+        left = x[i] if i < len(x) else "<nothing>"
+        right = y[i] if i < len(y) else "<nothing>"
+        return f"step {step}, call {i}:\n  vllm:   {left}\n  engine: {right}"
+    return None
+
+
+# -- the engine model ------------------------------------------------------------------------
+
+
+def run_engine_model(
+    shape: Shape, arrivals: Sequence[Arrival], order: str | None = None, max_steps: int = 400
+) -> Trace:
+    """The workload through :class:`~statecore.sim.engine.SimEngine` (``order``: its step
+    order, when it has a choice)."""
+    import dataclasses
+
+    from statecore.sim.engine import SimConfig
+    from statecore.sim.faults import SimFaults
+    from statecore.sim.run import build_stack
+    from statecore.sim.workload import Turn, WorkloadConfig
+
+    cfg = SimConfig(
+        seed=0,
+        steps=max_steps,
+        num_workers=1,
+        faults=SimFaults.preset("none"),
+        groups=shape.groups,
+        tokens_per_block=BLOCK,
+        blocks_per_chunk=shape.blocks_per_chunk,
+        num_gpu_blocks=shape.num_gpu_blocks,
+        cpu_slots=shape.num_cpu_chunks,
+        max_batched_tokens=shape.max_batched_tokens,
+        max_running=shape.max_running,
+        watermark_blocks=0,
+        foreign_prob=0.0,
+        step_seconds=STEP_SECONDS,
+        vllm_window=True,
+        stall_timeout_s=20.0,
+        stall_check_interval_s=2.0,
+        # the engine model's own aborts of loading requests are off: the workload's are the
+        # only ones, on both sides
+        workload=WorkloadConfig(abort_during_load_prob=0.0),
+    )
+    if order is not None:
+        cfg = dataclasses.replace(cfg, step_order=order)
+    stack, eng = build_stack(cfg)
+    trace = Trace()
+    record(stack.scheduler, trace)
+    by_step: dict[int, list[Arrival]] = defaultdict(list)
+    aborts: dict[int, list[str]] = defaultdict(list)
+    for a in arrivals:
+        by_step[a.step].append(a)
+        if a.abort_at is not None:
+            aborts[a.abort_at].append(a.req_id)
+    last = max(a.step for a in arrivals)
+    try:
+        for k in range(max_steps):
+            trace.step = k
+            for a in by_step.get(k, ()):
+                eng.arrive(Turn(a.req_id, int(a.req_id[1:-2]), list(a.prompt), a.max_tokens))
+            for rid in aborts.get(k, ()):
+                r = eng.by_id.get(rid)
+                if r is not None and not r.aborted:
+                    eng.abort(r)
+            if k > last and not eng.by_id and not eng.finished_since_last:
+                break  # as vLLM's has_requests(): the finished ids are not yet sent
+            eng.step(admit=False)
+    finally:
+        stack.close()
+    problems = eng.stats.errors + eng.stats.violations + eng.stats.harness_anomalies
+    if problems:
+        raise AssertionError(f"the engine model's run went wrong: {problems[:3]}")
+    return trace
+
+
+# -- vLLM's engine ---------------------------------------------------------------------------
+
+
+def _m(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def run_vllm_engine(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 400) -> Trace:
+    """The workload through vLLM's real ``Scheduler`` with statecore's connector."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from statecore.bench.scheduler import StepDelayBackend, _model_dir
+
+    torch = _m("torch")
+    vcfg = _m("vllm.config")
+    iface = _m("vllm.v1.kv_cache_interface")
+    kvu = _m("vllm.v1.core.kv_cache_utils")
+    base = _m("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    outputs_mod = _m("vllm.v1.outputs")
+    status = _m("vllm.v1.request").RequestStatus
+    SamplingParams = _m("vllm").SamplingParams
+    VRequest = _m("vllm.v1.request").Request
+
+    def spec(window: int | None) -> Any:
+        kw = {"block_size": BLOCK, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+        if window is None:
+            return iface.FullAttentionSpec(**kw)
+        return iface.SlidingWindowSpec(sliding_window=window, **kw)
+
+    from statecore.sim.engine import kv_groups
+
+    groups = [
+        iface.KVCacheGroupSpec([f"layer{i}"], spec(g.sliding_window))
+        for i, g in enumerate(kv_groups(shape.groups, BLOCK))
+    ]
+    kcc = iface.KVCacheConfig(
+        num_blocks=shape.num_gpu_blocks, kv_cache_tensors=[], kv_cache_groups=groups
+    )
+    extra = {
+        "blocks_per_chunk": shape.blocks_per_chunk,
+        "offload_prompt_only": False,  # as the simulator's stack: generated blocks too
+        "num_cpu_chunks": shape.num_cpu_chunks,
+        # the engine model's (SimConfig's defaults)
+        "stall_timeout_s": 20.0,
+        "stall_check_interval_s": 2.0,
+    }
+    ktc = vcfg.KVTransferConfig(
+        kv_connector="StatecoreOffloadingConnector",
+        kv_connector_module_path="statecore.adapters.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra,
+        engine_id=f"differential-{os.getpid()}-{id(arrivals)}",
+    )
+    model = _model_dir()
+    cache_config = vcfg.CacheConfig(
+        block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True
+    )
+    vc = vcfg.VllmConfig(
+        model_config=vcfg.ModelConfig(
+            model=model,
+            tokenizer=model,
+            skip_tokenizer_init=True,
+            dtype="float16",
+            seed=0,
+            max_model_len=16384,
+        ),
+        scheduler_config=vcfg.SchedulerConfig(
+            max_num_seqs=shape.max_running,
+            max_num_batched_tokens=shape.max_batched_tokens,
+            max_model_len=16384,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+            async_scheduling=False,
+        ),
+        cache_config=cache_config,
+        kv_transfer_config=ktc,
+        parallel_config=vcfg.ParallelConfig(tensor_parallel_size=1),
+        device_config=vcfg.DeviceConfig("cpu"),
+    )
+    vc.cache_config.num_gpu_blocks = shape.num_gpu_blocks
+    engine = _m("vllm.v1.core.sched.scheduler").Scheduler(
+        vllm_config=vc,
+        kv_cache_config=kcc,
+        structured_output_manager=_m("vllm.v1.structured_output").StructuredOutputManager(vc),
+        block_size=BLOCK,
+        log_stats=False,
+    )
+    conn = engine.connector
+    trace = Trace()
+    record(conn.scheduler, trace)
+    # the engine model's clock: STEP_SECONDS a step, moved on as each step begins
+    now = [0.0]
+    conn.scheduler.clock = lambda: now[0]
+    clock = [0]
+    worker = type(conn)(vc, base.KVConnectorRole.WORKER, kcc)
+    worker.attach_backend(StepDelayBackend(clock, 0, 0), rank=0)
+    aggregator = _m("vllm.distributed.kv_transfer.kv_connector.utils").KVOutputAggregator(
+        expected_finished_count=1
+    )
+    hash_fn = _m("vllm.utils.hashing").get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
+    kvu.init_none_hash(hash_fn)
+    hasher = kvu.get_request_block_hasher(BLOCK, hash_fn)
+    token_rng = random.Random(1)
+    by_step: dict[int, list[Arrival]] = defaultdict(list)
+    aborts: dict[int, list[str]] = defaultdict(list)
+    for a in arrivals:
+        by_step[a.step].append(a)
+        if a.abort_at is not None:
+            aborts[a.abort_at].append(a.req_id)
+    last = max(a.step for a in arrivals)
+    for k in range(max_steps):
+        trace.step = k
+        clock[0] = k
+        now[0] = k * STEP_SECONDS
+        for a in by_step.get(k, ()):
+            sp = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
+            sp.update_from_generation_config({}, None)
+            engine.add_request(
+                VRequest(
+                    request_id=a.req_id,
+                    prompt_token_ids=list(a.prompt),
+                    sampling_params=sp,
+                    pooling_params=None,
+                    block_hasher=hasher,
+                )
+            )
+        for rid in aborts.get(k, ()):  # one by one: finish_requests iterates a set of ids
+            if rid in engine.requests:
+                engine.finish_requests(rid, status.FINISHED_ABORTED)
+        if k > last and not engine.has_requests():
+            break
+        now[0] = (k + 1) * STEP_SECONDS
+        so = engine.schedule()
+        ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            r = engine.requests[rid]
+            done = r.num_computed_tokens >= r.num_tokens
+            sampled.append([token_rng.randrange(3, 50000)] if done else [])
+        meta = so.kv_connector_metadata
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        tr = worker.get_transfer_results(so.finished_req_ids)
+        kvo = outputs_mod.KVConnectorOutput(
+            finished_sending=tr.finished_sending or None,
+            finished_recving=tr.finished_recving or None,
+            failed_recving=tr.failed_recving,
+            invalid_block_ids=worker.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=worker.build_connector_worker_meta(),
+        )
+        worker.clear_connector_metadata()
+        out = outputs_mod.ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kvo,
+        )
+        engine.update_from_output(so, aggregator.aggregate([out], output_rank=0))
+    return trace
+
+
+def summary(trace: Trace) -> dict[str, int]:
+    """Counts of the trace's calls by hook (and of preemptions, loads, stores)."""
+    out: dict[str, int] = defaultdict(int)
+    for calls in trace.calls.values():
+        for c in calls:
+            out[c[0]] += 1
+            if c[0] == "build":
+                out["preempted"] += len(c[4])
+                out["load_jobs"] += len(c[5])
+                out["store_jobs"] += len(c[6])
+            if c[0] == "lookup" and c[3][0]:
+                out["hits"] += 1
+    return dict(out)
+
+
+def steps_alike(a: Trace, b: Trace) -> int:
+    """How many leading steps the two traces agree on."""
+    n = 0
+    for step in sorted(set(a.calls) | set(b.calls)):
+        if a.calls.get(step, []) != b.calls.get(step, []):
+            break
+        n += 1
+    return n
+
+
+__all__: Iterable[str] = [
+    "Arrival",
+    "Shape",
+    "Trace",
+    "first_divergence",
+    "record",
+    "run_engine_model",
+    "run_vllm_engine",
+    "steps_alike",
+    "summary",
+    "workload",
+]

@@ -1,0 +1,91 @@
+"""The engine model against vLLM 0.33's real ``Scheduler``: the same seeded workload (shared
+prefixes, a device cache small enough to preempt, aborts) through both, each over statecore's
+scheduler, must make the same connector calls step by step (hook, request ids, block ids,
+token counts), for a full-attention and a hybrid (sliding window + full) configuration.
+
+Run with ``scripts/vllm-integration.sh`` (vLLM 0.33 on CPU torch); the traces are built by
+:mod:`engine_trace` beside this file.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+pytest.importorskip(
+    "vllm.config", reason="vLLM 0.33 is not installed (build it: scripts/vllm-integration.sh)"
+)
+
+from engine_trace import (
+    Arrival,
+    Shape,
+    Trace,
+    first_divergence,
+    run_engine_model,
+    run_vllm_engine,
+    summary,
+    workload,
+)
+
+SHAPES = {
+    "full": Shape(groups="full", num_gpu_blocks=24),
+    "hybrid": Shape(groups="hybrid", num_gpu_blocks=40),
+}
+REQUESTS = {"full": (24, 40), "hybrid": (12, 20)}
+"""Per configuration: requests, and the steps they arrive over. The hybrid runs are shorter:
+over longer ones the engine model still departs from vLLM (see the module docstring of
+:mod:`statecore.sim.engine`: the sliding-window admission cap and the order in which a
+request's null holes are refilled are not modelled)."""
+SEEDS = (1, 2, 3)
+OUTPUT_LEN = (16, 64)
+"""Long enough outputs that decoding outgrows the device cache: preemption."""
+
+
+def load(groups: str, seed: int) -> list[Arrival]:
+    n, steps = REQUESTS[groups]
+    return workload(seed, n=n, steps=steps, output_len=OUTPUT_LEN)
+
+
+@functools.cache
+def vllm_trace(groups: str, seed: int) -> Trace:
+    return run_vllm_engine(SHAPES[groups], load(groups, seed))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("groups", sorted(SHAPES))
+def test_the_engine_model_makes_vllms_connector_calls(groups: str, seed: int) -> None:
+    upstream = vllm_trace(groups, seed)
+    ours = run_engine_model(SHAPES[groups], load(groups, seed))
+    assert first_divergence(upstream, ours) is None
+    assert upstream.calls == ours.calls
+
+
+@pytest.mark.parametrize("groups", sorted(SHAPES))
+def test_the_workload_preempts_loads_stores_and_aborts(groups: str) -> None:
+    counts: dict[str, int] = {}
+    for seed in SEEDS:
+        for k, v in summary(vllm_trace(groups, seed)).items():
+            counts[k] = counts.get(k, 0) + v
+    assert counts.get("preempted", 0) > 0, counts
+    assert counts.get("load_jobs", 0) > 0, counts
+    assert counts.get("store_jobs", 0) > 0, counts
+    aborted = sum(1 for seed in SEEDS for a in load(groups, seed) if a.abort_at is not None)
+    assert aborted > 0
+
+
+def test_the_waiting_first_order_is_not_vllms() -> None:
+    """The engine's earlier order (waiting requests scheduled before running ones, the
+    workers' report applied before the step's finished requests) makes other calls than
+    vLLM's engine on these workloads."""
+    diverged = [
+        (groups, seed)
+        for groups in SHAPES
+        for seed in SEEDS
+        if first_divergence(
+            vllm_trace(groups, seed),
+            run_engine_model(SHAPES[groups], load(groups, seed), order="waiting-first"),
+        )
+        is not None
+    ]
+    assert diverged
