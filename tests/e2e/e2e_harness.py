@@ -1,0 +1,343 @@
+"""Run a workload through a real vLLM engine (the CPU build) with or without statecore.
+
+A *workload* is a list of rounds; a round is a list of prompts (token ids) submitted together
+(one ``LLM.generate`` call, so they are scheduled as one batch, as far as the engine's budget
+allows). Every run uses greedy sampling with the sampled token's logprob, and returns, per
+prompt, the generated token ids and their logprobs, plus what statecore did (tokens it loaded
+into the device cache, counted from the bytes its workers copied; its counters).
+
+The model is written by :func:`write_model`: a tiny ``LlamaForCausalLM`` (random weights from
+the seed, ``load_format="dummy"``; no tokenizer), optionally with sliding-window layers next
+to full-attention ones (``layer_types``), which vLLM serves as two KV-cache groups.
+
+:func:`run_engine` runs in the test's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
+``python e2e_harness.py SPEC.json OUT.json`` runs the same thing in a process of its own (the
+file-tier restart and the shared Redis scenarios).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+BLOCK_SIZE = 32
+"""Tokens per device block (the CPU attention backend wants a multiple of 32)."""
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "vocab_size": 512,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+
+
+def write_model(
+    directory: Path,
+    *,
+    sliding_window: int | None = None,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+) -> Path:
+    """Write a tiny Llama ``config.json`` into ``directory`` and return it. With
+    ``sliding_window``, even layers attend to that many tokens (``layer_types``), odd layers
+    to everything."""
+    cfg: dict[str, Any] = dict(LLAMA)
+    cfg.update(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+    )
+    if sliding_window is not None:
+        cfg["sliding_window"] = sliding_window
+        cfg["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    return directory
+
+
+@dataclass
+class EngineSpec:
+    """One engine run.
+
+    Attributes:
+        model: the model directory (:func:`write_model`).
+        rounds: prompts (token ids) per round; a round is one ``generate`` call.
+        max_tokens: tokens generated per prompt.
+        gpu_blocks: device blocks (``num_gpu_blocks_override``).
+        connector: statecore's ``kv_connector_extra_config``; None runs without a connector.
+        max_model_len, max_num_seqs, max_num_batched_tokens: the engine's limits.
+        seed: the engine's seed (the dummy weights).
+        reset_after_round: call ``reset_prefix_cache`` after these rounds (0-based).
+        abort: per round, the number of engine steps after which the round's odd-numbered
+            requests are aborted (None: never); aborted requests' outputs are not compared.
+        inject: fault to inject into the statecore worker: ``"load_failure"`` (the first load
+            job fails on the worker) or None.
+        kv_events: enable vLLM's KV-cache events (collected from the connector).
+    """
+
+    model: str
+    rounds: list[list[list[int]]]
+    max_tokens: int = 8
+    gpu_blocks: int = 64
+    connector: dict[str, Any] | None = None
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    reset_after_round: list[int] = field(default_factory=list)
+    abort: list[int | None] | None = None
+    inject: str | None = None
+    kv_events: bool = False
+
+
+@dataclass
+class RunResult:
+    """What one engine run produced.
+
+    Attributes:
+        outputs: per round, per prompt, (token ids, logprobs of those tokens); None for an
+            aborted request.
+        loaded_tokens: tokens statecore copied into the device cache (its workers' load
+            bytes over the KV bytes of one token); 0 without a connector.
+        stored_tokens: the same for stores.
+        counters: statecore's scheduler counters at the end (summed over the run).
+        loaded_by_round: loaded tokens after each round.
+        events: KV events the connector published (type names), when ``kv_events``.
+        num_groups: KV-cache groups of the engine.
+        injected: faults injected (``EngineSpec.inject``).
+    """
+
+    outputs: list[list[tuple[list[int], list[float]] | None]]
+    loaded_tokens: int = 0
+    stored_tokens: int = 0
+    counters: dict[str, float] = field(default_factory=dict)
+    loaded_by_round: list[int] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    num_groups: int = 0
+    injected: int = 0
+
+
+def _connector_config(extra: dict[str, Any]) -> Any:
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="StatecoreOffloadingConnector",
+        kv_connector_module_path="statecore.adapters.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config=dict(extra),
+    )
+
+
+def make_llm(spec: EngineSpec) -> Any:
+    """The engine ``spec`` describes (``vllm.LLM``, in this process)."""
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if spec.connector is not None:
+        kwargs["kv_transfer_config"] = _connector_config(spec.connector)
+    if spec.kv_events:
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    return LLM(
+        model=spec.model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks_override=spec.gpu_blocks,
+        max_model_len=spec.max_model_len,
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        seed=spec.seed,
+        **kwargs,
+    )
+
+
+def engine_core(llm: Any) -> Any:
+    """The in-process ``EngineCore`` of ``llm``."""
+    return llm.llm_engine.engine_core.engine_core
+
+
+def connectors(llm: Any) -> tuple[Any, Any]:
+    """(scheduler-role connector, worker-role connector) of an in-process engine."""
+    core = engine_core(llm)
+    sched = core.scheduler.connector
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return sched, get_kv_transfer_group()
+
+
+def token_bytes(llm: Any) -> int:
+    """KV bytes of one token over every layer of every group."""
+    cfg = engine_core(llm).scheduler.kv_cache_config
+    total = 0
+    for g in cfg.kv_cache_groups:
+        spec = g.kv_cache_spec
+        total += int(spec.page_size_bytes) * len(g.layer_names) // int(spec.block_size)
+    return total
+
+
+def shutdown(llm: Any) -> None:
+    """Shut the engine down and release what it holds (another engine may follow)."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+def _sampling(max_tokens: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False
+    )
+
+
+def _collect(out: Any) -> tuple[list[int], list[float]]:
+    comp = out.outputs[0]
+    ids = list(comp.token_ids)
+    lps = [float(step[t].logprob) for step, t in zip(comp.logprobs, ids, strict=True)]
+    return ids, lps
+
+
+def _run_round(
+    llm: Any, prompts: Sequence[list[int]], max_tokens: int, abort_after: int | None
+) -> list[tuple[list[int], list[float]] | None]:
+    """One round through the engine's own loop, so that requests can be aborted mid-run."""
+    engine = llm.llm_engine
+    params = _sampling(max_tokens)
+    ids = []
+    base = next(llm.request_counter)
+    for i, p in enumerate(prompts):
+        rid = f"r{base}-{i}"
+        engine.add_request(rid, {"prompt_token_ids": list(p)}, params)
+        ids.append(rid)
+    done: dict[str, Any] = {}
+    steps = 0
+    aborted: set[str] = set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        steps += 1
+        if abort_after is not None and steps == abort_after:
+            aborted = {rid for i, rid in enumerate(ids) if i % 2 == 1 and rid not in done}
+            engine.abort_request(list(aborted))
+    return [None if rid in aborted else _collect(done[rid]) for rid in ids]
+
+
+def _inject(llm: Any, fault: str) -> dict[str, int]:
+    """Fault injection into the statecore worker of an in-process engine.
+
+    ``"load_failure"``: the backend refuses the first load job it is given (``submit``
+    raises, which the worker reports as a failed job); the scheduler then hands its blocks
+    back to vLLM as load errors and vLLM recomputes them. Returns a counter of injections.
+    """
+    if fault != "load_failure":
+        raise ValueError(f"unknown fault {fault!r}")
+    _, worker_conn = connectors(llm)
+    backend = worker_conn.worker._backend
+    submit = backend.submit
+    fired = {"load_failure": 0}
+
+    def failing_submit(job_id: int, job: Any, is_store: bool) -> None:
+        if not is_store and fired["load_failure"] == 0:
+            fired["load_failure"] += 1
+            raise OSError("injected: the first load job fails")
+        submit(job_id, job, is_store)
+
+    backend.submit = failing_submit
+    return fired
+
+
+def run_engine(spec: EngineSpec, on_round: Callable[[Any, int], None] | None = None) -> RunResult:
+    """Run ``spec`` in this process and return what it produced."""
+    llm = make_llm(spec)
+    try:
+        sched_conn = None
+        per_token = 0
+        if spec.connector is not None:
+            sched_conn, _ = connectors(llm)
+            per_token = token_bytes(llm)
+        injected = _inject(llm, spec.inject) if spec.inject is not None else {}
+        totals: dict[str, float] = {}
+        res = RunResult(outputs=[])
+        res.num_groups = len(engine_core(llm).scheduler.kv_cache_config.kv_cache_groups)
+
+        def take() -> None:
+            # the scheduler's cumulative counters (get_stats() is a delta vLLM's stats
+            # logger already consumes every step)
+            if sched_conn is None:
+                return
+            totals.clear()
+            for k, v in sched_conn.scheduler.counters.as_dict().items():
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    totals[k] = v
+            if spec.kv_events:
+                res.events.extend(type(e).__name__ for e in sched_conn.take_events())
+
+        for r, prompts in enumerate(spec.rounds):
+            abort_after = spec.abort[r] if spec.abort else None
+            res.outputs.append(_run_round(llm, prompts, spec.max_tokens, abort_after))
+            take()
+            if per_token:
+                res.loaded_by_round.append(int(totals.get("load_bytes", 0)) // per_token)
+            if on_round is not None:
+                on_round(llm, r)
+            if r in spec.reset_after_round:
+                llm.reset_prefix_cache()
+        take()
+        res.counters = totals
+        res.injected = sum(injected.values())
+        if per_token:
+            res.loaded_tokens = int(totals.get("load_bytes", 0)) // per_token
+            res.stored_tokens = int(totals.get("store_bytes", 0)) // per_token
+        return res
+    finally:
+        shutdown(llm)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python e2e_harness.py SPEC.json OUT.json``: one run in its own process."""
+    spec = EngineSpec(**json.loads(Path(argv[0]).read_text()))
+    res = run_engine(spec)
+    Path(argv[1]).write_text(json.dumps(asdict(res)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
