@@ -1,4 +1,6 @@
-"""statecore as a vLLM 0.33 KV connector (``kv_connector_module_path``).
+"""statecore as a vLLM KV connector (``kv_connector_module_path``), for vLLM 0.33 and vLLM's
+CPU build 0.32 (:mod:`statecore.adapters.vllm_version`; any other release is refused when the
+connector starts).
 
 Load it with::
 
@@ -65,13 +67,16 @@ try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.request import RequestStatus
 except ImportError as exc:  # pragma: no cover - depends on the environment
+    from statecore.adapters.vllm_version import supported_versions_text
+
     raise ImportError(
-        "statecore.adapters.vllm needs vLLM 0.33 (pip install vllm==0.33.0); "
+        f"statecore.adapters.vllm needs one of {supported_versions_text()}; "
         f"importing it failed: {exc}"
     ) from exc
 
 from statecore.adapters.vllm_keys import validate_extra_config
 from statecore.adapters.vllm_metrics import GAUGES, OffloadPrometheus, TransferSizes, stats_payload
+from statecore.adapters.vllm_version import check_vllm_version
 
 from statecore.config import GroupConfig, SchedulerConfig
 from statecore.errors import ConfigError
@@ -751,6 +756,8 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
+        # an unsupported vLLM release fails every role at start-up, naming the supported ones
+        self.vllm_release = check_vllm_version(importlib.import_module("vllm").__version__)
         super().__init__(vllm_config, role, kv_cache_config)
         self._num_groups = len(kv_cache_config.kv_cache_groups)
         self.scheduler: OffloadingScheduler | None = None
