@@ -94,12 +94,15 @@ class EngineSpec:
         connector: statecore's ``kv_connector_extra_config``; None runs without a connector.
         max_model_len, max_num_seqs, max_num_batched_tokens: the engine's limits.
         seed: the engine's seed (the dummy weights).
-        reset_after_round: call ``reset_prefix_cache`` after these rounds (0-based).
+        reset_at: ``[round, step]`` pairs: reset the prefix cache (vLLM's and the
+            connector's, running requests preempted) after that engine step of that round.
         abort: per round, the number of engine steps after which the round's odd-numbered
             requests are aborted (None: never); aborted requests' outputs are not compared.
         inject: fault to inject into the statecore worker: ``"load_failure"`` (the first load
             job fails on the worker) or None.
         kv_events: enable vLLM's KV-cache events (collected from the connector).
+        kv_load_failure_policy: vLLM's policy for a failed load: ``"fail"`` (its default:
+            the request ends with an error) or ``"recompute"``.
     """
 
     model: str
@@ -111,10 +114,11 @@ class EngineSpec:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     seed: int = 0
-    reset_after_round: list[int] = field(default_factory=list)
+    reset_at: list[list[int]] = field(default_factory=list)
     abort: list[int | None] | None = None
     inject: str | None = None
     kv_events: bool = False
+    kv_load_failure_policy: str = "fail"
 
 
 @dataclass
@@ -132,6 +136,9 @@ class RunResult:
         events: KV events the connector published (type names), when ``kv_events``.
         num_groups: KV-cache groups of the engine.
         injected: faults injected (``EngineSpec.inject``).
+        stats: every ``get_stats`` delta of the run summed (the scheduler's and the
+            manager's, its tiers' included).
+        final: the scheduler's jobs, tracked requests and stalled ledger at the end.
     """
 
     outputs: list[list[tuple[list[int], list[float]] | None]]
@@ -142,9 +149,11 @@ class RunResult:
     events: list[str] = field(default_factory=list)
     num_groups: int = 0
     injected: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+    final: dict[str, int] = field(default_factory=dict)
 
 
-def _connector_config(extra: dict[str, Any]) -> Any:
+def _connector_config(extra: dict[str, Any], load_failure_policy: str) -> Any:
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
@@ -152,6 +161,7 @@ def _connector_config(extra: dict[str, Any]) -> Any:
         kv_connector_module_path="statecore.adapters.vllm",
         kv_role="kv_both",
         kv_connector_extra_config=dict(extra),
+        kv_load_failure_policy=load_failure_policy,
     )
 
 
@@ -161,7 +171,9 @@ def make_llm(spec: EngineSpec) -> Any:
 
     kwargs: dict[str, Any] = {}
     if spec.connector is not None:
-        kwargs["kv_transfer_config"] = _connector_config(spec.connector)
+        kwargs["kv_transfer_config"] = _connector_config(
+            spec.connector, spec.kv_load_failure_policy
+        )
     if spec.kv_events:
         from vllm.config import KVEventsConfig
 
@@ -235,7 +247,11 @@ def _collect(out: Any) -> tuple[list[int], list[float]]:
 
 
 def _run_round(
-    llm: Any, prompts: Sequence[list[int]], max_tokens: int, abort_after: int | None
+    llm: Any,
+    prompts: Sequence[list[int]],
+    max_tokens: int,
+    abort_after: int | None,
+    reset_after: Sequence[int] = (),
 ) -> list[tuple[list[int], list[float]] | None]:
     """One round through the engine's own loop, so that requests can be aborted mid-run."""
     engine = llm.llm_engine
@@ -247,6 +263,7 @@ def _run_round(
         engine.add_request(rid, {"prompt_token_ids": list(p)}, params)
         ids.append(rid)
     done: dict[str, Any] = {}
+    core = engine_core(llm)
     steps = 0
     aborted: set[str] = set()
     while engine.has_unfinished_requests():
@@ -257,7 +274,33 @@ def _run_round(
         if abort_after is not None and steps == abort_after:
             aborted = {rid for i, rid in enumerate(ids) if i % 2 == 1 and rid not in done}
             engine.abort_request(list(aborted))
+        if reset_after and steps >= reset_after[0] and not _loading(core):
+            # vLLM refuses a reset while a request waits for its load (it raises after
+            # preempting everything), so the reset waits for a step without one
+            ok = engine.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+            if not ok:
+                raise RuntimeError(f"reset_prefix_cache after step {steps} failed")
+            reset_after = reset_after[1:]
+    if reset_after:
+        raise RuntimeError(f"the round ended before its reset after step {reset_after[0]}")
+    # as a server's busy loop does: step while the core has work (finished requests to
+    # signal, the connector's jobs in flight), so a round's final stores are built and done
+    for _ in range(10_000):
+        if not core.scheduler.has_requests():
+            break
+        engine.step()
+    else:
+        raise RuntimeError("the engine core kept pending work for 10,000 idle steps")
     return [None if rid in aborted else _collect(done[rid]) for rid in ids]
+
+
+def _loading(core: Any) -> bool:
+    """Whether a request of the engine core waits for its KV load."""
+    from vllm.v1.request import RequestStatus
+
+    return any(
+        r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in core.scheduler.requests.values()
+    )
 
 
 def _inject(llm: Any, fault: str) -> dict[str, int]:
@@ -284,15 +327,32 @@ def _inject(llm: Any, fault: str) -> dict[str, int]:
     return fired
 
 
+def _accumulate_stats(scheduler: Any, into: dict[str, float]) -> None:
+    """Sum every ``get_stats`` delta ``scheduler`` hands out (to vLLM's stats logger or to
+    this harness) into ``into``."""
+    get_stats = scheduler.get_stats
+
+    def counted() -> dict[str, Any]:
+        delta: dict[str, Any] = get_stats()
+        for k, v in delta.items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                into[k] = into.get(k, 0) + v
+        return delta
+
+    scheduler.get_stats = counted
+
+
 def run_engine(spec: EngineSpec, on_round: Callable[[Any, int], None] | None = None) -> RunResult:
     """Run ``spec`` in this process and return what it produced."""
     llm = make_llm(spec)
     try:
         sched_conn = None
         per_token = 0
+        stats: dict[str, float] = {}
         if spec.connector is not None:
             sched_conn, _ = connectors(llm)
             per_token = token_bytes(llm)
+            _accumulate_stats(sched_conn.scheduler, stats)
         injected = _inject(llm, spec.inject) if spec.inject is not None else {}
         totals: dict[str, float] = {}
         res = RunResult(outputs=[])
@@ -312,15 +372,18 @@ def run_engine(spec: EngineSpec, on_round: Callable[[Any, int], None] | None = N
 
         for r, prompts in enumerate(spec.rounds):
             abort_after = spec.abort[r] if spec.abort else None
-            res.outputs.append(_run_round(llm, prompts, spec.max_tokens, abort_after))
+            resets = [step for rr, step in spec.reset_at if rr == r]
+            res.outputs.append(_run_round(llm, prompts, spec.max_tokens, abort_after, resets))
             take()
             if per_token:
                 res.loaded_by_round.append(int(totals.get("load_bytes", 0)) // per_token)
             if on_round is not None:
                 on_round(llm, r)
-            if r in spec.reset_after_round:
-                llm.reset_prefix_cache()
         take()
+        if sched_conn is not None:
+            last = sched_conn.scheduler.get_stats()  # the rest, into ``stats``
+            res.final = {k: last[k] for k in ("live_jobs", "tracked_requests", "stalled_ledger")}
+        res.stats = stats
         res.counters = totals
         res.injected = sum(injected.values())
         if per_token:

@@ -51,7 +51,7 @@ def compare(
 
 def both(spec: EngineSpec, extra: dict[str, Any] | None = None) -> tuple[RunResult, RunResult]:
     """Run ``spec`` without a connector, then with statecore's (``extra`` config)."""
-    base = run_engine(EngineSpec(**{**spec.__dict__, "connector": None}))
+    base = run_engine(EngineSpec(**{**spec.__dict__, "connector": None, "inject": None}))
     ours = run_engine(EngineSpec(**{**spec.__dict__, "connector": extra or dict(CPU_TIER)}))
     return base, ours
 
@@ -92,3 +92,124 @@ def test_sliding_window_next_to_full_attention(sliding_dir: Path) -> None:
     assert ours.loaded_tokens > 0, ours.counters
     print(f"loaded {ours.loaded_tokens} tokens, by round {ours.loaded_by_round}")
     assert ours.counters["jobs_failed"] == 0
+
+
+def test_blocks_per_chunk_two(llama_dir: Path) -> None:
+    """Chunks of two device blocks (``blocks_per_chunk`` 2): the same alternating visits,
+    bit-identical, loads in whole chunks."""
+    a, b = prompts(2, 600, seed=3)
+    spec = EngineSpec(
+        model=str(llama_dir),
+        rounds=[[a], [b], [a], [b]],
+        gpu_blocks=24,
+        max_model_len=23 * BLOCK_SIZE,
+    )
+    base, ours = both(spec, {"num_cpu_chunks": 128, "blocks_per_chunk": 2})
+    assert compare(base, ours, bit_identical=True) == 4
+    print(f"loaded {ours.loaded_tokens} tokens, by round {ours.loaded_by_round}")
+    assert ours.loaded_tokens >= 2 * 12 * BLOCK_SIZE, ours.counters
+    assert ours.loaded_tokens % (2 * BLOCK_SIZE) == 0
+    assert ours.counters["jobs_failed"] == 0
+
+
+def shared_prefix_rounds(
+    rounds: int, per_round: int, prefixes: int, seed: int
+) -> list[list[list[int]]]:
+    """Rounds of concurrent requests: each a 256-token prefix out of ``prefixes`` shared
+    ones, then 48 tokens of its own."""
+    heads = prompts(prefixes, 256, seed=seed)
+    rng = random.Random(seed + 1)
+    return [
+        [
+            prompts(1, 48, seed=rng.randrange(1 << 30), prefix=heads[i % prefixes])[0]
+            for i in range(per_round)
+        ]
+        for _ in range(rounds)
+    ]
+
+
+def test_concurrency_preemption_chunked_prefill(llama_dir: Path) -> None:
+    """Twelve concurrent requests per round over eight shared 256-token prefixes, a device
+    cache far too small for the batch (preemption), a 128-token step budget (chunked
+    prefill): identical tokens, logprobs within the tolerance (loads change which requests
+    run together in a step)."""
+    spec = EngineSpec(
+        model=str(llama_dir),
+        rounds=shared_prefix_rounds(3, 12, 8, seed=4),
+        max_tokens=16,
+        gpu_blocks=40,
+        max_model_len=39 * BLOCK_SIZE,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+    )
+    base, ours = both(spec)
+    assert compare(base, ours, bit_identical=False) == 36
+    print(f"loaded {ours.loaded_tokens} tokens, by round {ours.loaded_by_round}")
+    assert ours.loaded_tokens >= 4 * 8 * BLOCK_SIZE, ours.counters
+    assert ours.counters["jobs_failed"] == 0
+    assert ours.final == {"live_jobs": 0, "tracked_requests": 0, "stalled_ledger": 0}
+
+
+def test_aborts_while_loads_and_stores_are_in_flight(llama_dir: Path) -> None:
+    """The odd-numbered requests of each round are aborted two engine steps in, while their
+    loads and stores run: the others finish identical, nothing fails, nothing leaks."""
+    spec = EngineSpec(
+        model=str(llama_dir),
+        rounds=shared_prefix_rounds(3, 8, 8, seed=5),
+        max_tokens=16,
+        gpu_blocks=40,
+        max_model_len=39 * BLOCK_SIZE,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        abort=[2, 2, 2],
+    )
+    base, ours = both(spec)
+    assert compare(base, ours, bit_identical=False) == 12
+    print(f"loaded {ours.loaded_tokens} tokens, by round {ours.loaded_by_round}")
+    assert ours.loaded_tokens > 0, ours.counters
+    assert ours.counters["jobs_failed"] == 0
+    assert ours.final == {"live_jobs": 0, "tracked_requests": 0, "stalled_ledger": 0}
+
+
+def test_reset_prefix_cache_mid_run(llama_dir: Path) -> None:
+    """``reset_prefix_cache`` (vLLM's and the connector's, running requests preempted) in the
+    middle of a round, with the connector's stores in flight: the requests recompute, the
+    output is identical, and what is stored after the reset loads again. vLLM itself refuses
+    a reset while a request waits for its load (``RuntimeError`` after preempting
+    everything), so the reset lands on the first step from step 1 without one."""
+    a, b = prompts(2, 600, seed=6)
+    spec = EngineSpec(
+        model=str(llama_dir),
+        rounds=[[a], [b], [a], [b], [a]],
+        gpu_blocks=24,
+        max_model_len=23 * BLOCK_SIZE,
+        reset_at=[[2, 1]],
+    )
+    base, ours = both(spec)
+    assert compare(base, ours, bit_identical=False) == 5
+    print(f"loaded {ours.loaded_tokens} tokens, by round {ours.loaded_by_round}")
+    assert ours.counters["resets"] >= 1
+    # round 4 loads a, stored again after the reset
+    assert ours.loaded_by_round[4] > ours.loaded_by_round[3], ours.loaded_by_round
+
+
+def test_injected_load_failure_recomputes(llama_dir: Path) -> None:
+    """The worker's first load job fails (the transfer backend raises): vLLM gets its blocks
+    back as load errors and recomputes them; the output is bit-identical and later loads
+    succeed."""
+    a, b = prompts(2, 600, seed=7)
+    spec = EngineSpec(
+        model=str(llama_dir),
+        rounds=[[a], [b], [a], [b], [a]],
+        gpu_blocks=24,
+        max_model_len=23 * BLOCK_SIZE,
+        inject="load_failure",
+        kv_load_failure_policy="recompute",
+    )
+    base, ours = both(spec)
+    assert ours.injected == 1
+    assert compare(base, ours, bit_identical=True) == 5
+    print(f"loaded {ours.loaded_tokens} tokens, by round {ours.loaded_by_round}")
+    assert ours.counters["jobs_failed"] == 1, ours.counters
+    assert ours.loaded_by_round[2] == 0  # the failed one
+    assert ours.loaded_tokens > 0
