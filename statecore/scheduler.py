@@ -1009,10 +1009,12 @@ class OffloadingScheduler:
     def build_connector_meta(self, output: SchedulerOutput) -> ConnectorMetadata:
         """Build this step's metadata: load jobs, store jobs and jobs to flush.
 
-        Order: update request states from ``output`` (keys, block ids, stale sliding-window
-        ids), ``manager.on_schedule_end``, flush preempted requests, flush jobs fenced on any
-        block handed out this step, build store jobs (running requests, then finished ones),
-        then signal finished requests to the manager.
+        Order: flush preempted requests (before the step's entries: a request vLLM preempted
+        outside scheduling, as ``reset_prefix_cache`` does, comes back resumed in the same
+        output), update request states from ``output`` (keys, block ids, stale sliding-window
+        ids), ``manager.on_schedule_end``, flush jobs fenced on any block handed out this step,
+        build store jobs (running requests, then finished ones), then signal finished
+        requests to the manager.
 
         A manager whose ``prepare_store`` raises (a typed error changes nothing) does not
         stop the step: that offer is taken as no room (retried next step, cursors untouched),
@@ -1026,6 +1028,10 @@ class OffloadingScheduler:
         if self._manager_reset_pending:
             self._reset_manager()
         batch = self._batch
+        # preemptions first: they happened before this step's scheduling, and a request vLLM
+        # preempted outside it (reset_prefix_cache with reset_running_requests) is resumed in
+        # this very output; its resumed block lists must survive the preemption
+        self._apply_preemptions(output)
         scheduled = self._update_req_states(output)
         try:
             self.manager.on_schedule_end(
@@ -1035,10 +1041,6 @@ class OffloadingScheduler:
             self._manager_error(
                 exc, "build_connector_meta: the manager's on_schedule_end", "(the step went on)"
             )
-        for req_id in output.preempted_req_ids:
-            rec = self._reqs.get(req_id)
-            if rec is not None and REQUEST.accepts(rec, RE_PREEMPT):
-                REQUEST.fire(rec, RE_PREEMPT)
         fence = self._fence
         if fence and batch.allocated:
             small, large = (
@@ -1092,6 +1094,15 @@ class OffloadingScheduler:
             else:
                 out.append(ids)
         return out
+
+    def _apply_preemptions(self, output: SchedulerOutput) -> None:
+        """The output's preempted requests: each flushes its in-flight jobs and forgets its
+        block lists (the engine freed them). Applied before the step's scheduled entries, so
+        a request both preempted and resumed in one output keeps the resumed lists."""
+        for req_id in output.preempted_req_ids:
+            rec = self._reqs.get(req_id)
+            if rec is not None and REQUEST.accepts(rec, RE_PREEMPT):
+                REQUEST.fire(rec, RE_PREEMPT)
 
     def _update_req_states(self, output: SchedulerOutput) -> list[RequestRecord]:
         """Apply the step's entries (``scheduled``, then ``columns``) to the request records;

@@ -46,7 +46,14 @@ from statecore.managers.tiering import TieringOffloadingManager
 from statecore.scheduler import OffloadingScheduler
 from statecore.wire import ConnectorMetadata
 
-__all__ = ["MUTANTS", "REDIS_MUTANTS", "RETAINED_MUTANTS", "Mutant", "patched"]
+__all__ = [
+    "ENGINE_OUTPUT_MUTANTS",
+    "MUTANTS",
+    "REDIS_MUTANTS",
+    "RETAINED_MUTANTS",
+    "Mutant",
+    "patched",
+]
 
 
 @contextlib.contextmanager
@@ -290,6 +297,16 @@ def _completion_error_midway(
 
 def _manager_error_ignored(self: OffloadingScheduler, exc: Exception, what: str, then: str) -> None:
     return None  # silently tolerated: never counted, never raised
+
+
+_real_update_req_states = OffloadingScheduler._update_req_states
+_real_apply_preemptions = OffloadingScheduler._apply_preemptions
+
+
+def _update_then_preempt(self: OffloadingScheduler, output: Any) -> Any:
+    scheduled = _real_update_req_states(self, output)
+    _real_apply_preemptions(self, output)  # after the entries: a resumed request's lists go
+    return scheduled
 
 
 def _mutant(
@@ -635,3 +652,24 @@ RETAINED_MUTANTS: dict[str, Mutant] = dict(
 """Retained-state mutants, by name (same interface as :data:`MUTANTS`): each re-introduces a
 container that grows with the run's history; the memory oracles catch them, the simulator,
 fuzzer and model checker (which see states, not memory) are not asked to."""
+
+
+ENGINE_OUTPUT_MUTANTS: dict[str, Mutant] = dict(
+    [
+        _mutant(
+            "preemption_after_resume",
+            "build_connector_meta applies the output's preemptions after its scheduled "
+            "entries: a request preempted and resumed in one output loses its resumed block "
+            "lists, so its recomputed chunks are never stored again",
+            "vLLM's reset_prefix_cache(reset_running_requests=True) preempts outside "
+            "scheduling and the next output resumes the request (found by the end-to-end "
+            "suite on vLLM's CPU build)",
+            (OffloadingScheduler, "_apply_preemptions", lambda self, output: None),
+            (OffloadingScheduler, "_update_req_states", _update_then_preempt),
+        ),
+    ]
+)
+"""Mutants of how the scheduler reads an engine output that the simulator's and fuzzer's
+engine models never produce (same interface as :data:`MUTANTS`); the scheduler unit test of
+that output shape (``tests/mutants/test_engine_output_mutants.py``) and the end-to-end suite
+on vLLM's CPU build catch them."""

@@ -130,6 +130,32 @@ def test_columns_follow_scheduled_entries_and_resume() -> None:
     assert set(job.src.block_ids) <= set(resumed.new_block_ids[0])
 
 
+def test_preempted_and_resumed_in_one_output_stores_again() -> None:
+    """vLLM's ``reset_prefix_cache(reset_running_requests=True)`` preempts the running
+    requests outside ``schedule()``: the next output lists such a request as preempted AND
+    schedules it resumed, with all of its new blocks. The preemption applies before the
+    step's entries (it happened first), so the resumed block lists stand and the recomputed
+    chunks, dropped by the reset, are stored again (vLLM's CPU build showed the other order
+    losing them: the preemption dropped the lists the resume had just set)."""
+    h = Harness(make_manager("cpu"), config())
+    h.add("a", list(range(16)))
+    h.admit("a")
+    meta = h.step([h.schedule("a", 16)], new=["a"])
+    h.report(completed=meta.store_jobs)
+    assert h.sched.reset_cache()
+    h.reqs["a"].num_computed_tokens = 0
+    resumed: ScheduledRequest = h.schedule("a", 16, resumed=True)
+    cols = ScheduledColumns(["a"], [resumed.new_block_ids], [16], frozenset({"a"}))
+    meta = h.sched.build_connector_meta(
+        SchedulerOutput(columns=cols, preempted_req_ids=frozenset({"a"}))
+    )
+    (job,) = meta.store_jobs.values()
+    assert list(job.src.block_ids) == list(resumed.new_block_ids[0])
+    assert [list(g.block_ids) for g in h.sched.requests["a"].groups] == [
+        list(resumed.new_block_ids[0])
+    ]
+
+
 # -- dormant requests: decode entries skipped once no chunk can become storable ------------------
 
 
