@@ -35,17 +35,20 @@ def compare(
     """Assert identical tokens and logprobs (bit for bit, or within ``tol``) for every
     request both runs completed; returns the number of requests compared."""
     compared = 0
+    worst_seen = 0.0
     for r, (rb, ro) in enumerate(zip(base.outputs, ours.outputs, strict=True)):
         for i, (b, o) in enumerate(zip(rb, ro, strict=True)):
             if b is None or o is None:
                 continue
             assert o[0] == b[0], f"round {r} request {i}: tokens differ"
+            worst = max(abs(x - y) for x, y in zip(o[1], b[1], strict=True))
+            worst_seen = max(worst_seen, worst)
             if bit_identical:
                 assert o[1] == b[1], f"round {r} request {i}: logprobs differ"
             else:
-                worst = max(abs(x - y) for x, y in zip(o[1], b[1], strict=True))
                 assert worst <= tol, f"round {r} request {i}: logprob off by {worst}"
             compared += 1
+    print(f"compared {compared} requests, largest logprob difference {worst_seen:.3g}")
     return compared
 
 
