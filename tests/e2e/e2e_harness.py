@@ -342,6 +342,18 @@ def _accumulate_stats(scheduler: Any, into: dict[str, float]) -> None:
     scheduler.get_stats = counted
 
 
+def _record_events(conn: Any, into: list[str]) -> None:
+    """Record the type of every KV event the connector hands vLLM's publisher."""
+    take = conn.take_events
+
+    def recorded() -> Any:
+        events = list(take())
+        into.extend(type(e).__name__ for e in events)
+        return events
+
+    conn.take_events = recorded
+
+
 def run_engine(spec: EngineSpec, on_round: Callable[[Any, int], None] | None = None) -> RunResult:
     """Run ``spec`` in this process and return what it produced."""
     llm = make_llm(spec)
@@ -349,13 +361,15 @@ def run_engine(spec: EngineSpec, on_round: Callable[[Any, int], None] | None = N
         sched_conn = None
         per_token = 0
         stats: dict[str, float] = {}
+        res = RunResult(outputs=[])
         if spec.connector is not None:
             sched_conn, _ = connectors(llm)
             per_token = token_bytes(llm)
             _accumulate_stats(sched_conn.scheduler, stats)
+            if spec.kv_events:
+                _record_events(sched_conn, res.events)
         injected = _inject(llm, spec.inject) if spec.inject is not None else {}
         totals: dict[str, float] = {}
-        res = RunResult(outputs=[])
         res.num_groups = len(engine_core(llm).scheduler.kv_cache_config.kv_cache_groups)
 
         def take() -> None:
@@ -367,8 +381,6 @@ def run_engine(spec: EngineSpec, on_round: Callable[[Any, int], None] | None = N
             for k, v in sched_conn.scheduler.counters.as_dict().items():
                 if isinstance(v, int | float) and not isinstance(v, bool):
                     totals[k] = v
-            if spec.kv_events:
-                res.events.extend(type(e).__name__ for e in sched_conn.take_events())
 
         for r, prompts in enumerate(spec.rounds):
             abort_after = spec.abort[r] if spec.abort else None

@@ -216,3 +216,24 @@ def test_injected_load_failure_recomputes(llama_dir: Path) -> None:
     assert ours.counters["jobs_failed"] == 1, ours.counters
     assert ours.loaded_by_round[2] == 0  # the failed one
     assert ours.loaded_tokens > 0
+
+
+def test_kv_events_in_the_engine(llama_dir: Path) -> None:
+    """vLLM's KV-cache events on (``kv_events_config``): the connector hands vLLM's
+    publisher a ``BlockStored`` event per offloaded chunk batch, and ``BlockRemoved`` ones
+    when the CPU tier (40 chunks here, two prompts' worth) evicts for a third prompt; the
+    output is bit-identical."""
+    a, b, c = prompts(3, 600, seed=9)
+    spec = EngineSpec(
+        model=str(llama_dir),
+        rounds=[[a], [b], [a], [c]],
+        gpu_blocks=24,
+        max_model_len=23 * BLOCK_SIZE,
+        kv_events=True,
+    )
+    base, ours = both(spec, {"num_cpu_chunks": 40})
+    assert compare(base, ours, bit_identical=True) == 4
+    kinds = set(ours.events)
+    print(f"loaded {ours.loaded_tokens} tokens; events {sorted(kinds)} ({len(ours.events)})")
+    assert "BlockStored" in kinds and "BlockRemoved" in kinds, ours.events
+    assert ours.loaded_tokens > 0, ours.counters
