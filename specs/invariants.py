@@ -33,7 +33,7 @@ from statecore.lifecycle import (
     R_STORING,
     REQUEST,
 )
-from statecore.manager import Medium, OffloadingEvent
+from statecore.manager import LookupResult, Medium, OffloadingEvent
 
 if TYPE_CHECKING:
     from statecore.scheduler import OffloadingScheduler
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 __all__ = [
     "INVARIANTS",
     "Invariant",
+    "LookupAnswers",
+    "caused_error_violation",
     "check_scheduler",
     "evict_violation",
     "manager_error_violation",
@@ -439,14 +441,28 @@ INVARIANTS: dict[str, Invariant] = {
         Invariant(
             "INV-STORE-COMPLETE",
             "Every full chunk of a full-attention group that a finished (not aborted) request "
-            "computed, in a request life without a reset, is offered to a prepare_store that "
-            "answers (stored, or declined by the manager), or is known to the manager (found "
-            "by a lookup), or was refused for lack of room at its last chance (the final "
-            "store), or was covered by an admission with a load (local prefix plus loaded "
-            "chunks, never offered again under the chunk-level policy). Sliding-window chunks "
-            "may be skipped (their blocks left the window).",
-            "A store that silently never happens: cache lost, bytes fine.",
+            "computed is, since the last reset, offered to a prepare_store that answers "
+            "(stored, or declined by the manager), or known to the manager (found by a "
+            "lookup), or was refused for lack of room at its last chance (the final store), "
+            "or was covered by an admission with a load since the last reset (local prefix "
+            "plus loaded chunks, never offered again under the chunk-level policy). A reset "
+            "drops every offer and every cover made before it: what it dropped is offered "
+            "again while its request lives. Sliding-window chunks may be skipped (their "
+            "blocks left the window).",
+            "A store that silently never happens: cache lost, bytes fine (a request not "
+            "rewound at a reset stores its later chunks behind a hole no prefix gets past).",
             ("simulator (engine model)", "fuzzing", "statecore check"),
+        ),
+        Invariant(
+            "INV-LOAD-HIT",
+            "A load is planned (prepare_load) only over keys the manager answered HIT for in "
+            "that request's lookups of the same step: a prefix stops at its first chunk not "
+            "HIT, and a sliding window holding a chunk whose store or promotion is still in "
+            "flight (HIT_PENDING) or not known yet (RETRY) is not loadable.",
+            "A load the manager must refuse: counted as a manager error and recomputed (lost "
+            "hits that look like a manager fault), or, from a manager that does not refuse, "
+            "bytes read before they were written.",
+            ("simulator (every prepare_load)", "fuzzing", "statecore check"),
         ),
         Invariant(
             "INV-ORDER",
@@ -500,7 +516,11 @@ INVARIANTS: dict[str, Invariant] = {
             "from update_connector_output, once its report is applied, when it was untyped or "
             "checked mode is on, and not at all otherwise; an error of the manager's shutdown "
             "is raised from shutdown as a ManagerError (a typed one as it is, anything else "
-            "wrapped with it as the cause), counted once.",
+            "wrapped with it as the cause), counted once. Every manager error is attributed: "
+            "where a harness injects them (simulator, fuzzing, statecore check) the manager "
+            "raises only the injected ones, and an error the manager raised by itself (the "
+            "system caused it: a load of a key that is not loadable, say) or a manager_errors "
+            "count above the injected errors is a violation.",
             "A job stuck in flight with its fences (the request hangs, its blocks stay "
             "fenced), a step's metadata lost, or an untyped exception into the engine, after "
             "one manager error.",
@@ -626,7 +646,12 @@ def manager_error_violation(
     after the call.
     """
     if not injected:
-        return None
+        if not counted:
+            return None
+        return (
+            f"INV-MGR-ERROR: the scheduler counted {counted} manager error(s) and the harness "
+            "injected none: the system caused them"
+        )
     first = injected[0]
     what = (
         f"INV-MGR-ERROR: the manager raised {len(injected)} time(s) (first: {first.call} "
@@ -653,6 +678,55 @@ def manager_error_violation(
     if not problems:
         return None
     return f"{what}: " + "; ".join(problems)
+
+
+def caused_error_violation(call: str, req_id: str, exc: BaseException) -> str:
+    """INV-MGR-ERROR: the manager's ``call`` (for ``req_id``) raised ``exc``, which the
+    harness did not inject. Every manager error a harness sees is attributed: injected (a
+    fault it chose) or caused (by the system: the scheduler asked for something the manager
+    must refuse, or the manager is wrong), and a caused one is a violation."""
+    return (
+        f"INV-MGR-ERROR: the manager's {call} for request {req_id!r} raised "
+        f"{type(exc).__name__} that no fault injected (caused by the system): {exc}"
+    )
+
+
+class LookupAnswers:
+    """INV-LOAD-HIT's event record, fed by the harness's manager proxy: the manager's latest
+    answer to each request's lookup of each key in the current step (``lookup``/
+    ``lookup_many``), checked against every ``prepare_load``. A step's record is dropped at
+    its ``on_schedule_end`` (vLLM's order: lookups and the allocations that plan loads come
+    before the step's metadata), so only answers of the step the load is planned in count."""
+
+    __slots__ = ("_answers",)
+
+    def __init__(self) -> None:
+        self._answers: dict[str, dict[OffloadKey, int]] = {}
+
+    def looked_up(self, req_id: str, keys: Sequence[OffloadKey], results: Iterable[int]) -> None:
+        """The manager answered ``results`` for ``keys`` (in order; a shorter answer, as one
+        that stops at the first miss, leaves the rest unanswered)."""
+        answers = self._answers.setdefault(req_id, {})
+        for key, r in zip(keys, results, strict=False):
+            answers[key] = int(r)
+
+    def step_ended(self) -> None:
+        """The step's metadata is being built: its lookups are spent."""
+        self._answers.clear()
+
+    def load_violation(self, req_id: str, keys: Sequence[OffloadKey]) -> str | None:
+        """INV-LOAD-HIT on one ``prepare_load(keys)`` for ``req_id``: every key was
+        answered HIT to that request in this step."""
+        answers = self._answers.get(req_id, {})
+        for i, key in enumerate(keys):
+            r = answers.get(key)
+            if r != LookupResult.HIT:
+                said = "never answered" if r is None else f"answered {LookupResult(r).name}"
+                return (
+                    f"INV-LOAD-HIT: a load of {len(keys)} chunks for request {req_id!r} was "
+                    f"planned over chunk {i} ({bytes(key).hex()[:12]}), {said} in this step"
+                )
+        return None
 
 
 def shutdown_error_violation(
@@ -723,10 +797,12 @@ def store_complete_keys(
     hash_tokens: int,
     blocks_per_chunk: int,
 ) -> list[OffloadKey]:
-    """INV-STORE-COMPLETE: the keys a finished (not aborted) request, in a life without a
-    reset, must have offered to the manager: every full chunk of every full-attention group up
-    to ``n_off`` tokens (the request's offloadable tokens at its finish), past the ``covered``
-    tokens of its admission with a load (never offered again). ``groups`` holds each group's
+    """INV-STORE-COMPLETE: the keys a finished (not aborted) request must have offered to the
+    manager since the last reset: every full chunk of every full-attention group up to
+    ``n_off`` tokens (the request's offloadable tokens at its finish), past the ``covered``
+    tokens of its admission with a load (never offered again). A reset rewinds every live
+    request, so ``covered`` counts only admissions since the last reset (the harness sets it
+    to 0 at a reset: the reset dropped the loaded chunks too). ``groups`` holds each group's
     ``(tokens per block, sliding window or None)``; ``hash_tokens`` is the tokens per block
     hash."""
     keys: list[OffloadKey] = []
@@ -749,7 +825,9 @@ def store_complete_violation(
     """INV-STORE-COMPLETE, checked after the request's final store was built: every one of
     ``keys`` (:func:`store_complete_keys`) is ``known`` (offered to a ``prepare_store`` that
     answered, stored or declined, or found by a lookup, since the last reset) or was
-    ``refused`` for lack of room in this step (its last chance, the final store)."""
+    ``refused`` for lack of room in this step (its last chance, the final store). A request
+    that finished before a reset whose final store the reset discarded is not checked; one
+    that lived through a reset is: what the reset dropped must have been offered again."""
     missing = [key for key in keys if key not in known and key not in refused]
     if not missing:
         return None

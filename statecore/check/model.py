@@ -637,10 +637,10 @@ class World:
         elif kind == "preempt":
             self.preempt(self.reqs[action[1]])
         elif kind == "reset":
-            self.resets += 1
+            self._reset_happened()
             _guarded(self, "reset_cache", self.sched.reset_cache)
         elif kind == "reseterr":
-            self.resets += 1
+            self._reset_happened()
             self._armed(
                 "typed" if action[1] else "untyped",
                 _guarded,
@@ -686,6 +686,13 @@ class World:
         self._take_events()
         _guarded(self, "get_stats", self.sched.get_stats)
         self._prune_delivered()
+
+    def _reset_happened(self) -> None:
+        """The operator resets: what the reset drops must be offered again, covers by loads
+        included (INV-STORE-COMPLETE)."""
+        self.resets += 1
+        for r in self.reqs:
+            r.covered = 0
 
     def shut_down(self) -> None:
         """The engine shuts the connector down (the last move), under INV-MGR-ERROR
@@ -851,11 +858,11 @@ class World:
         self._retire(r)
 
     def _note_finished(self, r: EngineRequest) -> None:
-        """INV-STORE-COMPLETE: a request that finished (not aborted) in a life without a reset
-        is checked after the next step built its final store."""
+        """INV-STORE-COMPLETE: a request that finished (not aborted) is checked after the next
+        step built its final store (unless a reset discarded that store first)."""
         req = r.req
-        if r.epoch != self.resets or req.is_aborted:
-            return  # a reset during the request's life or an abort: nothing is promised
+        if req.is_aborted:
+            return  # an abort: nothing is promised
         if req.request_id not in self.observed.registered:
             return  # the manager never took the request (its on_new_request raised)
         n_off = min(max(req.num_prompt_tokens, req.num_tokens - 1), req.num_computed_tokens)
@@ -863,7 +870,7 @@ class World:
             req.block_hashes, n_off, r.covered, self._groups, self.tpb, 1
         )
         if keys:
-            self.completeness.append((r.idx, tuple(keys), r.epoch))
+            self.completeness.append((r.idx, tuple(keys), self.resets))
 
     def _check_owners(self, meta: ConnectorMetadata) -> None:
         """INV-OWN (a) on every store job of this step's metadata."""

@@ -393,8 +393,6 @@ def update_observed(
         obs.errors_counted,
         counters.manager_errors if counters is not None else 0,
     )
-    if not injected:
-        return result, raised, None
     inv = _oracles()
     jobs: Any = getattr(conn, "jobs", {})
     bad = inv.manager_error_violation(
@@ -535,6 +533,17 @@ class ObservedManager:
         self.registered: set[str] = set()
         """Requests the manager took (``on_new_request`` forwarded) and has not finished:
         INV-STORE-COMPLETE promises nothing for a request it never took."""
+        self.answers = _oracles().LookupAnswers()
+        """This step's lookup answers, for INV-LOAD-HIT on every ``prepare_load``."""
+
+    def _forward(self, call: str, req_id: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, the inner manager's ``call``; an error it raises was not injected:
+        attributed to the system (INV-MGR-ERROR), a violation, then raised on."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.violations.append(_oracles().caused_error_violation(call, req_id, exc))
+            raise
 
     def take_events(self) -> Any:
         """Maybe raise (the manager-error fault: the events stay queued); else forward."""
@@ -566,41 +575,50 @@ class ObservedManager:
         """Maybe raise (the manager-error fault: the request stays unknown to the manager);
         else forward."""
         self._maybe_fail("on_new_request", (), ctx.req_id)
-        out = self._inner.on_new_request(ctx)
+        out = self._forward("on_new_request", ctx.req_id, self._inner.on_new_request, ctx)
         self.registered.add(ctx.req_id)
         return out
 
     def complete_store(self, keys: Sequence[OffloadKey], ctx: Any, success: bool = True) -> None:
         """Forward; then maybe raise (the manager-error fault)."""
-        self._inner.complete_store(keys, ctx, success)
+        self._forward("complete_store", ctx.req_id, self._inner.complete_store, keys, ctx, success)
         self._maybe_fail("complete_store", keys, ctx.req_id)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: Any) -> None:
         """Forward; then maybe raise (the manager-error fault)."""
-        self._inner.complete_load(keys, ctx)
+        self._forward("complete_load", ctx.req_id, self._inner.complete_load, keys, ctx)
         self._maybe_fail("complete_load", keys, ctx.req_id)
 
     def lookup_many(self, keys: Sequence[OffloadKey], ctx: Any, until_miss: bool = False) -> Any:
         """Maybe raise (the manager-error fault, nothing changed); else forward: a key found
         (ready or pending) is known."""
         self._maybe_fail("lookup_many", keys, ctx.req_id)
-        out = self._inner.lookup_many(keys, ctx, until_miss)
+        out = self._forward(
+            "lookup_many", ctx.req_id, self._inner.lookup_many, keys, ctx, until_miss
+        )
+        self.answers.looked_up(ctx.req_id, keys, out)
         self.known.update(k for k, r in zip(keys, out, strict=False) if int(r))
         return out
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: Any) -> Any:
-        """Maybe raise (the manager-error fault, nothing changed); else forward."""
+        """Maybe raise (the manager-error fault, nothing changed); else check INV-LOAD-HIT
+        against this step's lookup answers, then forward."""
         self._maybe_fail("prepare_load", keys, ctx.req_id)
-        return self._inner.prepare_load(keys, ctx)
+        bad = self.answers.load_violation(ctx.req_id, keys)
+        if bad is not None:
+            self.violations.append(bad)
+        return self._forward("prepare_load", ctx.req_id, self._inner.prepare_load, keys, ctx)
 
     def on_schedule_end(self, ctx: Any) -> None:
-        """Maybe raise (the manager-error fault, nothing changed); else forward."""
+        """Maybe raise (the manager-error fault, nothing changed); else forward. Either way
+        the step's lookup answers are spent (INV-LOAD-HIT)."""
+        self.answers.step_ended()
         self._maybe_fail("on_schedule_end", (), "")
-        self._inner.on_schedule_end(ctx)
+        self._forward("on_schedule_end", "", self._inner.on_schedule_end, ctx)
 
     def on_request_finished(self, ctx: Any) -> None:
         """Forward; then maybe raise (the manager-error fault)."""
-        self._inner.on_request_finished(ctx)
+        self._forward("on_request_finished", ctx.req_id, self._inner.on_request_finished, ctx)
         self.registered.discard(ctx.req_id)
         self._maybe_fail("on_request_finished", (), ctx.req_id)
 
@@ -637,7 +655,7 @@ class ObservedManager:
         except Exception:
             self.refused.update(offered)  # as no room: the scheduler must offer them again
             raise
-        out = self._inner.prepare_store(offered, ctx)
+        out = self._forward("prepare_store", ctx.req_id, self._inner.prepare_store, offered, ctx)
         self.calls += 1
         if out is None:  # no room now: the scheduler must offer them again later
             self.refused.update(offered)
@@ -651,7 +669,8 @@ class ObservedManager:
 
     def lookup(self, key: OffloadKey, ctx: Any) -> Any:
         """Forward; a key found (ready or pending) is known."""
-        r = self._inner.lookup(key, ctx)
+        r = self._forward("lookup", ctx.req_id, self._inner.lookup, key, ctx)
+        self.answers.looked_up(ctx.req_id, (key,), (r,))
         if int(r):
             self.known.add(key)
         return r
@@ -660,7 +679,7 @@ class ObservedManager:
         """Maybe raise (the manager-error fault, nothing changed); else forward: nothing is
         known any more."""
         self._maybe_fail("reset_cache", (), "")
-        self._inner.reset_cache()
+        self._forward("reset_cache", "", self._inner.reset_cache)
         self.known.clear()
 
 
@@ -830,8 +849,11 @@ class SimEngine:
         return bool(self._guard("has_pending_push_work", self.conn.has_pending_push_work))
 
     def reset_cache(self) -> None:
-        """``reset_cache`` between steps (every request's epoch moves on)."""
+        """``reset_cache`` between steps (every request's epoch moves on; what the reset drops
+        must be offered again, covers by loads included: INV-STORE-COMPLETE)."""
         self.epoch += 1
+        for r in self.by_id.values():
+            r.covered = 0
         self._guard("reset_cache", self.conn.reset_cache)
 
     # -- one step ------------------------------------------------------------------------------
@@ -1139,10 +1161,11 @@ class SimEngine:
     def _note_finished(self, r: SimRequest) -> None:
         """INV-STORE-COMPLETE: after the finish's final store (built in the next step), every
         full-attention chunk the request computed must be offered to the manager or known to
-        it (sliding-window chunks may legitimately be skipped: their blocks left the window)."""
+        it since the last reset (sliding-window chunks may legitimately be skipped: their
+        blocks left the window)."""
         req = r.req
-        if r.epoch != self.epoch or req.is_aborted:
-            return  # a reset during the request's life or an abort: nothing is promised
+        if req.is_aborted:
+            return  # an abort: nothing is promised
         obs = self.observed
         if obs is not None and r.turn.req_id not in obs.registered:
             return  # the manager never took the request (its on_new_request raised)

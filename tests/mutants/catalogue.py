@@ -38,7 +38,7 @@ from statecore.adapters.vllm_metrics import TransferSizes
 from statecore import kernels
 from statecore.errors import ManagerError
 from statecore.keys import OffloadKey
-from statecore.manager import ReqContext
+from statecore.manager import LookupResult, ReqContext
 from statecore.managers import redistier
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.managers.policies import ARCCachePolicy, LRUCachePolicy
@@ -309,6 +309,20 @@ def _update_then_preempt(self: OffloadingScheduler, output: Any) -> Any:
     return scheduled
 
 
+def _rewind_keeping_cursors(self: OffloadingScheduler, req: Any) -> None:
+    self._dormant.discard(req.req_id)  # the store position stays where it was: what the reset
+    # dropped is never offered again, later chunks are stored behind a hole
+
+
+_real_window_hits = kernels.window_hits
+
+
+def _window_hits_through_pending(results: Sequence[int], window: int) -> int | None:
+    # a pending chunk (store or promotion in flight) counts as loadable inside a window
+    hit = int(LookupResult.HIT)
+    return _real_window_hits([hit if r == LookupResult.HIT_PENDING else r for r in results], window)
+
+
 def _mutant(
     name: str, description: str, bug_class: str, *patches: tuple[Any, str, Any]
 ) -> tuple[str, Mutant]:
@@ -529,6 +543,21 @@ MUTANTS: dict[str, Mutant] = dict(
             "a preempted request's in-flight jobs are not flushed",
             "issue 12 item 4: preemption does not flush a request's stores; INV-FLUSH-PREEMPT",
             (OffloadingScheduler, "flush_request", _flush_request_noop),
+        ),
+        _mutant(
+            "reset_keeps_store_cursors",
+            "reset_cache leaves every live request's store cursors where they were",
+            "issue 41 class 1: chunks a reset dropped are never offered again (later chunks "
+            "stored behind a hole no prefix gets past; bytes fine); INV-STORE-COMPLETE",
+            (OffloadingScheduler, "rewind_request", _rewind_keeping_cursors),
+        ),
+        _mutant(
+            "window_loads_pending_chunks",
+            "a sliding-window lookup takes a window holding a chunk whose store is in flight "
+            "as loadable",
+            "issue 41 class 2: a load planned over a HIT_PENDING chunk (the manager refuses it: "
+            "a manager error, a recompute); INV-LOAD-HIT, INV-MGR-ERROR (caused)",
+            (kernels, "window_hits", _window_hits_through_pending),
         ),
         _mutant(
             "preempt_keeps_block_lists",
