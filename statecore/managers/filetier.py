@@ -3,7 +3,16 @@
 File layout (big-endian): a header ``magic "SCKV" | version (1 byte) | pad | key length
 (2 bytes) | payload length (8 bytes) | CRC-32 of the payload (4 bytes)``, the key, then the
 payload: the slot's row of every pool region, concatenated. The file name is the key in hex
-with the suffix ``.chunk``.
+with the suffix ``.chunk``. The checksum is seeded with the tier's layout (its pool's region
+sizes and the ``layout`` tag), so a file of another layout fails it even when its payload has
+the same length.
+
+* **Verified reads.** A load serves a file's bytes only when its version, key (a valid file of
+  another key under this key's name, as after a copy, a rename or a restore into the wrong
+  place, is refused), payload length, layout and checksum match; anything else is a corrupt
+  read (counted, the file deleted, the key dropped). A name that is not a regular file any
+  more (a directory) is a missing read (counted, the key dropped); any other read error is
+  counted (``read_errors``) and fails the job.
 
 * **Atomic writes.** A chunk is written to a temporary file in the same directory and renamed
   over its final name, so a reader sees the old file, the new one, or none, never half of one.
@@ -110,7 +119,7 @@ def _unlock_directory(fd: int) -> None:
 _log = logging.getLogger(__name__)
 
 _MAGIC = b"SCKV"
-_VERSION = 1
+_VERSION = 2  # 2: the checksum is seeded with the layout
 _HEADER = struct.Struct(">4sBxHQI")
 _SUFFIX = ".chunk"
 _TMP_SUFFIX = ".tmp"
@@ -163,6 +172,8 @@ class FileTier(ExecutorTier):
             power loss; a torn file is caught by its checksum either way).
         name: prefix of the tier's statistics.
         policy: what :meth:`on_new_request` answers.
+        layout: the engine's layout tag (model, dtype, KV shape, ...): files written under
+            another tag, or over a pool of other region sizes, are refused.
     """
 
     medium = Medium.STORAGE
@@ -177,6 +188,7 @@ class FileTier(ExecutorTier):
         fsync: bool = False,
         name: str = "file",
         policy: OffloadPolicy = OffloadPolicy.CHUNK_LEVEL,
+        layout: str = "",
     ) -> None:
         owner = "FileTier"
         if not isinstance(directory, str | os.PathLike):
@@ -210,6 +222,14 @@ class FileTier(ExecutorTier):
                 "FileTier.policy",
                 policy,
             )
+        if not isinstance(layout, str):
+            raise ConfigError(
+                f"FileTier.layout must be a str, got {describe(layout)}", "FileTier.layout", layout
+            )
+        rows = pool.row_bytes
+        self._crc_seed = zlib.crc32(
+            struct.pack(f">H{len(rows)}Q", len(rows), *rows) + layout.encode("utf-8")
+        )
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         lock = _lock_directory(self.directory)
@@ -336,7 +356,7 @@ class FileTier(ExecutorTier):
     def _write_one(self, key: OffloadKey, slot: int) -> tuple[str, int]:
         pool = self.pool
         rows = [pool.row(i, slot) for i in range(pool.num_regions)]
-        crc = 0
+        crc = self._crc_seed
         for row in rows:
             crc = zlib.crc32(row, crc)
         header = _HEADER.pack(_MAGIC, _VERSION, len(key), pool.slot_bytes, crc)
@@ -388,7 +408,7 @@ class FileTier(ExecutorTier):
                     or f.read(key_len) != key
                 ):
                     return _CORRUPT, 0
-                actual = 0
+                actual = self._crc_seed
                 for i in range(pool.num_regions):
                     row = pool.row(i, slot)
                     if f.readinto(row) != len(row):
@@ -396,7 +416,7 @@ class FileTier(ExecutorTier):
                     actual = zlib.crc32(row, actual)
                 if f.read(1) or actual != crc:
                     return _CORRUPT, 0
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):  # gone, or no file any more
             return _MISSING, 0
         except OSError:
             return _IO_ERROR, 0

@@ -118,6 +118,79 @@ def test_damaged_file_fails_promotion_without_wrong_bytes(tmp_path: Path, damage
     m2.primary.check_invariants()
 
 
+MISFILED = ["other-key", "other-layout", "other-tag", "other-length", "directory"]
+"""Valid-looking things under a key's name that are not that key's chunk of this layout."""
+
+
+def misfile(tmp_path: Path, kind: str) -> tuple[Path, dict[str, object]]:
+    """Put ``kind`` under ``k(1)``'s name in ``tmp_path`` (where this layout's tier stored
+    ``k(1)`` and ``k(2)``); returns the path and the tier options of the reader."""
+    path = tmp_path / (k(1).hex() + ".chunk")
+    if kind == "other-key":  # a copy, a rename or a restore into the wrong place
+        path.write_bytes((tmp_path / (k(2).hex() + ".chunk")).read_bytes())
+        return path, {}
+    if kind == "directory":
+        path.unlink()
+        path.mkdir()
+        return path, {}
+    rows = {"other-layout": [8, 16], "other-tag": ROWS, "other-length": [16, 16]}[kind]
+    tag = "bf16" if kind == "other-tag" else ""
+    other = tmp_path / "other"
+    pool = CPUPool(1, rows)
+    tier = FileTier(other, pool, executor=InlineExecutor(), layout=tag)
+    pool.write_slot(0, chunk(2)[: sum(rows)].ljust(sum(rows), b"\x07"))
+    tier.submit_store(1, [k(1)], [0])  # a valid file of k(1), of another layout or length
+    assert tier.get_finished()[0].success
+    tier.shutdown()
+    os.replace(other / path.name, path)
+    return path, {}
+
+
+def misfiled_findings(tmp_path: Path, kind: str) -> list[str]:
+    """What goes wrong when ``kind`` lies under a key's name, found by a tier already
+    running (indexed before) and by one that starts on the directory (empty: refused)."""
+    found: list[str] = []
+    for restart in (False, True):
+        d = tmp_path / f"{kind}-{restart}"
+        m, pool, _tier = build(d)
+        store_bytes(m, pool, 1, 2)
+        if restart:
+            m.shutdown()
+            pool.close()
+        else:
+            m.reset_cache()  # the primary forgets; the file tier keeps both (indexed)
+        path, _ = misfile(d, kind)
+        if restart:
+            m, pool, _tier = build(d)
+        data = promote_and_load(m, pool, 1)
+        where = "after a restart" if restart else "while running"
+        if data is not None:
+            found.append(
+                f"{kind} {where}: served {'its own' if data == chunk(1) else 'wrong'} bytes"
+            )
+        if m.lookup(k(1), CTX) is not LookupResult.MISS:
+            found.append(f"{kind} {where}: the key still answers a hit")
+        stats = m.get_stats()
+        refused = stats["file0.corrupt_reads"] + stats["file0.missing_reads"]
+        indexed = not (restart and kind == "directory")  # a directory is never indexed
+        if indexed and refused != 1:
+            found.append(f"{kind} {where}: {refused} refused reads counted, not 1")
+        if kind != "directory" and path.exists():
+            found.append(f"{kind} {where}: the misfiled file was kept")
+        if promote_and_load(m, pool, 2) != chunk(2):
+            found.append(f"{kind} {where}: the other chunk was lost")
+        m.shutdown()
+    return found
+
+
+@pytest.mark.parametrize("kind", MISFILED)
+def test_misfiled_value_is_refused_never_served(tmp_path: Path, kind: str) -> None:
+    """A valid chunk file of another key, of another layout (same payload length), of another
+    layout tag, of another length, or a directory under a key's name: a counted refused read,
+    the key a miss afterwards, never a byte served."""
+    assert misfiled_findings(tmp_path, kind) == []
+
+
 def test_file_missing_after_indexing_fails_job(tmp_path: Path) -> None:
     m, pool, tier = build(tmp_path)
     store_bytes(m, pool, 1, 2)

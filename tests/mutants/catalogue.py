@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,7 @@ from statecore import kernels
 from statecore.errors import ManagerError
 from statecore.keys import OffloadKey
 from statecore.manager import LookupResult, ReqContext
-from statecore.managers import redistier
+from statecore.managers import filetier, redistier
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.managers.policies import ARCCachePolicy, LRUCachePolicy
 from statecore.managers.tiering import TieringOffloadingManager
@@ -48,6 +49,7 @@ from statecore.wire import ConnectorMetadata
 
 __all__ = [
     "ENGINE_OUTPUT_MUTANTS",
+    "FILE_MUTANTS",
     "MUTANTS",
     "REDIS_MUTANTS",
     "RETAINED_MUTANTS",
@@ -624,6 +626,54 @@ REDIS_MUTANTS: dict[str, Mutant] = dict(
     ]
 )
 """The Redis tier's seeded mutants, by name (same interface as :data:`MUTANTS`)."""
+
+
+# -- the file tier's mutants (caught by tests/mutants/test_file_mutants.py's harness) -----------
+
+
+def _read_one_any_key(self: filetier.FileTier, key: OffloadKey, slot: int) -> tuple[str, int]:
+    # the real read, but the key stored in the file is skipped, not compared with the key
+    # asked for: a valid file of another key under this key's name is served
+    pool = self.pool
+    header = filetier._HEADER
+    try:
+        with open(self.path_of(key), "rb") as f:
+            head = f.read(header.size)
+            if len(head) != header.size:
+                return "corrupt", 0
+            magic, version, key_len, length, crc = header.unpack(head)
+            f.read(key_len)
+            if magic != filetier._MAGIC or version != filetier._VERSION:
+                return "corrupt", 0
+            if length != pool.slot_bytes:
+                return "corrupt", 0
+            actual = self._crc_seed
+            for i in range(pool.num_regions):
+                row = pool.row(i, slot)
+                if f.readinto(row) != len(row):
+                    return "corrupt", 0
+                actual = zlib.crc32(row, actual)
+            if f.read(1) or actual != crc:
+                return "corrupt", 0
+    except (FileNotFoundError, IsADirectoryError):
+        return "missing", 0
+    except OSError:
+        return "io-error", 0
+    return "ok", length
+
+
+FILE_MUTANTS: dict[str, Mutant] = dict(
+    [
+        _mutant(
+            "file_key_unchecked",
+            "a file-tier read does not compare the key stored in the file with the key asked for",
+            "issue 41 class 3: a valid chunk file of another key under a key's name (a copy, a "
+            "rename, a restore into the wrong place) is served as that key (wrong bytes)",
+            (filetier.FileTier, "_read_one", _read_one_any_key),
+        ),
+    ]
+)
+"""The file tier's seeded mutants, by name (same interface as :data:`MUTANTS`)."""
 
 
 # -- retained state (caught by tests/test_retained_state.py's oracles) ---------------------------
