@@ -614,8 +614,12 @@ class RedisTier(ExecutorTier):
                 replies = pipe.execute(raise_on_error=False)
                 for i, value in zip(batch, replies, strict=True):
                     if isinstance(value, Exception):
-                        self._last_error = _error_text(value)
-                        out.append(_IO_ERROR)
+                        if str(value).startswith("WRONGTYPE"):  # not a value: another kind
+                            out.append(_FOREIGN)  # of thing under its name, refused as one
+                            bad.append(self.redis_key(keys[i]))
+                        else:
+                            self._last_error = _error_text(value)
+                            out.append(_IO_ERROR)
                         continue
                     if value is None:
                         out.append(_MISSING)

@@ -249,13 +249,25 @@ def _tamper(kind: str, raw: bytes, fp: bytes) -> bytes:
     if kind == "other-layout":
         other = TierLayout("another", "float16", (2, 16, 1, 3), 1).fingerprint(ROWS)
         return encode_value(other, k(1), [chunk(1)])
-    if kind == "other-key":
+    if kind == "other-key":  # a valid value of another key under this key's name
         return encode_value(fp, k(2), [chunk(2)])
+    if kind == "other-length":  # a valid value of this key and layout, of another length
+        return encode_value(fp, k(1), [chunk(1), b"\x00" * 8])
     return b"not a statecore value"
 
 
 @pytest.mark.parametrize(
-    "kind", ["flipped", "truncated", "extended", "other-layout", "other-key", "garbage"]
+    "kind",
+    [
+        "flipped",
+        "truncated",
+        "extended",
+        "other-layout",
+        "other-key",
+        "other-length",
+        "garbage",
+        "wrong-type",
+    ],
 )
 def test_bad_value_fails_promotion_drops_key_never_wrong_bytes(
     server: LocalRedis, kind: str
@@ -265,7 +277,11 @@ def test_bad_value_fails_promotion_drops_key_never_wrong_bytes(
     a.store(1)
     client = server.client()
     rkey = a.tier.redis_key(k(1))
-    client.set(rkey, _tamper(kind, client.get(rkey), a.tier.fingerprint))
+    if kind == "wrong-type":  # not a string under the name (the file tier's directory)
+        client.delete(rkey)
+        client.rpush(rkey, b"x")
+    else:
+        client.set(rkey, _tamper(kind, client.get(rkey), a.tier.fingerprint))
     assert b.lookup(1) is LookupResult.RETRY
     b.step()
     assert b.lookup(1) is LookupResult.HIT_PENDING
