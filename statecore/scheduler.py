@@ -1253,6 +1253,11 @@ class OffloadingScheduler:
             return  # the common decode step: no new whole chunk yet
         if not REQUEST.accepts(rec, RE_STORE_CREATED):
             return  # loading or draining: INV-EXCL, retried in a later step
+        if self._manager_reset_pending:
+            # the manager's reset failed and is retried: whatever it took now, the retry would
+            # drop behind the cursors (a hole no prefix gets past); as no room, cursors
+            # untouched, offered once the reset went through (INV-STORE-COMPLETE)
+            return
         if not (rec.registered or self._register(rec)):
             return  # the manager does not know the request: nothing to offer it yet
         self._update_keys(rec)  # keys of the blocks hashed since they were last needed

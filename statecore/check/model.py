@@ -889,9 +889,10 @@ class World:
     def _check_completeness(self) -> None:
         pending, self.completeness = self.completeness, []
         obs = self.observed
+        unusable = self.sched.manager_reset_pending
         for idx, keys, epoch in pending:
-            if epoch != self.resets:
-                continue
+            if epoch != self.resets or unusable:
+                continue  # a reset discarded the final store, or the manager took nothing
             bad = _invariants().store_complete_violation(
                 self.reqs[idx].req.request_id, keys, obs.known, obs.refused
             )

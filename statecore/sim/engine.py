@@ -1183,9 +1183,10 @@ class SimEngine:
 
     def _check_completeness(self, obs: ObservedManager) -> None:
         pending, self._completeness = self._completeness, []
+        unusable = bool(getattr(self.conn, "manager_reset_pending", False))
         for rid, keys, epoch in pending:
-            if epoch != self.epoch:
-                continue
+            if epoch != self.epoch or unusable:
+                continue  # a reset discarded the final store, or the manager took nothing
             self.stats.completeness_checked += 1
             # named causes: stored or declined by the manager (known), found by a lookup
             # (known), no room at the last chance, the final store (refused this step)

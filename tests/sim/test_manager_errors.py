@@ -28,6 +28,7 @@ from statecore.errors import InvariantViolation, ManagerError
 from statecore.keys import make_offload_key
 from statecore.manager import ReqContext
 from statecore.managers.cpu import CPUOffloadingManager
+from statecore.scheduler import OffloadingScheduler
 from statecore.sim.engine import (
     InjectedManagerBug,
     InjectedManagerError,
@@ -368,13 +369,18 @@ def test_a_failed_registration_is_retried_at_the_next_lookup(kind: int, checked:
 def test_an_unregistered_request_is_never_offered_nor_finished_to_the_manager() -> None:
     calls: list[str] = []
 
+    h = StackHarness(StackHarness.config)
+    obs = h.stack.observed
+
     def refuse(ctx: ReqContext) -> Any:
         calls.append("on_new_request")
-        raise ManagerError(f"request {ctx.req_id!r}: no room for another request")
+        exc = ManagerError(f"request {ctx.req_id!r}: no room for another request")
+        # the test's fault: attributed as injected (INV-MGR-ERROR), not caused by the system
+        obs.injected.append(InjectedManagerFault(exc, "on_new_request", ctx.req_id, ()))
+        raise exc
 
-    h = StackHarness(StackHarness.config)
-    inner = h.stack.observed._inner
-    inner.on_new_request = refuse
+    obs.on_new_request = refuse
+    inner = obs._inner
     for name in ("prepare_store", "lookup_many", "on_request_finished"):
         real = getattr(inner, name)
 
@@ -514,3 +520,50 @@ def test_the_simulator_shuts_down_under_the_oracle(kind: str) -> None:
             assert not engine.stats.violations, engine.stats.violations
         else:
             assert found and "INV-MGR-ERROR" in found[0], engine.stats.violations
+
+
+def _reset_retried_twice(h: StackHarness) -> None:
+    """A running request stores its chunks; the operator's reset fails, and so does its retry
+    by the next step (a step in which the manager's reset is still pending), which the step
+    after that retries successfully; then the request finishes."""
+    reset = 2 * MANAGER_ERROR_TARGETS.index(frozenset({"reset_cache"}))
+    h.new_request(system=0, extra=6, out=6, skip=False, follow=False)
+    for _ in range(2):
+        h.step()
+        h.check()
+    for _ in range(4):
+        h.deliver(0)
+    h.manager_error(reset)
+    h.reset_cache()
+    h.check()
+    h.manager_error(reset)
+    h.step()  # the retry fails: the manager is still to be reset
+    h.check()
+    for _ in range(4):
+        h.deliver(0)
+    h.step()  # the retry goes through
+    h.check()
+    h.finish(0)
+    h.step()
+    h.check()
+    h.drain_and_check()
+
+
+def test_offers_wait_for_a_pending_manager_reset() -> None:
+    """While the manager's reset is pending nothing is offered to it: what it took would be
+    dropped by the retry behind the request's store cursors, a hole no prefix gets past
+    (INV-STORE-COMPLETE). Found by the reset clause of INV-STORE-COMPLETE."""
+    _reset_retried_twice(StackHarness())
+    with pytest.raises(InvariantViolation, match="INV-STORE-COMPLETE"):
+        real = OffloadingScheduler._build_store_jobs
+
+        def offering(self: OffloadingScheduler, rec: Any, jobs: Any, finished: bool) -> None:
+            pending, self._manager_reset_pending = self._manager_reset_pending, False
+            try:  # the old behaviour: offers go to the manager whose reset is pending
+                real(self, rec, jobs, finished)
+            finally:
+                self._manager_reset_pending = pending
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(OffloadingScheduler, "_build_store_jobs", offering)
+            _reset_retried_twice(StackHarness())
