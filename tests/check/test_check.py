@@ -92,6 +92,16 @@ MUTANT_SCOPES = {
 """The smallest scope that can express a mutant, where known and not ``one``; a mutant not
 listed is looked for in every scope of :data:`SCOPE_ORDER` in turn."""
 
+NOT_EXPRESSED = {
+    "window_loads_pending_chunks": "a window's chunk must be pending while the same chunk of "
+    "the full-attention group is readable: the two groups' keys of one chunk stored by "
+    "different jobs (one request's offer skips the sliding-window key, a later request's "
+    "stores it), beyond the two-request scopes (swa, swa2, window: no finding at full depth; "
+    "three-request variants are cut at 150 s); the fuzzer finds it within seconds on every "
+    "seed (tests/mutants/test_mutants.py)",
+}
+"""Mutants no shipped scope can express, with the checker that finds them."""
+
 STALE_LIST_TRACE = [
     ("arrive", 0),
     ("step",),
@@ -141,6 +151,8 @@ def test_unmodified_stack_passes(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(ALL_MUTANTS))
 def test_mutant_found_and_replayed(name: str, tmp_path: Path) -> None:
     """The smallest scope finds the mutant; the counterexample file replays it."""
+    if name in NOT_EXPRESSED:
+        pytest.skip(NOT_EXPRESSED[name])
     order = (MUTANT_SCOPES[name],) if name in MUTANT_SCOPES else SCOPE_ORDER
     depth = dict(TEST_DEPTH)
     if name in MUTANT_DEPTH:

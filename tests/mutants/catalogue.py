@@ -157,6 +157,18 @@ def _complete_store_always_ok(
     _real_complete_store(self, keys, ctx, True)  # failed/stalled stores become loadable
 
 
+def _complete_store_leaking_slots(
+    self: CPUOffloadingManager,
+    keys: Sequence[OffloadKey],
+    ctx: ReqContext,
+    success: bool = True,
+) -> None:
+    free = self._free
+    before = len(free)
+    _real_complete_store(self, keys, ctx, success)
+    del free[before:]  # a failed store's slots are never freed: the cache shrinks silently
+
+
 _real_build = OffloadingScheduler.build_connector_meta
 
 
@@ -475,6 +487,13 @@ MUTANTS: dict[str, Mutant] = dict(
             "the CPU manager marks failed and stalled stores loadable",
             "INV-FAIL-STATE: a failed store's garbage is served as a hit",
             (CPUOffloadingManager, "complete_store", _complete_store_always_ok),
+        ),
+        _mutant(
+            "failed_store_slots_leaked",
+            "the CPU manager never frees the slots of a failed store",
+            "lost capacity with no byte wrong: the cache shrinks by a slot per failed store "
+            "(the simulator and the fuzzer ran no manager recount before)",
+            (CPUOffloadingManager, "complete_store", _complete_store_leaking_slots),
         ),
         _mutant(
             "stale_window_block_stored",
