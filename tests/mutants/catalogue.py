@@ -568,16 +568,18 @@ MUTANTS: dict[str, Mutant] = dict(
         _mutant(
             "reset_keeps_store_cursors",
             "reset_cache leaves every live request's store cursors where they were",
-            "issue 41 class 1: chunks a reset dropped are never offered again (later chunks "
-            "stored behind a hole no prefix gets past; bytes fine); INV-STORE-COMPLETE",
+            "a blind spot of every whole-stack checker: chunks a reset dropped are never "
+            "offered again (later chunks stored behind a hole no prefix gets past; bytes "
+            "fine); INV-STORE-COMPLETE",
             (OffloadingScheduler, "rewind_request", _rewind_keeping_cursors),
         ),
         _mutant(
             "window_loads_pending_chunks",
             "a sliding-window lookup takes a window holding a chunk whose store is in flight "
             "as loadable",
-            "issue 41 class 2: a load planned over a HIT_PENDING chunk (the manager refuses it: "
-            "a manager error, a recompute); INV-LOAD-HIT, INV-MGR-ERROR (caused)",
+            "a blind spot of every whole-stack checker: a load planned over a HIT_PENDING "
+            "chunk (the manager refuses it: a manager error, a recompute); INV-LOAD-HIT, "
+            "INV-MGR-ERROR (caused)",
             (kernels, "window_hits", _window_hits_through_pending),
         ),
         _mutant(
@@ -686,8 +688,9 @@ FILE_MUTANTS: dict[str, Mutant] = dict(
         _mutant(
             "file_key_unchecked",
             "a file-tier read does not compare the key stored in the file with the key asked for",
-            "issue 41 class 3: a valid chunk file of another key under a key's name (a copy, a "
-            "rename, a restore into the wrong place) is served as that key (wrong bytes)",
+            "a blind spot of the whole test suite: a valid chunk file of another key under a "
+            "key's name (a copy, a rename, a restore into the wrong place) is served as that "
+            "key (wrong bytes)",
             (filetier.FileTier, "_read_one", _read_one_any_key),
         ),
     ]
