@@ -153,11 +153,18 @@ class GarbageMachine(StackMachine):
     def _snapshot(self) -> tuple[Any, ...]:
         stack = self.h.stack
         mgr = stack.manager
-        return (
-            observe_scheduler(stack.scheduler),
-            observe_cpu(mgr) if isinstance(mgr, CPUOffloadingManager) else None,
-            tuple(observe_worker(r.worker) for r in stack.ranks),
-        )
+        # observing asks the manager whether it has pending work: it must not spend a manager
+        # fault the machine armed (the counter it moves would read as a change of state)
+        obs = stack.observed
+        armed, obs.fail_next = obs.fail_next, None
+        try:
+            return (
+                observe_scheduler(stack.scheduler),
+                observe_cpu(mgr) if isinstance(mgr, CPUOffloadingManager) else None,
+                tuple(observe_worker(r.worker) for r in stack.ranks),
+            )
+        finally:
+            obs.fail_next = armed
 
     def _reject(self, what: str, fn: Callable[[], object]) -> None:
         """``fn`` must raise a StatecoreError and change nothing."""
