@@ -492,7 +492,8 @@ MUTANTS: dict[str, Mutant] = dict(
             "failed_store_slots_leaked",
             "the CPU manager never frees the slots of a failed store",
             "lost capacity with no byte wrong: the cache shrinks by a slot per failed store "
-            "(the simulator and the fuzzer ran no manager recount before)",
+            "(the simulator and the fuzzer ran no manager recount before; now one after every "
+            "drain)",
             (CPUOffloadingManager, "complete_store", _complete_store_leaking_slots),
         ),
         _mutant(
