@@ -38,7 +38,8 @@ def build_tier(spec: Mapping[str, Any], pool: CPUPool, layout: Any = None) -> Se
     Args:
         spec: the tier's kind and options (module docstring).
         pool: the shared CPU pool the tier copies to and from.
-        layout: the engine's :class:`~statecore.managers.redistier.TierLayout` (redis tiers).
+        layout: the engine's :class:`~statecore.managers.redistier.TierLayout` (redis tiers
+            namespace their keys with it; file tiers seed their checksums with its fingerprint).
     """
     opts = dict(spec)
     kind = opts.pop("kind", None)
@@ -50,6 +51,9 @@ def build_tier(spec: Mapping[str, Any], pool: CPUPool, layout: Any = None) -> Se
             raise ConfigError("file tier: 'directory' is required")
         from statecore.managers.filetier import FileTier
 
+        fingerprint = getattr(layout, "fingerprint", None)
+        if fingerprint is not None:  # files of another engine layout are refused
+            opts["layout"] = bytes(fingerprint(pool.row_bytes)).hex()
         return FileTier(pool=pool, **opts)
     if kind == "redis":
         from statecore.managers.redistier import RedisTier, RedisTierConfig, TierLayout

@@ -375,3 +375,38 @@ def test_faults_are_counted_and_logged_by_kind_then_recovery(
     assert tier.get_stats()["failed_jobs_missing"] == 1
     assert "missing: a load of 1 chunk failed for 1 key" in caplog.records[-1].getMessage()
     tier.shutdown()
+
+
+def test_a_tier_built_for_another_engine_layout_refuses_its_files(tmp_path: Path) -> None:
+    """``build_tier`` seeds the file tier's checksums with the engine layout's fingerprint: an
+    engine of another dtype over the same pool geometry finds the file (a hit) but its load
+    fails (a counted corrupt read); one of the same layout loads the bytes."""
+    from statecore.managers.redistier import TierLayout
+    from statecore.managers.tierconfig import build_tier
+
+    spec = {"kind": "file", "directory": str(tmp_path)}
+    f16, bf16 = TierLayout("m", "float16", (2, 4), 1), TierLayout("m", "bfloat16", (2, 4), 1)
+    pool = CPUPool(2, ROWS)
+    writer = build_tier(spec, pool, f16)
+    pool.write_slot(0, chunk(1))
+    writer.submit_store(1, [k(1)], [0])
+    writer.drain()
+    assert writer.get_finished()[0].success
+    writer.shutdown()
+    for layout, loads in ((bf16, False), (f16, True)):
+        pool.write_slot(1, bytes(sum(ROWS)))
+        reader = build_tier(spec, pool, layout)
+        assert k(1) in reader  # indexed by name; verified when loaded
+        reader.submit_load(2, [k(1)], [1])
+        reader.drain()
+        assert reader.get_finished()[0].success is loads
+        if loads:  # (a refused load's slot is dropped by the tiering manager, never served)
+            assert pool.read_slot(1) == chunk(1)
+        reader.shutdown()
+        if not loads:  # refused: counted, deleted; store it again for the next reader
+            assert reader.get_stats()["corrupt_reads"] == 1 and k(1) not in reader
+            writer = build_tier(spec, pool, f16)
+            writer.submit_store(3, [k(1)], [0])
+            writer.drain()
+            assert writer.get_finished()[0].success
+            writer.shutdown()
