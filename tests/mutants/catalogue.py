@@ -360,7 +360,7 @@ MUTANTS: dict[str, Mutant] = dict(
         _mutant(
             "reset_invalidates_sent_loads",
             "reset_cache writes off loads the workers run: finished, blocks invalid",
-            "issue 15: a reset fails a request under vLLM's default kv_load_failure_policy",
+            "a reset fails a request under vLLM's default kv_load_failure_policy",
             (OffloadingScheduler, "reset_cache", _reset_invalidating_sent_loads),
         ),
         _mutant(
@@ -397,7 +397,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "an error the manager raises from lookup_many, on_schedule_end or "
             "on_request_finished leaves the hook at once, into the engine",
             "INV-MGR-ERROR: one manager error in a lookup, a schedule end or a finish "
-            "notice fails the engine (before this session every manager call but the "
+            "notice fails the engine (before the fix every manager call but the "
             "completions could)",
             (
                 OffloadingScheduler,
@@ -500,7 +500,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "stale_window_block_stored",
             "a freed sliding-window block handed out while its owner is not scheduled stays "
             "in the owner's store sources",
-            "issue 12 bug 1 (wrong bytes): stale sliding-window blocks stored; INV-OWN",
+            "wrong bytes: stale sliding-window blocks stored; INV-OWN",
             (
                 OffloadingScheduler,
                 "_drop_stale_window_blocks",
@@ -511,7 +511,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "dropped_block_lists_stay_window_indexed",
             "a preempted or resumed request's dropped block lists keep their sliding-window "
             "index entries (until the block is reused, or forever once the request is released)",
-            "issue 18 leak: per-request window-index entries outlive their positions; INV-REF, "
+            "leak: per-request window-index entries outlive their positions; INV-REF, "
             "simulator leak check",
             (
                 OffloadingScheduler,
@@ -522,7 +522,7 @@ MUTANTS: dict[str, Mutant] = dict(
         _mutant(
             "released_request_stays_window_indexed",
             "a released request's sliding-window index entries are kept",
-            "issue 18 leak: per-request window-index entries outlive their request; INV-REF, "
+            "leak: per-request window-index entries outlive their request; INV-REF, "
             "simulator leak check",
             (OffloadingScheduler, "release_request", _release_keeping_window_positions),
         ),
@@ -530,26 +530,25 @@ MUTANTS: dict[str, Mutant] = dict(
             "untracked_allocation_not_fenced",
             "blocks scheduled for a request this connector does not track are not recorded "
             "as handed out",
-            "issue 12 bug 2 (wrong bytes): another connector's allocation not fenced; INV-OWN",
+            "wrong bytes: another connector's allocation not fenced; INV-OWN",
             (OffloadingScheduler, "_untracked_scheduled", _untracked_not_recorded),
         ),
         _mutant(
             "over_report_completes_job",
             "a count-only report for more workers than outstanding completes the job",
-            "issue 12 bug 3: a job completes before every worker finished; INV-QUORUM",
+            "a job completes before every worker finished; INV-QUORUM",
             (kernels, "over_report", lambda pending, ok, bad: False),
         ),
         _mutant(
             "final_store_never_built",
             "a finished request's final store is silently never built",
-            "issue 12 item 4: a store that never happens (cache lost, bytes fine); "
-            "INV-STORE-COMPLETE",
+            "a store that never happens (cache lost, bytes fine); INV-STORE-COMPLETE",
             (OffloadingScheduler, "_build_store_jobs", _final_stores_skipped),
         ),
         _mutant(
             "evicts_offered_key",
             "eviction ignores the keys offered to prepare_store in the same call",
-            "issue 12 item 4: a manager evicts a key it was just offered; INV-EVICT",
+            "a manager evicts a key it was just offered; INV-EVICT",
             (LRUCachePolicy, "evict", _lru_evict_unprotected),
             (ARCCachePolicy, "evict", _arc_evict_unprotected),
         ),
@@ -557,13 +556,13 @@ MUTANTS: dict[str, Mutant] = dict(
             "async_load_allocation_not_fenced",
             "blocks allocated for an asynchronous load are recorded only when the request is "
             "scheduled (steps later)",
-            "issue 12 item 4: allocations for an external load scheduled in a later step; INV-OWN",
+            "allocations for an external load scheduled in a later step; INV-OWN",
             (OffloadingScheduler, "update_state_after_alloc", _alloc_load_not_recorded),
         ),
         _mutant(
             "preempt_without_flush",
             "a preempted request's in-flight jobs are not flushed",
-            "issue 12 item 4: preemption does not flush a request's stores; INV-FLUSH-PREEMPT",
+            "preemption does not flush a request's stores; INV-FLUSH-PREEMPT",
             (OffloadingScheduler, "flush_request", _flush_request_noop),
         ),
         _mutant(
@@ -623,19 +622,19 @@ REDIS_MUTANTS: dict[str, Mutant] = dict(
         _mutant(
             "redis_unreadable_keeps_answer",
             "a key the server cannot serve (down, slow, missing) keeps answering HIT or RETRY",
-            "issue 17: requests wait on a dead server or on promotions that keep failing",
+            "requests wait on a dead server or on promotions that keep failing",
             (redistier.RedisTier, "_unreadable", _unreadable_keeps_answer),
         ),
         _mutant(
             "redis_decode_unverified",
             "a promotion copies a value's payload without checking layout, key or checksum",
-            "issue 17: a corrupt or foreign value is loaded as a hit (wrong bytes)",
+            "a corrupt or foreign value is loaded as a hit (wrong bytes)",
             (redistier, "decode_value", _decode_without_checks),
         ),
         _mutant(
             "redis_namespace_without_layout",
             "the key namespace and header fingerprint ignore the layout",
-            "issue 17: engines of different layouts read each other's bytes",
+            "engines of different layouts read each other's bytes",
             (redistier.TierLayout, "fingerprint", _fingerprint_without_layout),
         ),
         _mutant(
@@ -730,22 +729,21 @@ RETAINED_MUTANTS: dict[str, Mutant] = dict(
         _mutant(
             "cpu_alloc_sizes_per_store",
             "the CPU manager keeps one allocation size per store until get_stats",
-            "issue 19 goal 4 (memory flat): ~32 bytes per job retained by an engine that never "
+            "memory flat: ~32 bytes per job retained by an engine that never "
             "asks for stats (the 10^6-job soak's RSS slope)",
             (CPUOffloadingManager, "prepare_store", _prepare_store_logging_sizes),
         ),
         _mutant(
             "tier_events_kept_with_events_off",
             "the tiering manager keeps its tiers' events with the primary's events off",
-            "issue 19 goal 4 (memory flat): one event per stored chunk batch retained by an "
+            "memory flat: one event per stored chunk batch retained by an "
             "engine that never takes events",
             (TieringOffloadingManager, "_drop_tier_events", lambda self: None),
         ),
         _mutant(
             "adapter_sizes_per_job",
             "the vLLM adapter keeps one transfer size per job until get_kv_connector_stats",
-            "issue 19 goal 4 (memory flat): two ints per job retained by an embedding that "
-            "never asks for stats",
+            "memory flat: two ints per job retained by an embedding that never asks for stats",
             (TransferSizes, "add", _sizes_add_listing),
             (TransferSizes, "take", _sizes_take_listing),
         ),
