@@ -349,7 +349,7 @@ class _Raises:
 
     def __exit__(self, typ: Any, value: Any, tb: Any) -> bool:
         if typ is None:
-            raise AssertionError(f"DID NOT RAISE {self.exc}")
+            raise AssertionError(f"{_DID_NOT_RAISE}: {_exc_src(self.exc)}")
         return issubclass(typ, self.exc)
 
 
@@ -497,7 +497,14 @@ def _reproduces(
             ns["m"].shutdown()
 
 
+_DID_NOT_RAISE = "DID NOT RAISE"
+
+
 def _signature(exc: BaseException) -> str:
+    """How a failure is recognised when the reproduction is replayed (one definition for the
+    failure the kit records and the one the minimiser compares): an assertion by the text
+    before its first colon (the kit's checks start their message with the rule's code, a
+    missing raise with ``DID NOT RAISE``), any other exception by its type."""
     if isinstance(exc, AssertionError):
         return "AssertionError:" + str(exc).split(":", 1)[0]
     return type(exc).__name__
@@ -717,7 +724,7 @@ def make_manager_conformance(
                     src,
                     f"{src} raised {type(exc).__name__}: {exc} ({why})",
                     [src],
-                    signature=type(exc).__name__,
+                    signature=_signature(exc),
                 )
             self.body.append((src, removable))
             return result
@@ -827,7 +834,7 @@ def make_manager_conformance(
                 got = self.sut.lookup(key, ctx)
             except Exception as exc:
                 self.trace.errors.add(type(exc))
-                self._fail("CONTRACT", src, f"{src} raised {exc!r}", [src], type(exc).__name__)
+                self._fail("CONTRACT", src, f"{src} raised {exc!r}", [src], _signature(exc))
             if slot_of is not None and got is LookupResult.HIT_PENDING and key not in self.pending:
                 slot = slot_of(self.sut, key)
                 if slot is not None and slot in self.quarantine:
@@ -1537,10 +1544,10 @@ def make_manager_conformance(
                     src,
                     f"{src} raised {type(other).__name__}, expected {_exc_src(exc)}",
                     [stmt],
-                    signature=type(other).__name__,
+                    signature=_signature(other),
                 )
             detail = blame or f"{src} did not raise {_exc_src(exc)}"
-            self._fail(code, src, detail, [stmt], signature="AssertionError:DID NOT RAISE")
+            self._fail(code, src, detail, [stmt], signature="AssertionError:" + _DID_NOT_RAISE)
 
         # -- invariants -----------------------------------------------------------------------
 
@@ -1600,7 +1607,7 @@ def make_manager_conformance(
                         "self_check(m)",
                         f"self_check raised {type(exc).__name__}: {exc}",
                         ["self_check(m)"],
-                        signature=type(exc).__name__,
+                        signature=_signature(exc),
                     )
 
         def teardown(self) -> None:

@@ -223,6 +223,19 @@ class FailedStoreLeaksSlot(FifoManager):
                 del self.entries[key]  # bug: its slot is not put back on the free list
 
 
+class AssertsWhenFull(FifoManager):
+    """An ``assert`` guards a state real calls reach: a store that must evict while a key is
+    pinned trips it instead of evicting an idle key (the legal call raises AssertionError)."""
+
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext
+    ) -> PrepareStoreOutput | None:
+        new = [k for k in dict.fromkeys(keys) if k not in self.entries]
+        pinned = any(e.pins for e in self.entries.values())
+        assert not (pinned and len(new) > len(self.free)), "no room while a key is pinned"
+        return super().prepare_store(keys, ctx)
+
+
 @dataclass(frozen=True)
 class Planted:
     """One planted violation: a name, what it does, the manager class."""
@@ -258,6 +271,11 @@ PLANTED: list[Planted] = [
         "stored-event-for-failed", "a failed store is announced as stored", StoredEventForFailed
     ),
     Planted("failed-store-leaks-slot", "a failed store never frees its slot", FailedStoreLeaksSlot),
+    Planted(
+        "asserts-when-full",
+        "a store that must evict while a key is pinned trips an assert",
+        AssertsWhenFull,
+    ),
 ]
 """The planted violations, one per kind."""
 

@@ -92,6 +92,31 @@ def test_reproduction_is_a_standalone_failing_test(name: str, tmp_path: Path) ->
         assert f"raised {type(raised.value).__name__}" in failure.detail
 
 
+@pytest.mark.parametrize("name", ["asserts-when-full", "partial-pin", "load-missing-key"])
+def test_raising_and_did_not_raise_findings_come_out_minimised(name: str) -> None:
+    """A legal call that raises (here an AssertionError) and a misuse that does not raise are
+    replayed with the same failure signature the kit recorded, so the minimiser runs."""
+    planted = next(p for p in PLANTED if p.name == name)
+    machine = make_manager_conformance(
+        lambda: planted.cls(4),
+        4,
+        repro_factory=f"{planted.cls.__module__}:{planted.cls.__name__}(4)",
+    )
+    with pytest.raises(ConformanceError) as info:
+        run_conformance(machine, seed=0, shrink_seconds=2)
+    code = info.value.reproduction
+    assert "not deterministic" not in code, code
+    namespace: dict[str, Any] = {"__name__": "test_repro"}
+    exec(compile(code, "test_repro.py", "exec"), namespace)
+    with pytest.raises((Exception, pytest.fail.Exception)) as raised:
+        namespace["test_conformance_reproduction"]()
+    if name == "asserts-when-full":
+        assert "no room while a key is pinned" in str(raised.value)
+        assert info.value.invariant == "CONTRACT" and "raised AssertionError" in info.value.detail
+    # minimised: statements the failure does not need (step ends, event drains) are gone
+    assert "take_events" not in code and "on_schedule_end" not in code, code
+
+
 class _PathSpec(LoadStoreSpec):
     """A custom spec type: one file name per key."""
 
