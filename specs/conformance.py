@@ -86,6 +86,7 @@ from statecore.manager import (
 )
 
 __all__ = [
+    "CONTRACT_METHODS",
     "DEFAULT_EXAMPLES",
     "DEFAULT_SHRINK_SECONDS",
     "DEFAULT_STEPS",
@@ -148,9 +149,32 @@ SITUATIONS: dict[str, str] = {
     "misuse-release-unpinned": "complete_load of a ready, unpinned key",
     "misuse-release-pending": "complete_load of a write-pending key",
     "events-replayed": "events replayed against the ready keys",
+    "bulk-hits-then-miss": "lookup_many over hits followed by a miss",
+    "bulk-until-miss": "lookup_many(until_miss=True) cut at a miss before the last key",
     "locations-checked": "store and load locations checked (CPU slots or spec_slots=)",
 }
 """Contract situations the kit reports as reached or not (name -> description)."""
+
+CONTRACT_METHODS: dict[str, bool] = {
+    "on_new_request": True,
+    "lookup": False,
+    "lookup_many": True,
+    "prepare_load": True,
+    "complete_load": True,
+    "touch": False,
+    "prepare_store": True,
+    "complete_store": True,
+    "take_events": True,
+    "on_schedule_end": True,
+    "on_request_finished": True,
+    "reset_cache": True,
+    "has_pending_work": True,
+    "get_stats": True,
+    "shutdown": True,
+}
+"""Every method of :class:`~statecore.manager.OffloadingManager` (name -> whether
+:class:`~statecore.scheduler.OffloadingScheduler` calls it); the kit calls each of them and its
+coverage report lists how often."""
 
 
 class ConformanceCounters(TypedDict, total=False):
@@ -331,8 +355,16 @@ def coverage_report(machine: type[RuleBasedStateMachine]) -> str:
             lines.append(f"  {seen[name]:>7}  {text}")
         else:
             missed.append(f"  NOT REACHED  {text}")
+    calls: Counter[str] = Counter(getattr(machine, "calls", {}))
+    methods = ["contract methods called:"]
+    for name, by_scheduler in CONTRACT_METHODS.items():
+        who = "" if by_scheduler else "  (not called by the scheduler)"
+        if calls[name]:
+            methods.append(f"  {calls[name]:>7}  {name}{who}")
+        else:
+            methods.append(f"  NOT CALLED   {name}{who}")
     notes: Counter[str] = Counter(getattr(machine, "notes", {}))
-    return "\n".join(lines + missed + [f"  note: {n}" for n in sorted(notes)])
+    return "\n".join(lines + missed + methods + [f"  note: {n}" for n in sorted(notes)])
 
 
 # -- reproductions -----------------------------------------------------------------------------
@@ -643,6 +675,7 @@ def make_manager_conformance(
         loads = Bundle("loads")
         coverage: Counter[str] = Counter()
         notes: Counter[str] = Counter()
+        calls: Counter[str] = Counter()
 
         def __init__(self) -> None:
             super().__init__()
@@ -710,6 +743,7 @@ def make_manager_conformance(
             self, src: str, fn: Callable[..., Any], *args: Any, removable: bool = False
         ) -> Any:
             """Call the manager, recording the call; an unexpected exception is a finding."""
+            type(self).calls[getattr(fn, "__name__", "?")] += 1
             try:
                 result = fn(*args)
             except Exception as exc:
@@ -830,6 +864,7 @@ def make_manager_conformance(
             ctx = self.reqs[i if i is not None else 0].ctx
             name = self.reqs[i if i is not None else 0].name
             src = f"m.lookup({self.trace.k(key)}, {name})"
+            type(self).calls["lookup"] += 1
             try:
                 got = self.sut.lookup(key, ctx)
             except Exception as exc:
@@ -1265,6 +1300,66 @@ def make_manager_conformance(
                     removable=True,
                 )
 
+        @rule(data=st.data(), req=req_st, until_miss=st.booleans())
+        def lookup_bulk(self, data: st.DataObject, req: int, until_miss: bool) -> None:
+            """``lookup_many`` over present keys then any keys (a prompt's chunks: hits, then
+            a miss): the bulk answer must be exactly what the per-key lookups answer."""
+            r = self._live(req)
+            present = sorted(set(self.ready) | self.pending) if exact else sorted(self.ever_stored)
+            head = data.draw(st.lists(st.sampled_from(present), max_size=3)) if present else []
+            tail = data.draw(st.lists(key_st, min_size=1, max_size=3))
+            self._lookup_many([*head, *tail], req, until_miss, r)
+
+        def _lookup_many(
+            self, keys: list[OffloadKey], i: int, until_miss: bool, r: _Req
+        ) -> list[LookupResult]:
+            flag = ", until_miss=True" if until_miss else ""
+            src = f"m.lookup_many({self.trace.ks(keys)}, {r.name}{flag})"
+            got = list(
+                self._call(src, self.sut.lookup_many, keys, r.ctx, until_miss, removable=True)
+            )
+            check = f"got = {src}"
+            n = len(keys)
+            if until_miss:
+                first = next(
+                    (j for j, a in enumerate(got) if a == LookupResult.MISS and j < n), None
+                )
+                n = n if first is None else first + 1
+                if n < len(keys):
+                    self._see("bulk-until-miss")
+            self._check(
+                len(got) == n,
+                "BULK-LOOKUP",
+                src,
+                f"lookup_many answered {len(got)} result(s) for {len(keys)} key(s), expected {n}"
+                + (" (until_miss: the answer ends with the first MISS)" if until_miss else ""),
+                [check, f"assert len(got) == {n}"],
+            )
+            seen_hit = False
+            for j, (key, answer) in enumerate(zip(keys, got, strict=False)):
+                want = self._expected(key)
+                if want is not None and answer != want:
+                    _, why = self._why(key)
+                    self._fail(
+                        "BULK-LOOKUP",
+                        src,
+                        f"lookup_many answered {getattr(answer, 'name', answer)} for "
+                        f"{self._kd(key)} (position {j}); lookup answers {want.name}: {why}",
+                        [check, f"assert got[{j}] is LookupResult.{want.name}"],
+                    )
+                if answer == LookupResult.HIT:
+                    seen_hit = True
+                elif answer == LookupResult.MISS and seen_hit:
+                    self._see("bulk-hits-then-miss")
+                if want is None and answer == LookupResult.HIT and key not in self.ever_stored:
+                    self._fail(
+                        "BULK-LOOKUP",
+                        src,
+                        f"lookup_many answered HIT for {self._kd(key)}, never stored successfully",
+                        [check, f"assert got[{j}] is not LookupResult.HIT"],
+                    )
+            return got
+
         # -- requests and steps ---------------------------------------------------------------
 
         @rule(req=req_st, preempt=st.booleans())
@@ -1347,6 +1442,24 @@ def make_manager_conformance(
             self.ends += 1
             self.quarantine = {s: n for s, n in self.quarantine.items() if n > self.ends}
             self._drain_events()
+            src = "m.has_pending_work()"
+            busy = self._call(src, self.sut.has_pending_work, removable=True)
+            self._check(
+                isinstance(busy, bool),
+                "CONTRACT",
+                src,
+                f"has_pending_work returned {type(busy).__name__}, not bool",
+                [f"assert isinstance({src}, bool)"],
+            )
+            src = "m.get_stats()"
+            stats = self._call(src, self.sut.get_stats, removable=True)
+            self._check(
+                isinstance(stats, Mapping),
+                "CONTRACT",
+                src,
+                f"get_stats returned {type(stats).__name__}, not a mapping",
+                [f"assert isinstance({src}, dict)"],
+            )
 
         def _drain_events(self) -> None:
             src = "events += m.take_events()"
@@ -1531,6 +1644,7 @@ def make_manager_conformance(
             code: str = "ERRORS",
         ) -> None:
             self.trace.errors.update(_exc_names(exc))
+            type(self).calls[getattr(call, "__name__", "?")] += 1
             stmt = f"with pytest.raises({_exc_src(exc)}):\n    {src}"
             try:
                 call(keys, ctx)
@@ -1611,6 +1725,7 @@ def make_manager_conformance(
                     )
 
         def teardown(self) -> None:
+            type(self).calls["shutdown"] += 1
             self.sut.shutdown()
 
         @classmethod
@@ -1630,6 +1745,7 @@ def make_manager_conformance(
 
     ManagerConformance.coverage = Counter()
     ManagerConformance.notes = Counter()
+    ManagerConformance.calls = Counter()
     return ManagerConformance
 
 

@@ -236,6 +236,21 @@ class AssertsWhenFull(FifoManager):
         return super().prepare_store(keys, ctx)
 
 
+class BulkHitAfterRun(FifoManager):
+    """A bulk lookup that answers the first MISS after a run of hits as HIT (an off-by-one in
+    a prefix scan): per-key lookups are right, ``lookup_many`` is not."""
+
+    def lookup_many(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, until_miss: bool = False
+    ) -> list[LookupResult]:
+        out = super().lookup_many(keys, ctx, until_miss)
+        for j in range(1, len(out)):
+            if out[j] == LookupResult.MISS and out[j - 1] == LookupResult.HIT:
+                out[j] = LookupResult.HIT
+                break
+        return out
+
+
 @dataclass(frozen=True)
 class Planted:
     """One planted violation: a name, what it does, the manager class."""
@@ -275,6 +290,11 @@ PLANTED: list[Planted] = [
         "asserts-when-full",
         "a store that must evict while a key is pinned trips an assert",
         AssertsWhenFull,
+    ),
+    Planted(
+        "bulk-hit-after-run",
+        "lookup_many answers the first MISS after a run of hits as HIT",
+        BulkHitAfterRun,
     ),
 ]
 """The planted violations, one per kind."""

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from hypothesis import Phase
 from statecore.specs.conformance import (
+    CONTRACT_METHODS,
     SITUATIONS,
     ConformanceError,
     ManagerConformanceTests,
@@ -37,8 +38,29 @@ def test_reference_manager_passes_with_every_situation_reached() -> None:
     machine = make_manager_conformance(lambda: FifoManager(4), 4, eviction="fifo")
     run_conformance(machine, examples=150, seed=0)
     report = coverage_report(machine)
-    assert "NOT REACHED" not in report, report
-    assert len(report.splitlines()) == 1 + len(SITUATIONS)
+    assert "NOT REACHED" not in report and "NOT CALLED" not in report, report
+    assert len(report.splitlines()) == 2 + len(SITUATIONS) + len(CONTRACT_METHODS)
+
+
+def test_contract_methods_are_every_manager_method_and_every_scheduler_call() -> None:
+    """The coverage report's method list is the whole contract, and names every method the
+    scheduler calls as called by it (read from the scheduler's source)."""
+    import inspect
+    import re
+
+    import statecore.scheduler
+    from statecore.manager import OffloadingManager
+
+    public = {
+        name
+        for name, value in vars(OffloadingManager).items()
+        if callable(value) and not name.startswith("_")
+    }
+    assert set(CONTRACT_METHODS) == public
+    source = inspect.getsource(statecore.scheduler)
+    called = set(re.findall(r"self\.manager\.(\w+)", source))
+    assert called <= public, called - public
+    assert {name for name, by in CONTRACT_METHODS.items() if by} == called
 
 
 @pytest.mark.parametrize("planted", PLANTED, ids=[p.name for p in PLANTED])
