@@ -91,7 +91,9 @@ __all__ = [
     "DEFAULT_SHRINK_SECONDS",
     "DEFAULT_STEPS",
     "MISUSE_ERRORS",
+    "PROFILES",
     "SITUATIONS",
+    "VLLM_MISUSE_ERRORS",
     "ConformanceCounters",
     "ConformanceError",
     "CountsForConformance",
@@ -122,6 +124,17 @@ MISUSE_ERRORS: Mapping[str, type[BaseException] | tuple[type[BaseException], ...
 }
 """The error each misuse must raise by default; ``errors=`` overrides (``None``: not checked)."""
 
+VLLM_MISUSE_ERRORS: Mapping[str, type[BaseException] | tuple[type[BaseException], ...]] = {
+    kind: AssertionError for kind in MISUSE_ERRORS
+}
+"""The ``vllm`` profile's default: vLLM's managers guard their preconditions with ``assert``."""
+
+PROFILES: dict[str, str] = {
+    "statecore": "the contract of statecore.OffloadingManager (statecore's scheduler)",
+    "vllm": "the contract vLLM's offloading scheduler relies on (vllm.v1.kv_offload)",
+}
+"""The contracts the kit checks (name -> what it is); see the guide for every rule of each."""
+
 SITUATIONS: dict[str, str] = {
     "store-refused": "prepare_store refused (None): not enough room",
     "evict": "prepare_store evicted keys",
@@ -148,12 +161,17 @@ SITUATIONS: dict[str, str] = {
     "misuse-release-unknown": "complete_load of an absent key",
     "misuse-release-unpinned": "complete_load of a ready, unpinned key",
     "misuse-release-pending": "complete_load of a write-pending key",
+    "load-deferred": "a load deferred: a lookup of the request answered HIT_PENDING or RETRY "
+    "(vllm profile)",
+    "reset-flushed": "on_reset_flushed after a reset (vllm profile)",
     "events-replayed": "events replayed against the ready keys",
     "bulk-hits-then-miss": "lookup_many over hits followed by a miss",
     "bulk-until-miss": "lookup_many(until_miss=True) cut at a miss before the last key",
     "locations-checked": "store and load locations checked (CPU slots or spec_slots=)",
 }
 """Contract situations the kit reports as reached or not (name -> description)."""
+
+_VLLM_ONLY = frozenset({"load-deferred", "reset-flushed"})
 
 CONTRACT_METHODS: dict[str, bool] = {
     "on_new_request": True,
@@ -348,9 +366,12 @@ def run_conformance(
 def coverage_report(machine: type[RuleBasedStateMachine]) -> str:
     """Which contract situations the runs of ``machine`` reached so far, with counts."""
     seen: Counter[str] = Counter(getattr(machine, "coverage", {}))
-    lines = ["contract situations reached:"]
+    profile = getattr(machine, "profile", "statecore")
+    lines = [f"contract situations reached ({profile} profile):"]
     missed = []
     for name, text in SITUATIONS.items():
+        if profile != "vllm" and name in _VLLM_ONLY:
+            continue
         if seen[name]:
             lines.append(f"  {seen[name]:>7}  {text}")
         else:
@@ -610,6 +631,7 @@ def make_manager_conformance(
     examples: int = DEFAULT_EXAMPLES,
     repro_factory: str | None = None,
     minimise_seconds: float = 5.0,
+    profile: str = "statecore",
 ) -> type[RuleBasedStateMachine]:
     """Build a conformance state machine for the managers ``factory`` returns.
 
@@ -649,6 +671,15 @@ def make_manager_conformance(
         repro_factory: how the reproduction builds the manager: ``"module:Expr(args)"`` or an
             expression (default: derived from ``factory`` when it is importable).
         minimise_seconds: time spent minimising the final reproduction.
+        profile: the contract checked (:data:`PROFILES`): ``"statecore"`` (default) or
+            ``"vllm"``, whose calls follow vLLM's scheduler: no key offered twice in one
+            ``prepare_store``, lookups only under live requests, a load only of keys whose
+            lookup just answered ``HIT`` and none when a lookup of the request answered
+            ``HIT_PENDING`` or ``RETRY`` (the request is deferred), misuse calls naming one bad
+            key, every call but ``shutdown`` under ``manager.lock``, a reset preceded by an
+            event drain and announced by itself (vLLM's ``AllBlocksCleared``) and followed by
+            ``on_reset_flushed`` once the jobs in flight at the reset are flushed; misuse
+            raises :data:`VLLM_MISUSE_ERRORS` unless ``errors=`` says otherwise.
 
     Returns:
         The machine class; its ``TestCase`` attribute is a ``unittest.TestCase`` running the
@@ -656,9 +687,12 @@ def make_manager_conformance(
     """
     if eviction not in (None, "fifo", "lru"):
         raise ValueError(f"eviction={eviction!r}: expected 'fifo', 'lru' or None")
+    if profile not in PROFILES:
+        raise ValueError(f"profile={profile!r}: expected one of {', '.join(PROFILES)}")
+    vllm = profile == "vllm"
     universe = _universe(num_keys if num_keys is not None else max(4, 2 * capacity + 2))
     key_st = st.sampled_from(universe)
-    misuse: dict[str, Any] = dict(MISUSE_ERRORS)
+    misuse: dict[str, Any] = dict(VLLM_MISUSE_ERRORS if vllm else MISUSE_ERRORS)
     misuse.update(errors or {})
     imports, expr = _setup_source(factory, repro_factory)
     req_st = st.integers(0, num_requests - 1)
@@ -676,6 +710,7 @@ def make_manager_conformance(
         coverage: Counter[str] = Counter()
         notes: Counter[str] = Counter()
         calls: Counter[str] = Counter()
+        profile: str = "statecore"
 
         def __init__(self) -> None:
             super().__init__()
@@ -704,6 +739,7 @@ def make_manager_conformance(
             self.pending_slot: dict[OffloadKey, int] = {}
             self.load_slots: Counter[int] = Counter()
             self.quarantine: dict[int, int] = {}
+            self.flush_due: int | None = None  # vllm: step end after which the flush is done
             self.counters_fn: Callable[[Any], Mapping[str, int]] | None = None
             if callable(counters):
                 self.counters_fn = counters
@@ -739,13 +775,22 @@ def make_manager_conformance(
                     return r.name
             return f'ReqContext("{ctx.req_id if ctx else "?"}")'
 
+        def _locked(self) -> contextlib.AbstractContextManager[Any]:
+            """vllm profile: the manager's ``lock`` (held around every call but shutdown)."""
+            if vllm:
+                lock = getattr(self.sut, "lock", None)
+                if lock is not None:
+                    return lock  # type: ignore[no-any-return]
+            return contextlib.nullcontext()
+
         def _call(
             self, src: str, fn: Callable[..., Any], *args: Any, removable: bool = False
         ) -> Any:
             """Call the manager, recording the call; an unexpected exception is a finding."""
             type(self).calls[getattr(fn, "__name__", "?")] += 1
             try:
-                result = fn(*args)
+                with self._locked():
+                    result = fn(*args)
             except Exception as exc:
                 self.trace.errors.add(type(exc))
                 code, why = "CONTRACT", "a legal call must not raise"
@@ -861,12 +906,14 @@ def make_manager_conformance(
         def _lookup(
             self, key: OffloadKey, i: int | None = None, removable: bool = True
         ) -> LookupResult:
-            ctx = self.reqs[i if i is not None else 0].ctx
-            name = self.reqs[i if i is not None else 0].name
+            index = i if i is not None else 0
+            r = self._live(index) if vllm else self.reqs[index]  # vllm: live requests only
+            ctx, name = r.ctx, r.name
             src = f"m.lookup({self.trace.k(key)}, {name})"
             type(self).calls["lookup"] += 1
             try:
-                got = self.sut.lookup(key, ctx)
+                with self._locked():
+                    got = self.sut.lookup(key, ctx)
             except Exception as exc:
                 self.trace.errors.add(type(exc))
                 self._fail("CONTRACT", src, f"{src} raised {exc!r}", [src], _signature(exc))
@@ -917,6 +964,8 @@ def make_manager_conformance(
 
         def _store(self, keys: list[OffloadKey], i: int) -> StoreJob | None:
             req = self._live(i)
+            if vllm:  # vLLM's scheduler offers each key once per prepare_store
+                keys = list(dict.fromkeys(keys))
             present = set(self.ready) | self.pending
             new = [k for k in dict.fromkeys(keys) if k not in present]
             offered = set(keys)
@@ -1192,7 +1241,15 @@ def make_manager_conformance(
 
         def _load(self, keys: list[OffloadKey], i: int) -> LoadJob | None:
             req = self._live(i)
-            keys = [k for k in keys if self._lookup(k, i, removable=False) == LookupResult.HIT]
+            if vllm:  # one lookup per key; a request with a pending lookup is deferred
+                keys = list(dict.fromkeys(keys))
+                answers = [self._lookup(k, i, removable=False) for k in keys]
+                if any(a in (LookupResult.HIT_PENDING, LookupResult.RETRY) for a in answers):
+                    self._see("load-deferred")
+                    return None
+                keys = [k for k, a in zip(keys, answers, strict=True) if a == LookupResult.HIT]
+            else:
+                keys = [k for k in keys if self._lookup(k, i, removable=False) == LookupResult.HIT]
             if not keys:
                 return None
             if any(self.pins[k] for k in keys) or len(set(keys)) < len(keys):
@@ -1234,6 +1291,8 @@ def make_manager_conformance(
         @rule(target=loads, data=st.data(), req=req_st)
         def prepare_load(self, data: st.DataObject, req: int) -> Any:
             pool = sorted(self.ready if exact else self.ever_stored)
+            if vllm:  # write-pending keys too: vLLM's scheduler defers the request
+                pool = sorted({*pool, *self.pending})
             if not pool:
                 return multiple()
             picked = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3))
@@ -1441,6 +1500,8 @@ def make_manager_conformance(
             self.preempted_ids.clear()
             self.ends += 1
             self.quarantine = {s: n for s, n in self.quarantine.items() if n > self.ends}
+            if self.flush_due is not None and self.ends >= self.flush_due:
+                self._reset_flushed()
             self._drain_events()
             src = "m.has_pending_work()"
             busy = self._call(src, self.sut.has_pending_work, removable=True)
@@ -1534,7 +1595,16 @@ def make_manager_conformance(
                 self._see("reset-with-pinned")
             if self.ready:
                 self._see("reset-with-ready")
+            in_flight = bool(self.pending) or any(n > 0 for n in self.pins.values())
+            if vllm:  # the engine drains the events, then announces the reset by itself
+                self._drain_events()
             self._call("m.reset_cache()", self.sut.reset_cache)
+            if vllm:
+                self.event_view.clear()
+                # the workers report the jobs in flight at the reset one step later at best
+                self.flush_due = self.ends + 1 if in_flight else None
+                if not in_flight:
+                    self._reset_flushed()
             self._quarantine([*self.pending_slot.values(), *self.load_slots])
             self.pending_slot.clear()
             self.load_slots.clear()
@@ -1550,6 +1620,14 @@ def make_manager_conformance(
             if exact:
                 for k in before:  # everything must be gone
                     self._lookup(k)
+
+        def _reset_flushed(self) -> None:
+            """vllm profile: ``on_reset_flushed`` (the jobs in flight at the reset are done)."""
+            self.flush_due = None
+            hook = getattr(self.sut, "on_reset_flushed", None)
+            if hook is not None:
+                self._see("reset-flushed")
+                self._call("m.on_reset_flushed()", hook)
 
         # -- misuse: typed errors, state unchanged --------------------------------------------
 
@@ -1588,7 +1666,7 @@ def make_manager_conformance(
                 bad = data.draw(st.sampled_from(pool))
                 # ready keys named before the bad one (idle ones first: a pin left on them
                 # by the failed call is visible at once)
-                candidates = idle or pinned
+                candidates = [] if vllm else idle or pinned  # vllm: the bad key alone
                 good = (
                     data.draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=2))
                     if candidates
@@ -1647,7 +1725,8 @@ def make_manager_conformance(
             type(self).calls[getattr(call, "__name__", "?")] += 1
             stmt = f"with pytest.raises({_exc_src(exc)}):\n    {src}"
             try:
-                call(keys, ctx)
+                with self._locked():
+                    call(keys, ctx)
             except exc:
                 self.body.append((stmt, True))
                 return
@@ -1746,6 +1825,7 @@ def make_manager_conformance(
     ManagerConformance.coverage = Counter()
     ManagerConformance.notes = Counter()
     ManagerConformance.calls = Counter()
+    ManagerConformance.profile = profile
     return ManagerConformance
 
 

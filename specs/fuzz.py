@@ -273,8 +273,13 @@ def _stateful_campaign(seconds: float, steps: int) -> tuple[int, int, float, str
 def _manager_kit(args: argparse.Namespace) -> int:
     """``--manager package.module:Factory``: the conformance kit against a third-party manager."""
     from .conformance import DEFAULT_EXAMPLES, DEFAULT_SHRINK_SECONDS, DEFAULT_STEPS
-    from .thirdparty import run_kit
+    from .thirdparty import parse_misuse_errors, run_kit
 
+    try:
+        errors = parse_misuse_errors(args.misuse_error) if args.misuse_error else None
+    except ValueError as exc:
+        print(f"statecore fuzz: {exc}", file=sys.stderr)
+        return 2
     shrink = DEFAULT_SHRINK_SECONDS if args.shrink_seconds is None else args.shrink_seconds
     return run_kit(
         args.manager,
@@ -286,6 +291,8 @@ def _manager_kit(args: argparse.Namespace) -> int:
         shrink_seconds=shrink,
         admission=args.admission,
         eviction=args.eviction,
+        profile=args.profile,
+        errors=errors,
     )
 
 
@@ -363,6 +370,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=("fifo", "lru"),
         default=None,
         help="--manager: declared victim order, checked on every eviction",
+    )
+    p.add_argument(
+        "--profile",
+        choices=("statecore", "vllm"),
+        default=None,
+        help="--manager: the contract checked (default: vllm for a vLLM manager, else statecore)",
+    )
+    p.add_argument(
+        "--misuse-error",
+        metavar="[KIND=]ERROR",
+        action="append",
+        default=[],
+        help="--manager: the error a misuse raises (AssertionError, module:Name, or none), for "
+        "one kind (load-unknown, load-pending, release-unknown, release-unpinned, "
+        "release-pending) or all; repeatable",
     )
     try:
         args = p.parse_args(list(argv) if argv is not None else None)

@@ -5,16 +5,21 @@
 budget and prints the result, the reproduction of a finding and the coverage report.
 
 ``Factory`` is any callable (a class, a function) that takes the capacity in keys as its only
-argument and returns an :class:`~statecore.manager.OffloadingManager`.
+argument and returns an :class:`~statecore.manager.OffloadingManager`, or a vLLM manager
+(``vllm.v1.kv_offload``): a vLLM ``OffloadingManager`` is wrapped by
+:class:`statecore.adapters.vllm_manager.VllmManagerAdapter`, and a vLLM ``SecondaryTierManager``
+class is put under vLLM's tiering manager (:func:`statecore.adapters.vllm_manager.adapt`).
+A vLLM manager is checked against the ``vllm`` profile unless ``profile`` says otherwise.
 """
 
 from __future__ import annotations
 
+import builtins
 import importlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hypothesis.errors import HypothesisException
@@ -23,13 +28,15 @@ from statecore.manager import OffloadingManager
 
 from .conformance import (
     DEFAULT_SHRINK_SECONDS,
+    MISUSE_ERRORS,
+    PROFILES,
     ConformanceError,
     coverage_report,
     make_manager_conformance,
     run_conformance,
 )
 
-__all__ = ["is_import_path", "resolve_manager", "run_kit"]
+__all__ = ["is_import_path", "parse_misuse_errors", "resolve_manager", "run_kit"]
 
 
 def is_import_path(spec: str) -> bool:
@@ -71,6 +78,47 @@ def resolve_manager(spec: str) -> Callable[[int], OffloadingManager]:
     return obj  # type: ignore[no-any-return]
 
 
+def _exception_type(name: str) -> type[BaseException] | None:
+    if name.lower() == "none":
+        return None
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            obj: Any = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"--misuse-error: cannot resolve {name!r}: {exc}") from exc
+    else:
+        obj = getattr(builtins, name, None)
+        if obj is None:
+            import statecore.errors as errors_module
+
+            obj = getattr(errors_module, name, None)
+    if not (isinstance(obj, type) and issubclass(obj, BaseException)):
+        raise ValueError(f"--misuse-error: {name!r} is not an exception class")
+    return obj
+
+
+def parse_misuse_errors(
+    specs: Sequence[str],
+) -> dict[str, type[BaseException] | None]:
+    """``--misuse-error`` values as the kit's ``errors=``: ``KIND=Error`` for one misuse kind,
+    ``Error`` for every kind; ``Error`` is a builtin (``AssertionError``), a
+    ``statecore.errors`` name or ``module:Name``, and ``none`` declares the misuse undetected
+    (the kit then does not exercise it). ``ValueError`` on a bad value."""
+    out: dict[str, type[BaseException] | None] = {}
+    for spec in specs:
+        kind, sep, name = spec.partition("=")
+        if not sep:
+            kind, name = "", spec
+        if kind and kind not in MISUSE_ERRORS:
+            known = ", ".join(MISUSE_ERRORS)
+            raise ValueError(f"--misuse-error {spec!r}: unknown kind {kind!r} (one of {known})")
+        exc = _exception_type(name)
+        for k in [kind] if kind else list(MISUSE_ERRORS):
+            out[k] = exc
+    return out
+
+
 def run_kit(
     spec: str,
     capacity: int,
@@ -82,15 +130,47 @@ def run_kit(
     admission: bool = False,
     eviction: str | None = None,
     out: Any = None,
+    profile: str | None = None,
+    errors: Mapping[str, type[BaseException] | None] | None = None,
 ) -> int:
-    """Run the conformance kit against ``spec``; 0 when it passes, 1 on a finding, 2 on misuse."""
+    """Run the conformance kit against ``spec``; 0 when it passes, 1 on a finding, 2 on misuse.
+
+    ``profile``: the contract (:data:`~statecore.specs.conformance.PROFILES`); ``None`` picks
+    ``vllm`` for a vLLM manager and ``statecore`` otherwise. ``errors``: the misuse errors the
+    manager declares (:func:`parse_misuse_errors`).
+    """
     stream = out or sys.stdout
     try:
-        make = resolve_manager(spec)
+        resolved = resolve_manager(spec)
     except ValueError as exc:
         print(f"statecore fuzz: {exc}", file=sys.stderr)
         return 2
+    if profile is not None and profile not in PROFILES:
+        print(f"statecore fuzz: --profile {profile!r}: expected one of {', '.join(PROFILES)}")
+        return 2
+    make = resolved
+    vllm_target = False
+    try:
+        from statecore.adapters import vllm_manager
+    except ImportError:
+        vllm_manager = None
+    if vllm_manager is not None and vllm_manager.is_vllm_manager(resolved):
+        vllm_target = True
+        make = lambda n: vllm_manager.adapt(resolved, n)  # noqa: E731
     sample: object = make(capacity)
+    if (
+        vllm_manager is not None
+        and not isinstance(sample, OffloadingManager)
+        and vllm_manager.is_vllm_manager(sample)
+    ):
+        vllm_target = True
+        make = lambda n: vllm_manager.adapt(resolved(n), n)  # noqa: E731
+        sample.shutdown()  # type: ignore[attr-defined]
+        sample = make(capacity)
+    if vllm_manager is not None and isinstance(sample, vllm_manager.VllmManagerAdapter):
+        vllm_target = True
+    if profile is None:
+        profile = "vllm" if vllm_target else "statecore"
     if not isinstance(sample, OffloadingManager):
         print(
             f"statecore fuzz: {spec}({capacity}) returned {type(sample).__name__}, "
@@ -109,6 +189,8 @@ def run_kit(
         step_count=steps,
         examples=examples,
         repro_factory=f"{module_name}:{attr}({capacity})",
+        profile=profile,
+        errors=errors,
     )
     t0 = time.monotonic()
     failure: BaseException | None = None
@@ -122,6 +204,7 @@ def run_kit(
     print(
         f"statecore fuzz --manager {spec}: conformance kit, capacity {capacity}, "
         f"{examples} cases x {steps} steps, seed {seed if seed is not None else 'random'}, "
+        f"{profile} profile, "
         f"{elapsed:.1f} s",
         file=stream,
     )
