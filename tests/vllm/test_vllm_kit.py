@@ -1,0 +1,136 @@
+"""vLLM 0.33's own managers under the conformance kit, through statecore.adapters.vllm_manager.
+
+Runs in the scheduler venv (scripts/vllm-integration.sh). The table of the conformance guide
+(every configuration, 20 seeds at the default budget) is ``python -m statecore.specs.vllmkit``;
+these tests run a fixed-seed slice of it and the adapter's boundary.
+"""
+
+from __future__ import annotations
+
+import mmap
+import uuid
+
+import pytest
+
+pytest.importorskip(
+    "vllm.config", reason="vLLM 0.33 is not installed (build it: scripts/vllm-integration.sh)"
+)
+
+from statecore.adapters import vllm_manager
+from statecore.specs.conformance import (
+    ConformanceError,
+    coverage_report,
+    make_manager_conformance,
+    run_conformance,
+)
+from statecore.specs.fuzz import main as fuzz_main
+from statecore.specs.vllmkit import CONFIGS
+from vllm.v1.kv_offload import base as vb
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
+from vllm.v1.kv_offload.tiering.manager import (
+    CPUPrimaryTierOffloadingManager,
+    TieringOffloadingManager,
+)
+
+from statecore.keys import make_offload_key
+from statecore.manager import CPULoadStoreSpec, LookupResult, ReqContext
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_vllm_manager_passes_the_vllm_profile(name: str) -> None:
+    make = getattr(vllm_manager, name)
+    machine = make_manager_conformance(lambda: make(4), 4, profile="vllm", **CONFIGS[name])
+    run_conformance(machine, examples=60, seed=0)
+    report = coverage_report(machine)
+    for reached in ("prepare_store evicted keys", "complete_store(success=False)"):
+        assert f"NOT REACHED  {reached}" not in report, report
+    assert "NOT REACHED  reset_cache with ready keys" not in report, report
+    assert "NOT CALLED" not in report, report
+
+
+def test_vllm_manager_fails_the_statecore_profile_on_its_asserts() -> None:
+    machine = make_manager_conformance(lambda: vllm_manager.cpu_lru(4), 4)
+    with pytest.raises(ConformanceError) as info:
+        run_conformance(machine, examples=60, seed=0, shrink_seconds=1)
+    assert info.value.invariant == "ERRORS" and "AssertionError" in info.value.detail
+
+
+def test_adapter_converts_types_and_forwards_once() -> None:
+    m = vllm_manager.cpu_lru(2)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    k1, k2, k3 = (make_offload_key(bytes([i]) * 8, 0) for i in (1, 2, 3))
+    out = m.prepare_store([k1, k2], ctx)
+    assert out is not None and out.keys_to_store == (k1, k2)
+    assert isinstance(out.store_spec, CPULoadStoreSpec) and len(out.store_spec.slots) == 2
+    assert m.lookup(k1, ctx) is LookupResult.HIT_PENDING
+    m.complete_store([k1, k2], ctx)
+    assert m.lookup_many([k1, k2, k3], ctx) == [
+        LookupResult.HIT,
+        LookupResult.HIT,
+        LookupResult.MISS,
+    ]
+    events = list(m.take_events())
+    assert [(set(e.keys), e.removed) for e in events] == [({k1, k2}, False)]
+    spec = m.prepare_load([k1], ctx)
+    assert isinstance(spec, CPULoadStoreSpec)
+    with pytest.raises(AssertionError):  # vLLM's precondition guard reaches the caller as is
+        m.complete_load([k3], ctx)
+    m.complete_load([k1], ctx)
+    assert isinstance(m.get_stats(), dict)
+    with m.lock:  # vLLM's lock is passed through
+        m.reset_cache()
+    m.on_reset_flushed()
+    assert m.lookup(k1, ctx) is LookupResult.MISS
+    m.shutdown()
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "vllm.v1.kv_offload.cpu.manager:CPUOffloadingManager",  # a vLLM manager class
+        "vllm.v1.kv_offload.tiering.example.manager:ExampleSecondaryTierManager",  # a tier
+    ],
+)
+def test_fuzz_command_takes_vllm_managers_directly(
+    target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--manager", target, "--examples", "30", "--seed", "0"]
+    if "tiering" in target:
+        args.append("--composite")
+    assert fuzz_main(args) == 0
+    out = capsys.readouterr().out
+    assert "vllm profile" in out and "no violation found" in out
+
+
+# -- the promotion that evicts a confirmed hit ---------------------------------------------------
+
+
+def test_tiering_promotion_evicts_a_key_that_answered_hit_this_step() -> None:
+    """vLLM's TieringOffloadingManager.prepare_load says callers pass keys "already confirmed
+    HIT by lookup() earlier this step"; a lookup that starts a promotion in the same step may
+    evict such a key, and the load then fails. vLLM's classes alone, no statecore code."""
+    region = SharedOffloadRegion(uuid.uuid4().hex, 2, None, mmap.PAGESIZE, mmap.PAGESIZE)
+    primary = CPUPrimaryTierOffloadingManager(2, region)
+    tier = ExampleSecondaryTierManager(None, primary.get_kv_memoryview(), "example")
+    m = TieringOffloadingManager(primary, [tier])
+    k1, k2, k3 = (vb.make_offload_key(bytes([i]) * 8, 0) for i in (1, 2, 3))
+    ctx = vb.ReqContext("r0")
+    try:
+        with m.lock:
+            m.on_new_request(ctx)
+            for key in (k1, k2, k3):  # each stored in the primary, cascaded to the example tier
+                out = m.prepare_store([key], ctx)
+                assert out is not None
+                m.complete_store(out.keys_to_store, ctx)
+                m.on_schedule_end(vb.ScheduleEndContext([], []))
+            assert set(tier.chunks) == {k1, k2, k3}  # the primary holds k2, k3 (k1 evicted)
+            # one step: k2 is confirmed HIT, then k1's lookup promotes it into the primary
+            assert m.lookup(k2, ctx) is vb.LookupResult.HIT
+            assert m.lookup(k1, ctx) is vb.LookupResult.HIT_PENDING  # promotion started ...
+            assert primary.lookup(k2, ctx) is vb.LookupResult.MISS  # ... by evicting k2
+            with pytest.raises(AssertionError, match="not found in cache"):
+                m.prepare_load([k2], ctx)
+    finally:
+        m.shutdown()
