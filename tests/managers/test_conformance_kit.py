@@ -15,6 +15,7 @@ import pytest
 from hypothesis import Phase
 from statecore.specs.conformance import (
     CONTRACT_METHODS,
+    MISUSE_ERRORS,
     SITUATIONS,
     ConformanceError,
     ManagerConformanceTests,
@@ -323,3 +324,134 @@ def test_measurement_table_format() -> None:
         "| hit-while-pending | lookup answers HIT while a store is pending | 1/1 |"
     )
     assert [name for name, _ in rows] == ["reference (unmodified)", "hit-while-pending"]
+
+
+class _VllmStyle(FifoManager):
+    """FifoManager written to vLLM's conventions: misuse trips an assert, a reset announces
+    nothing (the engine's AllBlocksCleared does), a key offered twice in one prepare_store and
+    a lookup under a finished request trip asserts, and it holds a real, non-reentrant lock."""
+
+    def __init__(self, capacity: int = 4) -> None:
+        super().__init__(capacity)
+        import threading
+
+        self._lock = threading.Lock()
+        self.finished: set[str] = set()
+        self.flushes = 0
+
+    @property
+    def lock(self) -> Any:
+        return self._lock
+
+    def _held(self) -> None:
+        assert self._lock.locked(), "called without manager.lock"
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> Any:
+        self._held()
+        assert ctx.req_id not in self.finished, "lookup for a finished request"
+        return super().lookup(key, ctx)
+
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> Any:
+        self._held()
+        for k in keys:
+            e = self.entries.get(k)
+            assert e is not None and e.ready, "load of a key that is not ready"
+        return super().prepare_load(keys, ctx)
+
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self._held()
+        for k in keys:
+            e = self.entries.get(k)
+            assert e is not None and e.ready and e.pins > 0, "release of an unpinned key"
+        super().complete_load(keys, ctx)
+
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> Any:
+        self._held()
+        assert len(set(keys)) == len(keys), "a key offered twice"
+        return super().prepare_store(keys, ctx)
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        self.finished.add(ctx.req_id)
+
+    def reset_cache(self) -> None:
+        self._held()
+        self.free.extend(e.slot for e in self.entries.values())
+        self.entries.clear()  # announces nothing
+
+    def on_reset_flushed(self) -> None:
+        self._held()
+        self.flushes += 1
+
+
+def test_vllm_profile_accepts_vllm_conventions_the_statecore_profile_rejects() -> None:
+    vllm = make_manager_conformance(lambda: _VllmStyle(4), 4, profile="vllm")
+    run_conformance(vllm, examples=150, seed=0)
+    report = coverage_report(vllm)
+    assert "(vllm profile)" in report
+    for reached in ("on_reset_flushed after a reset", "prepare_load naming an absent key"):
+        assert f"NOT REACHED  {reached}" not in report, report
+    statecore = make_manager_conformance(lambda: _VllmStyle(4), 4)
+    with pytest.raises(ConformanceError):
+        run_conformance(statecore, examples=150, seed=0, **GENERATE)
+    # the statecore profile with the misuse errors declared still sees the other differences
+    declared = make_manager_conformance(
+        lambda: _VllmStyle(4), 4, errors=dict.fromkeys(MISUSE_ERRORS, AssertionError)
+    )
+    with pytest.raises(ConformanceError) as info:
+        run_conformance(declared, examples=300, seed=0, **GENERATE)
+    assert "AssertionError" in info.value.detail or info.value.invariant in ("EVENTS", "RESET")
+
+
+def test_vllm_profile_still_catches_a_real_bug() -> None:
+    class EvictsPinnedVllm(_VllmStyle):
+        def _victims(self, n: int, offered: set[OffloadKey]) -> list[OffloadKey] | None:
+            out = [k for k, e in self.entries.items() if e.ready and k not in offered][:n]
+            return out if len(out) == n else None
+
+    machine = make_manager_conformance(lambda: EvictsPinnedVllm(4), 4, profile="vllm")
+    with pytest.raises(ConformanceError) as info:
+        run_conformance(machine, seed=0, **GENERATE)
+    assert info.value.invariant == "INV-EVICT", str(info.value)
+
+
+def test_misuse_errors_option() -> None:
+    from statecore.specs.thirdparty import parse_misuse_errors
+
+    from statecore.errors import UnknownKeyError
+
+    every = parse_misuse_errors(["AssertionError"])
+    assert every == dict.fromkeys(MISUSE_ERRORS, AssertionError)
+    one = parse_misuse_errors(
+        ["AssertionError", "load-unknown=UnknownKeyError", "release-pending=none"]
+    )
+    assert one["load-unknown"] is UnknownKeyError and one["release-pending"] is None
+    assert parse_misuse_errors(["builtins:KeyError"]) == dict.fromkeys(MISUSE_ERRORS, KeyError)
+    for bad in ("nosuch-kind=AssertionError", "NoSuchError", "os:path"):
+        with pytest.raises(ValueError):
+            parse_misuse_errors([bad])
+    status = fuzz_main(
+        [
+            "--manager",
+            "statecore.specs.fifo:FifoManager",
+            "--examples",
+            "20",
+            "--seed",
+            "0",
+            "--profile",
+            "vllm",
+            "--misuse-error",
+            "load-unknown=UnknownKeyError",
+            "--misuse-error",
+            "load-pending=KeyNotReadyError",
+            "--misuse-error",
+            "release-unknown=UnknownKeyError",
+            "--misuse-error",
+            "release-unpinned=PinUnderflowError",
+            "--misuse-error",
+            "release-pending=PinUnderflowError",
+        ]
+    )
+    assert status == 0
+    assert (
+        fuzz_main(["--manager", "statecore.specs.fifo:FifoManager", "--misuse-error", "x=y"]) == 2
+    )
