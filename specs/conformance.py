@@ -26,7 +26,15 @@ and checks the whole contract of :class:`~statecore.manager.OffloadingManager`:
 * the manager's **counters** (:class:`ConformanceCounters`) against the model, and a
   ``self_check`` hook;
 * the **slot-reuse rule** (with ``slot_of``): a promotion never takes a slot a flushed GPU
-  transfer may still touch.
+  transfer may still touch;
+* **bulk lookups**: ``lookup_many`` answers exactly what ``lookup`` answers key by key (with
+  ``until_miss``, up to the first ``MISS``); ``has_pending_work`` and ``get_stats`` every step.
+
+Profiles (:data:`PROFILES`). ``profile="statecore"`` (default) checks statecore's contract;
+``profile="vllm"`` checks the contract vLLM's offloading scheduler relies on: the kit then makes
+only the calls vLLM's scheduler makes and follows its conventions (misuse raising
+``AssertionError``, resets announced by the engine, ``manager.lock``, ``on_reset_flushed``).
+The guide lists every rule with its profile.
 
 Reliability. The default budget (:data:`DEFAULT_EXAMPLES` cases of :data:`DEFAULT_STEPS`
 steps) was measured against planted violations (:mod:`statecore.specs.planted`): each kind is

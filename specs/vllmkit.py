@@ -109,7 +109,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.only and name not in args.only:
             continue
         for profile in profiles:
-            outcomes = [run_one(name, profile, s, args.examples) for s in range(args.seeds)]
+            outcomes = []
+            for seed in range(args.seeds):
+                outcomes.append(run_one(name, profile, seed, args.examples))
+                found_now, _, took = outcomes[-1]
+                print(
+                    f"{name} {profile} seed {seed}: {found_now or 'no violation'} ({took:.1f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             found = [o[0] for o in outcomes if o[0]]
             reach = [
                 sum(1 for _, cov, _ in outcomes if any(cov[s] for s in sits))
