@@ -119,6 +119,21 @@ def parse_misuse_errors(
     return out
 
 
+_ADAPTER = "statecore.adapters.vllm_manager"
+
+
+def _vllm_adapter(obj: object) -> Any:
+    """:mod:`statecore.adapters.vllm_manager` when ``obj`` comes from vLLM (or the adapter) and
+    vLLM imports; ``None`` otherwise (a statecore manager never imports vLLM, torch or numpy)."""
+    module = str(getattr(obj, "__module__", "") or "")
+    if module.split(".", 1)[0] != "vllm" and not module.startswith(_ADAPTER):
+        return None
+    try:
+        return importlib.import_module(_ADAPTER)
+    except ImportError:
+        return None
+
+
 def run_kit(
     spec: str,
     capacity: int,
@@ -150,24 +165,19 @@ def run_kit(
         return 2
     make = resolved
     vllm_target = False
-    try:
-        from statecore.adapters import vllm_manager
-    except ImportError:
-        vllm_manager = None
-    if vllm_manager is not None and vllm_manager.is_vllm_manager(resolved):
+    adapter = _vllm_adapter(resolved)
+    if adapter is not None and adapter.is_vllm_manager(resolved):
         vllm_target = True
-        make = lambda n: vllm_manager.adapt(resolved, n)  # noqa: E731
+        make = lambda n: adapter.adapt(resolved, n)  # noqa: E731
     sample: object = make(capacity)
-    if (
-        vllm_manager is not None
-        and not isinstance(sample, OffloadingManager)
-        and vllm_manager.is_vllm_manager(sample)
-    ):
-        vllm_target = True
-        make = lambda n: vllm_manager.adapt(resolved(n), n)  # noqa: E731
-        sample.shutdown()  # type: ignore[attr-defined]
-        sample = make(capacity)
-    if vllm_manager is not None and isinstance(sample, vllm_manager.VllmManagerAdapter):
+    if not isinstance(sample, OffloadingManager):
+        adapter = _vllm_adapter(type(sample))
+        if adapter is not None and adapter.is_vllm_manager(sample):
+            vllm_target = True
+            make = lambda n: adapter.adapt(resolved(n), n)  # noqa: E731
+            sample.shutdown()  # type: ignore[attr-defined]
+            sample = make(capacity)
+    if type(sample).__module__ == _ADAPTER:  # a factory of statecore.adapters.vllm_manager
         vllm_target = True
     if profile is None:
         profile = "vllm" if vllm_target else "statecore"
