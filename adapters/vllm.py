@@ -86,7 +86,7 @@ from statecore.managers.cpu import CPUOffloadingManager
 from statecore.managers.redistier import TierLayout
 from statecore.managers.tiering import TieringOffloadingManager
 from statecore.pool import CPUPool
-from statecore.scheduler import OffloadingScheduler
+from statecore.scheduler import OffloadingScheduler, ResetStatus
 from statecore.views import ScheduledColumns, ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, WorkerMetadata
 from statecore.worker import OffloadingWorker, TransferBackend
@@ -762,7 +762,6 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         self._num_groups = len(kv_cache_config.kv_cache_groups)
         self.scheduler: OffloadingScheduler | None = None
         self.worker: OffloadingWorker | None = None
-        self._load_blocks: dict[str, tuple[int, ...]] = {}
         self._error_blocks: set[int] = set()
         self._error_reqs: set[str] = set()
         self._bound: StatecoreConnectorMetadata | None = None
@@ -957,30 +956,26 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        """Record allocated blocks; with external tokens, create the load job."""
-        sched = self._sched()
-        sched.update_state_after_alloc(
+        """Record allocated blocks; with external tokens, create the load job (its outcome
+        comes back per request from :meth:`update_connector_output`)."""
+        self._sched().update_state_after_alloc(
             VllmRequestView(request), blocks.get_block_ids(), num_external_tokens
         )
-        if num_external_tokens > 0:
-            job = sched.jobs.get(sched.next_job_id - 1)
-            if job is not None and not job.is_store:
-                self._load_blocks[job.req.req_id] = job.blocks
 
     def build_connector_meta(self, scheduler_output: VllmSchedulerOutput) -> KVConnectorMetadata:
         """This step's jobs, plus the failed loads to echo back through the workers."""
-        sched = self._sched()
-        reset_pending = sched.manager_reset_pending
-        inner = sched.build_connector_meta(to_scheduler_output(scheduler_output, self._num_groups))
+        inner = self._sched().build_connector_meta(
+            to_scheduler_output(scheduler_output, self._num_groups)
+        )
         events = self.events
-        if reset_pending and events is not None and not sched.manager_reset_pending:
-            events.reset()  # the manager's reset, retried by that call, took at last
+        if inner.manager_reset and events is not None:
+            events.reset()  # the manager's deferred reset, retried by that call, took at last
         if events is not None and events.enabled:
-            for job_id in inner.store_jobs:
-                job = sched.jobs.get(job_id)
-                req = self._requests.get(job.req.req_id) if job is not None else None
-                if job is not None and req is not None:
-                    events.record_store(req, job.keys)
+            keys = inner.store_keys
+            for job_id, job in inner.store_jobs.items():
+                req = self._requests.get(job.req_id)
+                if req is not None:
+                    events.record_store(req, keys[job_id])
             for rid in self._finished_reqs:  # their final stores were built above
                 self._requests.pop(rid, None)
             self._finished_reqs.clear()
@@ -1003,15 +998,13 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
             self._store_sizes.add(inner.stats.store.sizes)
         if not res.finished_loads:
             return
-        invalid = res.invalid_block_ids
-        done: set[str] = set()
-        for rid in res.finished_loads:
-            blocks = self._load_blocks.pop(rid, ())
-            if invalid and not invalid.isdisjoint(blocks):
-                self._error_reqs.add(rid)
-                self._error_blocks.update(b for b in blocks if b in invalid)
-            else:
-                done.add(rid)
+        failed = res.failed_loads
+        if failed:
+            self._error_reqs.update(failed)
+            self._error_blocks.update(res.invalid_block_ids)
+            done = set(res.finished_loads.difference(failed))
+        else:
+            done = set(res.finished_loads)
         if done:
             if connector_output.finished_recving:
                 connector_output.finished_recving |= done
@@ -1055,7 +1048,7 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
         ``reset_connector_cache`` then returns False) when the manager's reset raised: it may
         still hold its chunks, and the KV-event payloads stay theirs until the reset, retried
         by every ``build_connector_meta``, takes."""
-        if not self._sched().reset_cache():
+        if self._sched().reset().status is not ResetStatus.DONE:
             return False
         if self.events is not None:
             self.events.reset()

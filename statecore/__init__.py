@@ -45,7 +45,14 @@ from statecore.manager import (
     TierMatcher,
 )
 from statecore.pool import CPUPool
-from statecore.scheduler import ConnectorOutputResult, OffloadingScheduler, SchedulerCounters
+from statecore.scheduler import (
+    ConnectorOutputResult,
+    CreatedLoad,
+    OffloadingScheduler,
+    ResetResult,
+    ResetStatus,
+    SchedulerCounters,
+)
 from statecore.views import Request, RequestLike, ScheduledRequest, SchedulerOutput
 from statecore.wire import (
     ConnectorMetadata,
@@ -64,6 +71,7 @@ __all__ = [
     "ConfigError",
     "ConnectorMetadata",
     "ConnectorOutputResult",
+    "CreatedLoad",
     "DirectionStats",
     "GPULoadStoreSpec",
     "GroupConfig",
@@ -90,6 +98,8 @@ __all__ = [
     "Request",
     "RequestLike",
     "RequestOffloadingContext",
+    "ResetResult",
+    "ResetStatus",
     "ScheduleEndContext",
     "ScheduledRequest",
     "SchedulerConfig",

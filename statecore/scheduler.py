@@ -43,6 +43,7 @@ duplicates.
 
 from __future__ import annotations
 
+import enum
 import importlib
 import os
 import time
@@ -51,6 +52,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_not, le
+from types import MappingProxyType
 from typing import Any, cast
 
 from statecore import kernels, validate
@@ -317,10 +319,92 @@ class ConnectorOutputResult:
             discarded by a reset before it was sent); they may resume.
         invalid_block_ids: GPU blocks of loads that did not complete successfully: their
             content is not trustworthy and must be recomputed.
+        failed_loads: per request among ``finished_loads`` whose load did not complete
+            successfully (failed, stalled, discarded by a reset, or failed before it started),
+            its blocks among ``invalid_block_ids``; the requests not in it loaded fine.
+            Excluded from the hash (equality compares it).
     """
 
     finished_loads: frozenset[str] = frozenset()
     invalid_block_ids: frozenset[int] = frozenset()
+    failed_loads: Mapping[str, frozenset[int]] = field(
+        default_factory=lambda: _NO_FAILED_LOADS, hash=False
+    )
+
+
+_NO_FAILED_LOADS: Mapping[str, frozenset[int]] = MappingProxyType({})
+_NO_OUTPUT = ConnectorOutputResult()
+_NO_KEYS: Mapping[int, tuple[OffloadKey, ...]] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class CreatedLoad:
+    """The load job :meth:`OffloadingScheduler.update_state_after_alloc` created.
+
+    The job is in this step's :attr:`~statecore.wire.ConnectorMetadata.load_jobs` under
+    ``job_id``; the request is in ``finished_loads`` of the
+    :meth:`~OffloadingScheduler.update_connector_output` that ends it (and in
+    ``failed_loads``, with ``block_ids``, when it did not complete).
+
+    Attributes:
+        job_id: the load's job id.
+        req_id: the loading request.
+        keys: the offloaded chunks it loads, in order.
+        block_ids: the GPU blocks it fills, group after group (the blocks that are invalid
+            should the load fail).
+    """
+
+    job_id: int
+    req_id: str
+    keys: tuple[OffloadKey, ...]
+    block_ids: tuple[int, ...]
+
+
+class ResetStatus(enum.Enum):
+    """How far :meth:`OffloadingScheduler.reset` got.
+
+    The scheduler's side of a reset is never deferred: it is whole when the call returns.
+    Only the manager's ``reset_cache`` can fail, and is then deferred.
+    """
+
+    DONE = "done"
+    """The scheduler and the manager are reset."""
+    MANAGER_RESET_DEFERRED = "manager_reset_deferred"
+    """The manager's ``reset_cache`` raised (:attr:`ResetResult.reason`): the scheduler is
+    reset, the manager may still hold its chunks. Every ``build_connector_meta`` retries it
+    first (its metadata's ``manager_reset`` says when it took) and no lookup hits until then."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResetResult:
+    """What :meth:`OffloadingScheduler.reset` did.
+
+    True (as a bool) when :attr:`status` is :attr:`ResetStatus.DONE`, so a caller written
+    for :meth:`~OffloadingScheduler.reset_cache`'s bool reads it alike.
+
+    Attributes:
+        status: whether the manager's reset took, or was deferred.
+        reason: why it was deferred (the manager's error, as text); None when done.
+        flushed_jobs: job ids put in the next ``jobs_to_flush`` (every job in flight or
+            stalled).
+        discarded_jobs: jobs dropped without completion: stores, stalled jobs and loads not
+            sent yet (their reports become inert).
+        discarded_loads: requests whose unsent load was dropped: the next
+            :meth:`~OffloadingScheduler.update_connector_output` reports them in
+            ``finished_loads`` and ``failed_loads`` (their blocks are recomputed).
+        carried_loads: loads the workers already run, carried over the reset: they complete
+            as usual.
+    """
+
+    status: ResetStatus
+    reason: str | None = None
+    flushed_jobs: frozenset[int] = frozenset()
+    discarded_jobs: frozenset[int] = frozenset()
+    discarded_loads: frozenset[str] = frozenset()
+    carried_loads: frozenset[int] = frozenset()
+
+    def __bool__(self) -> bool:
+        return self.status is ResetStatus.DONE
 
 
 @dataclass(slots=True)
@@ -485,7 +569,7 @@ class OffloadingScheduler:
         # resumption, reset) or the request is released (INV-CURSOR checks it).
         self._dormant: set[str] = set()
         self._finished_loads: set[str] = set()
-        self._invalid_blocks: set[int] = set()
+        self._failed_loads: dict[str, set[int]] = {}  # request -> invalid blocks
         self._last_stall_check = clock()
         self._stats_mark = SchedulerCounters()
         n = len(config.groups)
@@ -549,6 +633,12 @@ class OffloadingScheduler:
     def stale_threshold(self) -> int:
         """Reports for job ids below this belong to an epoch before the last reset."""
         return self._stale_threshold
+
+    @property
+    def _invalid_blocks(self) -> set[int]:
+        """The blocks of the failed loads the next :meth:`update_connector_output` reports
+        (the union of its ``failed_loads``; the model checker's state reads it)."""
+        return set().union(*self._failed_loads.values())
 
     @property
     def next_job_id(self) -> int:
@@ -866,7 +956,7 @@ class OffloadingScheduler:
         request: RequestLike,
         block_ids: Sequence[Sequence[int]],
         num_external_tokens: int,
-    ) -> None:
+    ) -> CreatedLoad | None:
         """The engine allocated ``block_ids`` (per group, the request's complete list) for
         ``num_computed + num_external_tokens`` tokens. With external tokens, create the load
         job that fills the blocks beyond the locally computed prefix.
@@ -874,12 +964,16 @@ class OffloadingScheduler:
         The lists are recorded as the request's fresh allocation: its next
         :class:`~statecore.views.ScheduledRequest` starts from them (see the module docstring).
 
+        Returns the :class:`CreatedLoad` (job id, keys, blocks to fill) when a load job was
+        created, None when none was (no external tokens, or the load failed before it
+        started).
+
         A manager whose ``prepare_load`` raises (a typed error changes nothing) fails the load
-        before it starts: no job, the request is reported in the next
-        :meth:`update_connector_output`'s ``finished_loads`` with every block it was to fill
-        invalid (the engine recomputes them, or fails the request under vLLM's default
-        ``kv_load_failure_policy``); the error is counted (``manager_errors``) and, untyped
-        or in checked mode, raised by that call.
+        before it starts: no job (None), the request is reported in the next
+        :meth:`update_connector_output`'s ``finished_loads`` and ``failed_loads`` with every
+        block it was to fill invalid (the engine recomputes them, or fails the request under
+        vLLM's default ``kv_load_failure_policy``); the error is counted (``manager_errors``)
+        and, untyped or in checked mode, raised by that call.
 
         Raises :class:`~statecore.errors.UnknownRequestError` for an untracked request,
         :class:`~statecore.errors.LifecycleError` when the request cannot load now (it has
@@ -913,7 +1007,7 @@ class OffloadingScheduler:
                             f"lists are the request's complete block lists)"
                         )
             self._note_allocation(rec, admitted)
-            return
+            return None
         REQUEST.require(rec, RE_ALLOC_LOAD)
         num_cached = rec.num_local_computed + num_external_tokens
         keys: list[OffloadKey] = []
@@ -949,8 +1043,8 @@ class OffloadingScheduler:
             )
             self._note_allocation(rec, admitted)
             self._finished_loads.add(rec.req_id)
-            self._invalid_blocks.update(dst)
-            return
+            self._failed_loads.setdefault(rec.req_id, set()).update(dst)
+            return None
         self._note_allocation(rec, admitted)
         if rec.policy is OffloadPolicy.CHUNK_LEVEL:
             for g, gs in enumerate(rec.groups):
@@ -961,8 +1055,9 @@ class OffloadingScheduler:
         if loading is not None:
             _count_loaders(loading, job.keys, 1)
         self._batch.loads[job.job_id] = TransferJob(
-            rec.req_id, src, GPULoadStoreSpec(tuple(dst), tuple(sizes), tuple(starts))
+            rec.req_id, src, GPULoadStoreSpec(job.blocks, tuple(sizes), tuple(starts))
         )
+        return CreatedLoad(job.job_id, rec.req_id, job.keys, job.blocks)
 
     def _note_allocation(self, rec: RequestRecord, admitted: tuple[tuple[int, ...], ...]) -> None:
         """Record an allocation: fence-relevant ids, and the lists the next scheduling uses."""
@@ -1009,12 +1104,13 @@ class OffloadingScheduler:
     def build_connector_meta(self, output: SchedulerOutput) -> ConnectorMetadata:
         """Build this step's metadata: load jobs, store jobs and jobs to flush.
 
-        Order: flush preempted requests (before the step's entries: a request vLLM preempted
-        outside scheduling, as ``reset_prefix_cache`` does, comes back resumed in the same
-        output), update request states from ``output`` (keys, block ids, stale sliding-window
-        ids), ``manager.on_schedule_end``, flush jobs fenced on any block handed out this step,
-        build store jobs (running requests, then finished ones), then signal finished
-        requests to the manager.
+        Order: retry a deferred manager reset (the metadata's ``manager_reset`` says whether
+        it took now), flush preempted requests (before the step's entries: a request vLLM
+        preempted outside scheduling, as ``reset_prefix_cache`` does, comes back resumed in
+        the same output), update request states from ``output`` (keys, block ids, stale
+        sliding-window ids), ``manager.on_schedule_end``, flush jobs fenced on any block
+        handed out this step, build store jobs (running requests, then finished ones), then
+        signal finished requests to the manager.
 
         A manager whose ``prepare_store`` raises (a typed error changes nothing) does not
         stop the step: that offer is taken as no room (retried next step, cursors untouched),
@@ -1025,8 +1121,7 @@ class OffloadingScheduler:
         twice).
         """
         validate.scheduler_output(output, self._n_groups, self._where)
-        if self._manager_reset_pending:
-            self._reset_manager()
+        manager_reset = self._manager_reset_pending and self._reset_manager() is None
         batch = self._batch
         # preemptions first: they happened before this step's scheduling, and a request vLLM
         # preempted outside it (reset_prefix_cache with reset_running_requests) is resumed in
@@ -1067,7 +1162,11 @@ class OffloadingScheduler:
             if job is not None:
                 job.flushed = True
         meta = ConnectorMetadata(
-            load_jobs=batch.loads, store_jobs=store_jobs, jobs_to_flush=frozenset(batch.flush)
+            batch.loads,
+            store_jobs,
+            frozenset(batch.flush),
+            {job_id: jobs[job_id].keys for job_id in store_jobs} if store_jobs else _NO_KEYS,
+            manager_reset,
         )
         self._batch = _StepBatch()
         return meta
@@ -1469,11 +1568,19 @@ class OffloadingScheduler:
         self._check_stalls()
         if self._manager_failures:
             self._raise_manager_failures()
-        result = ConnectorOutputResult(
-            frozenset(self._finished_loads), frozenset(self._invalid_blocks)
-        )
-        self._finished_loads.clear()
-        self._invalid_blocks.clear()
+        finished = self._finished_loads
+        if not finished:
+            return _NO_OUTPUT
+        failed = self._failed_loads
+        if failed:
+            self._failed_loads = {}
+            per_req = {rid: frozenset(ids) for rid, ids in failed.items()}
+            result = ConnectorOutputResult(
+                frozenset(finished), frozenset().union(*per_req.values()), per_req
+            )
+        else:
+            result = ConnectorOutputResult(frozenset(finished))
+        finished.clear()
         return result
 
     def _manager_error(self, exc: Exception, what: str, then: str) -> None:
@@ -1700,8 +1807,13 @@ class OffloadingScheduler:
         return self._manager_reset_pending
 
     def reset_cache(self) -> bool:
-        """Drop everything offloaded (sleep, weight update); ``False`` when the manager's
-        ``reset_cache`` raised.
+        """:meth:`reset`, answered as vLLM's ``reset_connector_cache`` answers: ``False`` when
+        the manager's ``reset_cache`` raised (:attr:`ResetStatus.MANAGER_RESET_DEFERRED`)."""
+        return self.reset().status is ResetStatus.DONE
+
+    def reset(self) -> ResetResult:
+        """Drop everything offloaded (sleep, weight update) and say what was done (a
+        :class:`ResetResult`; :meth:`reset_cache` is the same call answering a bool).
 
         Every in-flight and stalled job is put in the next ``jobs_to_flush``, and the stale
         threshold moves to the next job id (INV-EPOCH). Stores, stalled jobs and loads not
@@ -1721,11 +1833,13 @@ class OffloadingScheduler:
         The scheduler's side of the reset is whole before the manager is asked (the stale
         threshold has moved, the reset is counted). A manager whose ``reset_cache`` raises
         may still hold its pre-reset chunks, and the write-pending and pinned keys of the jobs
-        the reset discarded (which get no completion: INV-TERM). The call then returns
-        ``False`` (vLLM's "the connector's reset failed") and the manager's reset stays
-        pending: every ``build_connector_meta`` retries it before anything else, no lookup
-        hits until it succeeds (nothing from before the reset is loaded), and calling
-        ``reset_cache`` again retries too. Each error is counted (``manager_errors``) and,
+        the reset discarded (which get no completion: INV-TERM). The result's status is then
+        :attr:`ResetStatus.MANAGER_RESET_DEFERRED` with the error as its reason
+        (:meth:`reset_cache` returns ``False``: vLLM's "the connector's reset failed") and the
+        manager's reset stays pending: every ``build_connector_meta`` retries it before
+        anything else (its metadata's ``manager_reset`` says when it took), no lookup hits
+        until it succeeds (nothing from before the reset is loaded), and resetting again
+        retries too. Each error is counted (``manager_errors``) and,
         when it is untyped or checked mode is on, raised by the next
         :meth:`update_connector_output`.
         """
@@ -1737,15 +1851,19 @@ class OffloadingScheduler:
             self._stale_threshold,
         )
         batch.flush.update(flush)
+        discarded_loads: set[str] = set()
         for job_id in list(batch.loads):
             job = self._jobs[job_id]
-            self._finished_loads.add(job.req.req_id)
-            self._invalid_blocks.update(job.blocks)
+            rid = job.req.req_id
+            self._finished_loads.add(rid)
+            self._failed_loads.setdefault(rid, set()).update(job.blocks)
+            discarded_loads.add(rid)
         batch.loads.clear()
         for job in list(self._jobs.values()):
             JOB.fire(job, JE_RESET)
         for job in list(self._stalled.values()):
             JOB.fire(job, JE_RESET)
+        carried = frozenset(self._jobs)  # the loads the workers run outlive the reset
         self._stalled.clear()
         self._fence.clear()  # loads hold no fence; every store is gone
         if self._loading_keys is not None:
@@ -1755,12 +1873,21 @@ class OffloadingScheduler:
         self._awaiting_signal.clear()
         self._stale_threshold = threshold
         self.counters.resets += 1
-        return self._reset_manager()
+        reason = self._reset_manager()
+        return ResetResult(
+            ResetStatus.DONE if reason is None else ResetStatus.MANAGER_RESET_DEFERRED,
+            reason,
+            flush,
+            flush - carried,
+            frozenset(discarded_loads),
+            carried,
+        )
 
-    def _reset_manager(self) -> bool:
+    def _reset_manager(self) -> str | None:
         """``manager.reset_cache()``; on an error, the reset stays pending (no lookup hits,
-        retried by the next ``build_connector_meta`` or ``reset_cache``) and the error is
-        taken as :meth:`_manager_error` takes any. Whether the manager is reset now."""
+        retried by the next ``build_connector_meta`` or ``reset``) and the error is taken as
+        :meth:`_manager_error` takes any. None when the manager is reset now, else the
+        error as text."""
         try:
             self.manager.reset_cache()
         except Exception as exc:  # the scheduler's side is reset; the engine hears False
@@ -1771,9 +1898,9 @@ class OffloadingScheduler:
                 "(the scheduler's state was reset; the manager's reset is retried by the "
                 "next build_connector_meta, and no lookup hits until it succeeds)",
             )
-            return False
+            return f"{type(exc).__name__}: {exc}"
         self._manager_reset_pending = False
-        return True
+        return None
 
     def shutdown(self) -> None:
         """Shut the manager down.
@@ -1824,7 +1951,7 @@ class OffloadingScheduler:
                 _count_loaders(loading, job.keys, -1)
             self._finished_loads.add(rec.req_id)
             if not success:
-                self._invalid_blocks.update(job.blocks)
+                self._failed_loads.setdefault(rec.req_id, set()).update(job.blocks)
         if job.fenced:
             c.fence_pairs_missing += kernels.fence_remove(self._fence, job.job_id, job.fenced)
         if job.deferred_registered and job.deferred_fence:

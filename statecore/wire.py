@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from statecore._argerrors import fail, finite
+from statecore.keys import OffloadKey
 from statecore.manager import LoadStoreSpec
 
 __all__ = [
@@ -69,11 +70,19 @@ class ConnectorMetadata:
         jobs_to_flush: job ids the worker must submit (if deferred) and wait for before the
             step's compute may write any GPU block (some of their blocks were handed to a new
             owner, or their request was preempted, or the cache was reset).
+        store_keys: job id -> the offloaded keys that store job writes, in order (one
+            entry per job of ``store_jobs``): what the engine's side needs to account stores
+            (KV-cache events) without reading the scheduler's job table. Workers ignore it.
+        manager_reset: the manager's deferred reset (see
+            :class:`~statecore.scheduler.ResetStatus`) was retried at the start of this step
+            and took: nothing offloaded before the reset remains. Workers ignore it.
     """
 
     load_jobs: Mapping[int, TransferJob] = field(default_factory=dict)
     store_jobs: Mapping[int, TransferJob] = field(default_factory=dict)
     jobs_to_flush: frozenset[int] = frozenset()
+    store_keys: Mapping[int, tuple[OffloadKey, ...]] = field(default_factory=dict)
+    manager_reset: bool = False
 
 
 @dataclass(slots=True)

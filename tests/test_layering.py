@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "statecore"
 
 ALLOWED = {
-    "wire": {"statecore._argerrors", "statecore.manager"},
+    "wire": {"statecore._argerrors", "statecore.keys", "statecore.manager"},
     "_argerrors": {"statecore.errors"},
     "_viewerrors": {"statecore._argerrors"},
 }

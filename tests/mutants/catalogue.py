@@ -44,7 +44,7 @@ from statecore.managers import filetier, redistier
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.managers.policies import ARCCachePolicy, LRUCachePolicy
 from statecore.managers.tiering import TieringOffloadingManager
-from statecore.scheduler import OffloadingScheduler
+from statecore.scheduler import OffloadingScheduler, ResetResult
 from statecore.wire import ConnectorMetadata
 
 __all__ = [
@@ -105,16 +105,16 @@ def _discard_keeping_request_set(self: OffloadingScheduler, job: Any) -> None:
     self.counters.jobs_discarded += 1
 
 
-_real_reset = OffloadingScheduler.reset_cache
+_real_reset = OffloadingScheduler.reset
 
 
-def _reset_invalidating_sent_loads(self: OffloadingScheduler) -> None:
+def _reset_invalidating_sent_loads(self: OffloadingScheduler) -> ResetResult:
     for job in self.jobs.values():  # the old reset: every load is written off, its blocks
         if not job.is_store:  # invalid, though the workers run it (the engine fails it)
             job.sent = False
             self._finished_loads.add(job.req.req_id)
-            self._invalid_blocks.update(job.blocks)
-    _real_reset(self)
+            self._failed_loads.setdefault(job.req.req_id, set()).update(job.blocks)
+    return _real_reset(self)
 
 
 def _apply_quorum_one(pending: int, ok: int, bad: int) -> tuple[int, int, int, int]:
@@ -284,14 +284,14 @@ def _bare_shutdown(self: OffloadingScheduler) -> None:
     self.manager.shutdown()
 
 
-def _reset_not_retried(self: OffloadingScheduler) -> bool:
+def _reset_not_retried(self: OffloadingScheduler) -> str | None:
     # the first mend of a raising manager reset: caught and counted, nothing pending
     try:
         self.manager.reset_cache()
     except Exception as exc:
         self._manager_error(exc, "the manager's reset_cache", "(returned False)")
-        return False
-    return True
+        return str(exc)
+    return None
 
 
 def _completion_error_midway(
@@ -361,7 +361,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "reset_invalidates_sent_loads",
             "reset_cache writes off loads the workers run: finished, blocks invalid",
             "a reset fails a request under vLLM's default kv_load_failure_policy",
-            (OffloadingScheduler, "reset_cache", _reset_invalidating_sent_loads),
+            (OffloadingScheduler, "reset", _reset_invalidating_sent_loads),
         ),
         _mutant(
             "evictions_unannounced",
