@@ -54,6 +54,7 @@ is pinned by a load".
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 import unittest
 from collections import Counter
@@ -737,6 +738,8 @@ def make_manager_conformance(
             self.evicted: set[OffloadKey] = set()  # evicted by a store, not stored since
             self.dropped: set[OffloadKey] = set()  # dropped by reset_cache, not stored since
             self.event_view: set[OffloadKey] = set()
+            self._ready_noted: set[OffloadKey] = set()  # readiness at the last _note_changes
+            self._changed_by: dict[OffloadKey, tuple[int, str]] = {}  # key -> (body index, call)
             self.events_seen = False
             self.nreq = 0
             self.reqs: list[_Req] = []
@@ -765,6 +768,7 @@ def make_manager_conformance(
             name = f"r{self.nreq}"
             ctx = ReqContext(f"req-{self.nreq}")
             self.nreq += 1
+            self._note_changes()
             self.body.append((f'{name} = ReqContext("{ctx.req_id}")', False))
             self._call(f"m.on_new_request({name})", self.sut.on_new_request, ctx)
             self.new_ids.add(ctx.req_id)
@@ -795,6 +799,7 @@ def make_manager_conformance(
             self, src: str, fn: Callable[..., Any], *args: Any, removable: bool = False
         ) -> Any:
             """Call the manager, recording the call; an unexpected exception is a finding."""
+            self._note_changes()
             type(self).calls[getattr(fn, "__name__", "?")] += 1
             try:
                 with self._locked():
@@ -952,6 +957,7 @@ def make_manager_conformance(
                     f"lookup({self._kd(key)}) = HIT but it was never stored successfully",
                     [f"assert m.lookup({self.trace.k(key)}, {name}) is not LookupResult.HIT"],
                 )
+            self._note_changes()  # before the lookup joins the body: changes are not its own
             self.body.append((src, removable))
             return got
 
@@ -1573,12 +1579,36 @@ def make_manager_conformance(
                             f"ready but not announced (missing stored events): "
                             f"{self.trace.ks(sorted(missing))}"
                         )
+                    cause = self._cause(extra | missing)
                     self._fail(
                         "EVENTS",
-                        src,
-                        "events do not replay to the ready keys; " + "; ".join(diff),
+                        cause,
+                        "events do not replay to the ready keys; "
+                        + "; ".join(diff)
+                        + (f" (seen at {src})" if cause != src else ""),
                         [f"assert replay_events(events) == {self.trace.kset(want)}"],
                     )
+
+        def _note_changes(self) -> None:
+            """Attribute every key whose readiness the model changed since the last note to the
+            last call recorded (the model follows each call before the next one is made)."""
+            ready = set(self.ready)
+            changed = ready ^ self._ready_noted
+            if changed and self.body:
+                at = (len(self.body) - 1, self.body[-1][0])
+                for key in changed:
+                    self._changed_by[key] = at
+            self._ready_noted = ready
+
+        def _cause(self, keys: set[OffloadKey]) -> str:
+            """The call that left ``keys`` announced wrongly: the latest call that changed one
+            of them from ready to not or back (a store, an eviction, a failed store, a reset),
+            or the observing ``take_events`` where none is known."""
+            self._note_changes()
+            known = [self._changed_by[k] for k in keys if k in self._changed_by]
+            if not known:
+                return self.body[-1][0] if self.body else "events += m.take_events()"
+            return max(known)[1]
 
         @rule(dice=st.integers(0, 3), data=st.data(), req=req_st)
         def reset_in_flight(self, dice: int, data: st.DataObject, req: int) -> None:
@@ -1736,6 +1766,7 @@ def make_manager_conformance(
                 with self._locked():
                     call(keys, ctx)
             except exc:
+                self._note_changes()
                 self.body.append((stmt, True))
                 return
             except Exception as other:

@@ -70,6 +70,9 @@ def test_planted_violation_is_caught(planted: Any) -> None:
     assert outcome.caught, f"{planted.name} ({planted.text}) was not caught"
 
 
+PLANTED_BY_NAME = {p.name: p.cls for p in PLANTED}
+
+
 def _first_failure(cls: type[FifoManager], seed: int = 0) -> ConformanceError:
     machine = make_manager_conformance(
         lambda: cls(4), 4, repro_factory=f"{cls.__module__}:{cls.__name__}(4)"
@@ -94,6 +97,27 @@ def test_message_names_invariant_and_call(name: str, invariant: str, phrase: str
     assert failure.invariant == invariant, str(failure)
     assert phrase in failure.detail, failure.detail
     assert failure.call.startswith(("m.", "out = m.", "events += m.")), failure.call
+
+
+class _SilentReset(FifoManager):
+    """Drops every key at a reset but announces none of them as removed."""
+
+    def reset_cache(self) -> None:
+        self.entries.clear()
+        self.free = list(range(self.capacity - 1, -1, -1))
+
+
+@pytest.mark.parametrize(
+    "cls, cause",
+    [(_SilentReset, "reset_cache"), (PLANTED_BY_NAME["no-eviction-events"], "prepare_store")],
+)
+def test_an_event_mismatch_names_the_call_that_caused_it(cls: Any, cause: str) -> None:
+    """The mismatch is seen by ``take_events``; "broken by" names the call that left the keys
+    announced wrongly (the reset, the store that evicted), not the observing one."""
+    failure = _first_failure(cls)
+    assert failure.invariant == "EVENTS", str(failure)
+    assert cause in failure.call and "take_events" not in failure.call, failure.call
+    assert "seen at events += m.take_events()" in failure.detail, failure.detail
 
 
 @pytest.mark.parametrize("name", ["evicts-pinned", "finish-drops-pins", "failed-store-loadable"])
