@@ -1709,9 +1709,14 @@ class SimEngine:
                         break
             if had_invalid:
                 self._unexplained_invalid(k, rid, job_id)
-            if valid_end < start + n and self.sliding:
-                # a window of the truncated prefix may lie in blocks left null for the whole
-                # load: recompute everything that was to be loaded
+            # vLLM 0.33 maps invalid block ids back to requests with one KV-cache group only;
+            # with several groups the connector reports the load in ``failed_recving`` and
+            # the request starts over from token 0, its blocks freed. (Truncating to the
+            # local prefix instead would be wrong with a sliding-window group: the local hit
+            # blocks out of the window of the whole hit were left null at admission, so the
+            # window of that prefix has no KV.)
+            restart = valid_end < start + n and self.n_groups > 1
+            if restart:
                 valid_end = start
             valid_end = max(valid_end, start)
             for g in range(self.n_groups):
@@ -1726,9 +1731,10 @@ class SimEngine:
                     self.pool.cache(b, h + tag)
             self.stats.loads_finished += 1
             self.stats.tokens_loaded += valid_end - start
-            self.stats.tokens_recomputed += start + n - valid_end
-            self._cum_hit -= start + n - valid_end
-            computed = valid_end
+            lost = start + n - valid_end + (start if restart else 0)
+            self.stats.tokens_recomputed += lost
+            self._cum_hit -= lost
+            computed = 0 if restart else valid_end
             if computed >= r.req.num_tokens:
                 computed = r.req.num_tokens - 1
             r.req.num_computed_tokens = computed
