@@ -30,10 +30,12 @@ With vLLM's order come the parts of vLLM 0.33's KV-cache manager that decide whi
 a connector sees: an admission needs room for the request's whole sequence (its
 ``scheduler_reserve_full_isl``), and an asynchronous load also leaves free what the prefills
 in flight still need; the blocks a step's tokens fill are cached when they are allocated; a
-freed block without a hash is handed out next, a cached one last; new and resumed requests
-are listed first, resumed ones as new. ``tests/vllm/test_engine_differential.py`` runs the
-same workloads through vLLM's real ``Scheduler`` and asserts the same connector calls step
-by step (with :attr:`SimConfig.vllm_window`, vLLM's sliding-window freeing). Not modelled
+freed block without a hash is handed out next, a cached one last; a sliding-window group
+skips ``computed - window + 1`` tokens (:attr:`SimConfig.vllm_window`); a load with invalid
+blocks in a layout of several KV-cache groups restarts its request from token 0; new and
+resumed requests are listed first, resumed ones as new.
+``tests/vllm/test_engine_differential.py`` runs the same workloads through vLLM's real
+``Scheduler`` and asserts the same connector calls step by step. Not modelled
 (hybrid runs longer than that test's depart from vLLM there): the sliding-window admission
 cap (``max_admission_blocks_per_request``) and the order in which a request's null holes are
 refilled after a load.
@@ -172,10 +174,9 @@ class SimConfig:
             step's finished requests; kept to show the two step alike for fixed seeds).
         vllm_window: a sliding-window group frees its blocks as vLLM 0.33 does (the next
             token attends to the last ``window`` tokens: ``computed - window + 1`` skipped),
-            one token earlier than this engine's own rule (``computed - window``); on in the
-            differential test against vLLM. Off by default: with it, ``simulate`` seed 5
-            (3 workers, checked mode, 120 requests) finds a store that completes with wrong
-            bytes in the sliding-window group, not yet explained.
+            one token earlier than this engine's earlier rule (``computed - window``, kept
+            with ``False`` to compare runs). On by default and in the differential test
+            against vLLM.
     """
 
     seed: int = 0
@@ -205,7 +206,7 @@ class SimConfig:
     checked: bool = False
     copy_impl: str = "auto"
     step_order: str = "vllm"
-    vllm_window: bool = False
+    vllm_window: bool = True
 
     def kv_groups(self) -> tuple[GroupConfig, ...]:
         """The KV-cache groups of this run."""
@@ -1709,9 +1710,14 @@ class SimEngine:
                         break
             if had_invalid:
                 self._unexplained_invalid(k, rid, job_id)
-            if valid_end < start + n and self.sliding:
-                # a window of the truncated prefix may lie in blocks left null for the whole
-                # load: recompute everything that was to be loaded
+            # vLLM 0.33 maps invalid block ids back to requests with one KV-cache group only;
+            # with several groups the connector reports the load in ``failed_recving`` and
+            # the request starts over from token 0, its blocks freed. (Truncating to the
+            # local prefix instead would be wrong with a sliding-window group: the local hit
+            # blocks out of the window of the whole hit were left null at admission, so the
+            # window of that prefix has no KV.)
+            restart = valid_end < start + n and self.n_groups > 1
+            if restart:
                 valid_end = start
             valid_end = max(valid_end, start)
             for g in range(self.n_groups):
@@ -1726,9 +1732,10 @@ class SimEngine:
                     self.pool.cache(b, h + tag)
             self.stats.loads_finished += 1
             self.stats.tokens_loaded += valid_end - start
-            self.stats.tokens_recomputed += start + n - valid_end
-            self._cum_hit -= start + n - valid_end
-            computed = valid_end
+            lost = start + n - valid_end + (start if restart else 0)
+            self.stats.tokens_recomputed += lost
+            self._cum_hit -= lost
+            computed = 0 if restart else valid_end
             if computed >= r.req.num_tokens:
                 computed = r.req.num_tokens - 1
             r.req.num_computed_tokens = computed
