@@ -80,13 +80,13 @@ def test_a_mutant_in_a_method_body_is_applied_by_swapping_that_method_code() -> 
     module = "statecore/scheduler.py"
     pos = _line_of(module, "self.counters.resets += 1")
     qual = mutate._enclosing(module, pos, {})
-    assert qual == "OffloadingScheduler.reset_cache"
+    assert qual == "OffloadingScheduler.reset"
     original = (ROOT / module).read_text()
     mutated = original.replace("self.counters.resets += 1", "self.counters.resets += 0")
     plan = mutate._patch_plan(module, qual, original, mutated)
     assert plan is not None
     live, code = plan
-    assert live is statecore.scheduler.OffloadingScheduler.reset_cache
+    assert live is statecore.scheduler.OffloadingScheduler.reset
     assert code.co_qualname == qual and code.co_consts != live.__code__.co_consts
     assert mutate._patch_plan(module, qual, original, original) is not None
 
