@@ -172,6 +172,7 @@ def measure(
     heads: int,
     decode_tokens: int,
     repeat: int,
+    connector_first: bool = False,
 ) -> E2EResult:
     """Run both engines and return what they measured."""
     from statecore.bench import e2e_harness as h
@@ -182,14 +183,14 @@ def measure(
         cfg = json.loads(cfg_file.read_text())
         cfg["max_position_embeddings"] = max(max(lengths) + 2 * h.BLOCK_SIZE, 8192)
         cfg_file.write_text(json.dumps(cfg))
-        print("without a connector:")
-        base, base_dec, step, _ = _engine_pass(
-            model, False, lengths, concurrency, decode_tokens, repeat
-        )
-        print("with statecore's connector:")
-        ours, our_dec, _, per_token = _engine_pass(
-            model, True, lengths, concurrency, decode_tokens, repeat
-        )
+        passes = {}
+        for connector in (True, False) if connector_first else (False, True):
+            print("with statecore's connector:" if connector else "without a connector:")
+            passes[connector] = _engine_pass(
+                model, connector, lengths, concurrency, decode_tokens, repeat
+            )
+        base, base_dec, step, _ = passes[False]
+        ours, our_dec, _, per_token = passes[True]
     res = E2EResult(
         decode_step_s=step,
         model=f"Llama, {layers} layers, hidden {hidden}, {heads} heads, float32, dummy weights",
@@ -284,6 +285,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=8, help="attention heads (head dim = hidden/heads)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per request")
     p.add_argument("--repeat", type=int, default=2, help="decode runs per point (best kept)")
+    p.add_argument(
+        "--connector-first",
+        action="store_true",
+        help="run the engine with the connector first (the engines run one after the other)",
+    )
     p.add_argument("--plot", type=Path, default=None, help="write a PNG plot to this file")
 
 
@@ -300,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
         heads=args.heads,
         decode_tokens=args.decode_tokens,
         repeat=args.repeat,
+        connector_first=args.connector_first,
     )
     print()
     for line in format_table(res):
