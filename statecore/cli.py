@@ -83,6 +83,7 @@ _BENCHES: dict[str, tuple[str, str]] = {
     "transfer": ("statecore.bench.transfer", "transfer adapter throughput (GB/s)"),
     "scheduler": ("statecore.bench.scheduler", "connector cost per engine step"),
     "tier": ("statecore.bench.tier", "Redis tier GB/s next to plain pipelined SET/GET"),
+    "e2e": ("statecore.bench.e2e", "vLLM CPU build: revisit TTFT, load GB/s, decode tok/s"),
 }
 
 # The extra that installs what a command needs (docs/index.md lists them); a missing package

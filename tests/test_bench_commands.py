@@ -280,3 +280,19 @@ def test_engine_parts_of_a_step_add_up_and_are_flagged_while_they_run() -> None:
         timer.engine_part(lambda: 1 // 0)
     assert seen == [True] and not timer.in_engine_step
     assert timer.take_engine_ns() > 0 and timer.take_engine_ns() == 0
+
+
+def test_bench_e2e_without_vllm_names_the_venv(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    from statecore.bench import e2e as bench_e2e
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    assert bench_e2e.main(["--lengths", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "scripts/vllm-cpu-e2e.sh --setup-only" in err[0], err

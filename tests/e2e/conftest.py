@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny full-attention Llama (2 layers, 128 wide, 4 heads of 32)."""
-    from e2e_harness import write_model
+    from statecore.bench.e2e_harness import write_model
 
     return write_model(tmp_path_factory.mktemp("llama"))
 
@@ -44,6 +44,6 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def sliding_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same with a 64-token sliding window on even layers: two KV-cache groups."""
-    from e2e_harness import write_model
+    from statecore.bench.e2e_harness import write_model
 
     return write_model(tmp_path_factory.mktemp("sliding"), sliding_window=64, layers=4)

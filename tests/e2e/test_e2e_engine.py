@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_harness import BLOCK_SIZE, EngineSpec, RunResult, run_engine
+
+from statecore.bench.e2e_harness import BLOCK_SIZE, EngineSpec, RunResult, run_engine
 
 LOGPROB_TOL = 1e-4
 """Largest logprob difference accepted where the batch composition differs."""

@@ -1,7 +1,8 @@
 """Secondary tiers across engine processes: what one engine stored, another one serves.
 
-Each engine with a tier runs in a process of its own (``python e2e_harness.py SPEC OUT``), as
-two serving processes would; the reference runs without a connector in the test's process.
+Each engine with a tier runs in a process of its own
+(``python -m statecore.bench.e2e_harness SPEC OUT``), as two serving processes would; the
+reference runs without a connector in the test's process.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from e2e_harness import BLOCK_SIZE, EngineSpec, RunResult, run_engine
 from test_e2e_engine import compare, prompts
 
-HARNESS = Path(__file__).with_name("e2e_harness.py")
+from statecore.bench.e2e_harness import BLOCK_SIZE, EngineSpec, RunResult, run_engine
+
+HARNESS = "statecore.bench.e2e_harness"
 
 
 def run_in_process(spec: EngineSpec, workdir: Path, name: str) -> RunResult:
@@ -26,7 +28,7 @@ def run_in_process(spec: EngineSpec, workdir: Path, name: str) -> RunResult:
     spec_file.write_text(json.dumps(asdict(spec)))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     proc = subprocess.run(
-        [sys.executable, str(HARNESS), str(spec_file), str(out_file)],
+        [sys.executable, "-m", HARNESS, str(spec_file), str(out_file)],
         env=env,
         capture_output=True,
         text=True,

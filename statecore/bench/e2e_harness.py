@@ -11,8 +11,9 @@ the seed, ``load_format="dummy"``; no tokenizer), optionally with sliding-window
 to full-attention ones (``layer_types``), which vLLM serves as two KV-cache groups.
 
 :func:`run_engine` runs in the test's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
-``python e2e_harness.py SPEC.json OUT.json`` runs the same thing in a process of its own (the
-file-tier restart and the shared Redis scenarios).
+``python -m statecore.bench.e2e_harness SPEC.json OUT.json`` runs the same thing in a process of
+its own (the file-tier restart and the shared Redis scenarios). The end-to-end suite
+(``tests/e2e``) and ``statecore bench e2e`` share it; it needs vLLM (imported lazily).
 """
 
 from __future__ import annotations
@@ -246,7 +247,7 @@ def _collect(out: Any) -> tuple[list[int], list[float]]:
     return ids, lps
 
 
-def _run_round(
+def run_round(
     llm: Any,
     prompts: Sequence[list[int]],
     max_tokens: int,
@@ -385,7 +386,7 @@ def run_engine(spec: EngineSpec, on_round: Callable[[Any, int], None] | None = N
         for r, prompts in enumerate(spec.rounds):
             abort_after = spec.abort[r] if spec.abort else None
             resets = [step for rr, step in spec.reset_at if rr == r]
-            res.outputs.append(_run_round(llm, prompts, spec.max_tokens, abort_after, resets))
+            res.outputs.append(run_round(llm, prompts, spec.max_tokens, abort_after, resets))
             take()
             if per_token:
                 res.loaded_by_round.append(int(totals.get("load_bytes", 0)) // per_token)
@@ -407,7 +408,7 @@ def run_engine(spec: EngineSpec, on_round: Callable[[Any, int], None] | None = N
 
 
 def main(argv: Sequence[str]) -> int:
-    """``python e2e_harness.py SPEC.json OUT.json``: one run in its own process."""
+    """``python -m statecore.bench.e2e_harness SPEC.json OUT.json``: one run in its own process."""
     spec = EngineSpec(**json.loads(Path(argv[0]).read_text()))
     res = run_engine(spec)
     Path(argv[1]).write_text(json.dumps(asdict(res)))
