@@ -48,11 +48,10 @@ import importlib
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_not, le
-from types import MappingProxyType
 from typing import Any, cast
 
 from statecore import kernels, validate
@@ -332,9 +331,38 @@ class ConnectorOutputResult:
     )
 
 
-_NO_FAILED_LOADS: Mapping[str, frozenset[int]] = MappingProxyType({})
+class _EmptyMapping(Mapping[Any, Any]):
+    """An immutable empty mapping that pickles (to the module's one instance).
+
+    ``MappingProxyType`` does not pickle, and what the scheduler answers crosses process
+    boundaries: vLLM's multiprocess executor pickles the step's connector metadata to every
+    worker, and an unpicklable value there kills the engine core.
+    """
+
+    __slots__ = ()
+
+    def __getitem__(self, key: Any) -> Any:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "{}"
+
+    def __reduce__(self) -> str:
+        return "EMPTY_MAPPING"
+
+
+EMPTY_MAPPING: Mapping[Any, Any] = _EmptyMapping()
+"""The shared empty answer (no failed loads, no store keys): immutable, and it pickles."""
+
+_NO_FAILED_LOADS: Mapping[str, frozenset[int]] = EMPTY_MAPPING
 _NO_OUTPUT = ConnectorOutputResult()
-_NO_KEYS: Mapping[int, tuple[OffloadKey, ...]] = MappingProxyType({})
+_NO_KEYS: Mapping[int, tuple[OffloadKey, ...]] = EMPTY_MAPPING
 
 
 @dataclass(frozen=True, slots=True)

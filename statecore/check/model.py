@@ -88,7 +88,13 @@ from statecore.managers.filetier import InlineExecutor
 from statecore.managers.redistier import RedisTier, RedisTierConfig, TierLayout
 from statecore.managers.tiering import TieringOffloadingManager
 from statecore.scheduler import OffloadingScheduler
-from statecore.sim.engine import ObservedManager, reraise, shutdown_observed, update_observed
+from statecore.sim.engine import (
+    ObservedManager,
+    as_sent,
+    reraise,
+    shutdown_observed,
+    update_observed,
+)
 from statecore.sim.hashing import ROOT_HASH, chain_hash, extend_block_hashes
 from statecore.views import Request, ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, GPULoadStoreSpec, TransferJob, WorkerMetadata
@@ -1017,13 +1023,15 @@ class World:
         if self.completeness:
             self._check_completeness()
         self.observed.refused.clear()  # used only by that check: empty between steps
+        # pickled to the workers, as vLLM's multiprocess executor does
+        sent = _guarded(self, "pickling the step's metadata", as_sent, meta) or meta
         for w in self.workers:
-            _guarded(self, "worker.start_step", w.start_step, meta)
+            _guarded(self, "worker.start_step", w.start_step, sent)
         for r, n, _, _ in scheduled:
             if r.status == RUNNING:
                 self._compute(r, n)
         for w in self.workers:
-            _guarded(self, "worker.end_step", w.end_step, meta)
+            _guarded(self, "worker.end_step", w.end_step, sent)
         for r, n, _, _ in scheduled:
             if r.status == RUNNING:
                 self._after_compute(r, n)

@@ -76,10 +76,11 @@ from __future__ import annotations
 import enum
 import importlib
 import math
+import pickle
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from statecore.config import GroupConfig
 from statecore.errors import InvariantViolation, ManagerError, StatecoreError
@@ -694,6 +695,17 @@ class _SchedulePass:
     preempted: set[str] = field(default_factory=set)
 
 
+def as_sent(meta: ConnectorMetadata) -> ConnectorMetadata:
+    """The step's metadata as a worker in another process receives it.
+
+    vLLM's multiprocess executor pickles the scheduler output, the connector metadata in it,
+    to every worker: the engine models hand the workers a pickled copy, so a value that does not
+    pickle (or does not survive the round trip) fails every run instead of only a real
+    multi-process engine.
+    """
+    return cast(ConnectorMetadata, pickle.loads(pickle.dumps(meta, pickle.HIGHEST_PROTOCOL)))
+
+
 class SimEngine:
     """The engine loop over a connector, worker ranks and the data oracle.
 
@@ -928,14 +940,15 @@ class SimEngine:
             for job_id, job in meta.store_jobs.items():
                 self._stores[job_id] = job
 
+        sent = as_sent(meta)
         for s in self.stacks:
             s.advance(k)
-            s.start_step(meta)
+            s.start_step(sent)
         for r, n, _, _ in scheduled:
             self._compute(r, n)
         self._compute_foreign()
         for rank, s in enumerate(self.stacks):
-            s.end_step(meta)
+            s.end_step(sent)
             self.channel.submit(rank, s.report(), k)
         if self.cfg.step_order == "waiting-first":
             self.feed(self.channel.deliver(k))

@@ -32,11 +32,13 @@ import dataclasses
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from statecore.adapters.vllm_metrics import TransferSizes
 
 from statecore import kernels
+from statecore import scheduler as scheduler_module
 from statecore.errors import ManagerError
 from statecore.keys import OffloadKey
 from statecore.manager import LookupResult, ReqContext
@@ -588,6 +590,15 @@ MUTANTS: dict[str, Mutant] = dict(
             "found by statecore check: a request aborted while re-loading stores from the blocks "
             "of its first allocation (wrong bytes); INV-SRC-VALID",
             (OffloadingScheduler, "drop_block_lists", _keep_block_lists),
+        ),
+        _mutant(
+            "metadata_does_not_pickle",
+            "a step with no store jobs answers store_keys with a MappingProxyType, which does "
+            "not pickle",
+            "the engine core dies when vLLM's multiprocess executor pickles the step's "
+            "connector metadata to the workers (found by `vllm serve` on vLLM's CPU build; the "
+            "in-process engines never pickled it)",
+            (scheduler_module, "_NO_KEYS", MappingProxyType({})),
         ),
     ]
 )
