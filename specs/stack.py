@@ -298,7 +298,8 @@ class StackHarness:
     def _scribble(self, rep: Report) -> None:
         """A failed store may have written part of its slots: make that visible (only while
         the job is in flight, when its partial write would really land)."""
-        job = self.engine._stores.get(rep.job_id)
+        entry = self.engine._stores.get(rep.job_id)
+        job = entry[0] if entry is not None else None
         if job is None or not isinstance(job.dst, CPULoadStoreSpec):
             return
         if rep.job_id not in self.stack.scheduler.jobs:

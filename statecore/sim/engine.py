@@ -706,6 +706,33 @@ def as_sent(meta: ConnectorMetadata) -> ConnectorMetadata:
     return cast(ConnectorMetadata, pickle.loads(pickle.dumps(meta, pickle.HIGHEST_PROTOCOL)))
 
 
+def output_answer_errors(result: Any) -> list[str]:
+    """Where :meth:`~statecore.scheduler.OffloadingScheduler.update_connector_output`'s answer
+    contradicts itself.
+
+    vLLM's engine reads only ``finished_loads`` and ``invalid_block_ids`` (and maps the blocks
+    back to requests), so the engine models read those too; ``failed_loads``, the per-request
+    answer a caller that wants it reads instead, must say the same: its requests ended a load
+    (are in ``finished_loads``) and its blocks are exactly ``invalid_block_ids``.
+    """
+    failed = getattr(result, "failed_loads", None)
+    if failed is None:  # a connector that does not give the per-request answer
+        return []
+    errors: list[str] = []
+    stray = set(failed) - set(result.finished_loads)
+    if stray:
+        errors.append(f"failed_loads names {sorted(stray)[:4]}, not in finished_loads")
+    blocks: set[int] = set()
+    for ids in failed.values():
+        blocks.update(ids)
+    if blocks != set(result.invalid_block_ids):
+        errors.append(
+            f"failed_loads' blocks {sorted(blocks)[:8]} are not invalid_block_ids "
+            f"{sorted(result.invalid_block_ids)[:8]}"
+        )
+    return errors
+
+
 class SimEngine:
     """The engine loop over a connector, worker ranks and the data oracle.
 
@@ -754,7 +781,8 @@ class SimEngine:
         )
         self.foreign_rng = random.Random(root.getrandbits(64))
         self.check_each_step = check_each_step
-        self.store_oracle: Callable[[int, Any], list[str]] | None = None
+        # INV-DATA at store time: (job id, job, the keys it writes) -> errors
+        self.store_oracle: Callable[[int, Any, tuple[Any, ...]], list[str]] | None = None
         self._load_job_of: dict[str, int] = {}  # request -> its emitted load job
         self._failed_jobs: set[int] = set()  # jobs a delivered report failed
         self._stalled_seen: set[int] = set()
@@ -768,7 +796,7 @@ class SimEngine:
         """The manager proxy of the expectation oracles (set by the stack builder)."""
         self.step_hooks: list[Callable[[int], None]] = []
         """Called at the start of every step with its number (e.g. a slow tier's clock)."""
-        self._stores: dict[int, Any] = {}
+        self._stores: dict[int, tuple[Any, tuple[Any, ...]]] = {}  # store job -> (job, keys)
         groups = cfg.kv_groups()
         self.groups = groups
         self.n_groups = len(groups)
@@ -937,8 +965,9 @@ class SimEngine:
         for job_id, job in meta.load_jobs.items():
             self._load_job_of[job.req_id] = job_id
         if self.store_oracle is not None:
+            keys_of = meta.store_keys
             for job_id, job in meta.store_jobs.items():
-                self._stores[job_id] = job
+                self._stores[job_id] = (job, keys_of.get(job_id, ()))
 
         sent = as_sent(meta)
         for s in self.stacks:
@@ -982,6 +1011,8 @@ class SimEngine:
         if stalled:
             self._stalled_seen.update(stalled)
         if result is not None:
+            for err in output_answer_errors(result):
+                self.stats.violations.append(f"step {self.step_no}: {err}")
             self._loads_ended(self.step_no, result.finished_loads, result.invalid_block_ids)
         if self._stores:
             self._stores_ended()
@@ -1019,10 +1050,10 @@ class SimEngine:
         live = self.live_jobs()
         oracle = self.store_oracle
         for job_id in [j for j in self._stores if j not in live]:
-            job = self._stores.pop(job_id)
+            job, keys = self._stores.pop(job_id)
             if oracle is not None:
                 self.stats.stores_checked += 1
-                for err in oracle(job_id, job):
+                for err in oracle(job_id, job, keys):
                     self.stats.data_errors.append(f"step {self.step_no}: {err}")
 
     def preempt(self, r: SimRequest) -> None:

@@ -253,7 +253,6 @@ class SimStack:
             checked=cfg.checked,
         )
         self.failures_injected = 0
-        self.scheduler_keys: dict[int, tuple[Any, ...]] = {}
         self.ranks: list[RankStackImpl] = []
         f = cfg.faults
         for r in range(cfg.num_workers):
@@ -333,9 +332,12 @@ def make_manager(stack: SimStack, rng: random.Random) -> OffloadingManager:
     return TieringOffloadingManager(CPUOffloadingManager(cfg.cpu_slots), tiers)
 
 
-def make_store_oracle(stack: SimStack, engine: SimEngine) -> Callable[[int, Any], list[str]]:
+def make_store_oracle(
+    stack: SimStack, engine: SimEngine
+) -> Callable[[int, Any, tuple[Any, ...]], list[str]]:
     """INV-DATA at store time: a store that completed successfully left exactly its keys'
-    bytes in its CPU slots (checked on every rank and tensor)."""
+    bytes in its CPU slots (checked on every rank and tensor). The keys are the ones the
+    step's metadata named for the job (``ConnectorMetadata.store_keys``)."""
     from statecore.keys import key_group, key_hash
     from statecore.manager import CPULoadStoreSpec
     from statecore.sim.hashing import block_content
@@ -348,12 +350,16 @@ def make_store_oracle(stack: SimStack, engine: SimEngine) -> Callable[[int, Any]
     group_tensors = stack.kv.group_tensors
     n_tensors = stack.n_tensors
 
-    def check(job_id: int, job: Any) -> list[str]:
+    def check(job_id: int, job: Any, keys: tuple[Any, ...]) -> list[str]:
         dst = job.dst
         if not isinstance(dst, CPULoadStoreSpec):
             return []
-        keys = stack.scheduler_keys.pop(job_id, ())
         errors: list[str] = []
+        if len(keys) != len(dst.slots):
+            errors.append(
+                f"store job {job_id}: the step's metadata names {len(keys)} keys for its "
+                f"{len(dst.slots)} CPU slots"
+            )
         for key, slot in zip(keys, dst.slots, strict=False):
             if primary.slot_of(key) != slot or not primary.is_ready(key):
                 continue  # failed, stalled, discarded or since evicted: nothing to check
@@ -384,17 +390,6 @@ def attach_store_oracle(stack: SimStack, engine: SimEngine) -> None:
     cpu = mgr.primary if isinstance(mgr, TieringOffloadingManager) else mgr
     if isinstance(cpu, CPUOffloadingManager) and cpu.enable_events:
         engine.cpu_ready_keys = lambda: set(cpu.ready_keys())
-    real_build = sched.build_connector_meta
-
-    def build(output: Any) -> Any:
-        meta = real_build(output)
-        for job_id in meta.store_jobs:
-            job = sched.jobs.get(job_id)
-            if job is not None:
-                stack.scheduler_keys[job_id] = job.keys
-        return meta
-
-    sched.build_connector_meta = build  # type: ignore[method-assign]
     engine.conn = sched
     engine.live_jobs = lambda: sched.jobs
     engine.stalled_jobs = lambda: sched.stalled_jobs
