@@ -91,6 +91,7 @@ from statecore.scheduler import OffloadingScheduler
 from statecore.sim.engine import (
     ObservedManager,
     as_sent,
+    output_answer_errors,
     reraise,
     shutdown_observed,
     update_observed,
@@ -812,6 +813,7 @@ class World:
             if r.status == LOADING and (r.load_job in failed or r.load_job in stalled):
                 r.load_failed = True
         if res is not None:
+            self.errors.extend(output_answer_errors(res))
             self._loads_ended(res.finished_loads, res.invalid_block_ids)
 
     def _loads_ended(self, finished: frozenset[str], invalid: frozenset[int]) -> None:
@@ -1066,7 +1068,7 @@ class World:
                     if sum(map(len, need)) > len(self.free):
                         break
                     self._allocate(r, need)
-                    _guarded(
+                    created = _guarded(
                         self,
                         "update_state_after_alloc",
                         sched.update_state_after_alloc,
@@ -1077,7 +1079,9 @@ class World:
                     r.status = LOADING
                     r.load = (0, ext)
                     r.covered = max(r.covered, ext)
-                    r.load_job = sched.next_job_id - 1
+                    # the load job the scheduler says it created (-1: none, and an error
+                    # recorded when the call raised)
+                    r.load_job = created.job_id if created is not None else -1
                     continue
                 computed = 0
             else:

@@ -245,6 +245,17 @@ def _final_stores_skipped(
     _real_build_stores(self, rec, store_jobs, finished)
 
 
+_real_output = OffloadingScheduler.update_connector_output
+
+
+def _failed_loads_forgotten(self: OffloadingScheduler, output: Any) -> Any:
+    result = _real_output(self, output)
+    if not result.failed_loads:
+        return result
+    kept = dict(sorted(result.failed_loads.items())[1:])  # the first failed load goes unsaid
+    return dataclasses.replace(result, failed_loads=kept)
+
+
 def _flush_request_noop(self: OffloadingScheduler, req: Any) -> None:
     return None  # a preempted request's in-flight jobs are not flushed
 
@@ -590,6 +601,15 @@ MUTANTS: dict[str, Mutant] = dict(
             "found by statecore check: a request aborted while re-loading stores from the blocks "
             "of its first allocation (wrong bytes); INV-SRC-VALID",
             (OffloadingScheduler, "drop_block_lists", _keep_block_lists),
+        ),
+        _mutant(
+            "failed_loads_forgotten",
+            "update_connector_output leaves a failed load out of failed_loads (its blocks "
+            "still in invalid_block_ids)",
+            "a caller that reads the per-request answer (the vLLM adapter's failed_recving, a "
+            "serving engine) takes a failed load's blocks as loaded (garbage KV); the engine "
+            "models check the answer against vLLM's own reading of invalid_block_ids",
+            (OffloadingScheduler, "update_connector_output", _failed_loads_forgotten),
         ),
         _mutant(
             "metadata_does_not_pickle",
