@@ -166,11 +166,28 @@ class GarbageMachine(StackMachine):
         finally:
             obs.fail_next = armed
 
+    def _unarmed(self, fn: Callable[[], object]) -> object:
+        """``fn()`` with the machine's manager faults held back until it returns, for the
+        next valid call: a fault armed and not spent yet (a garbage call that reaches the
+        manager, as ``update_connector_output`` retrying a deferred ``on_new_request``, must
+        not spend it), and a manager error the scheduler owes the next
+        ``update_connector_output`` (raised by a call that went on; a garbage call must not
+        deliver it). Either would read as the garbage's effect."""
+        obs = self.h.stack.observed
+        sched = self.h.stack.scheduler
+        armed, obs.fail_next = obs.fail_next, None
+        owed, sched._manager_failures = sched._manager_failures, []
+        try:
+            return fn()
+        finally:
+            obs.fail_next = armed
+            sched._manager_failures = owed + sched._manager_failures
+
     def _reject(self, what: str, fn: Callable[[], object]) -> None:
         """``fn`` must raise a StatecoreError and change nothing."""
         before = self._snapshot()
         try:
-            fn()
+            self._unarmed(fn)
         except StatecoreError:
             after = self._snapshot()
             assert after == before, f"{what}: rejected, but the state changed"
@@ -184,7 +201,7 @@ class GarbageMachine(StackMachine):
         """``fn`` is a documented tolerance: accepted, only counters move."""
         before = self._snapshot()
         try:
-            fn()
+            self._unarmed(fn)
         except Exception as exc:
             raise AssertionError(f"{what}: raised {type(exc).__name__}: {exc}") from exc
         after = self._snapshot()
