@@ -90,6 +90,7 @@ from statecore.managers.tiering import TieringOffloadingManager
 from statecore.scheduler import OffloadingScheduler
 from statecore.sim.engine import (
     ObservedManager,
+    ResetAnswer,
     as_sent,
     output_answer_errors,
     reraise,
@@ -435,6 +436,7 @@ class World:
         self.faults = 0
         self.resets = 0
         self.errors: list[str] = []
+        self.reset_answer = ResetAnswer()  # what the last reset said, until delivered
         self.shut = False
         """The engine shut the connector down (``shutdown``/``shuterr``): nothing follows."""
 
@@ -645,15 +647,12 @@ class World:
             self.preempt(self.reqs[action[1]])
         elif kind == "reset":
             self._reset_happened()
-            _guarded(self, "reset_cache", self.sched.reset_cache)
+            self.reset_answer.reset(_guarded(self, "reset_cache", self.sched.reset))
         elif kind == "reseterr":
             self._reset_happened()
             self._armed(
                 "typed" if action[1] else "untyped",
-                _guarded,
-                self,
-                "reset_cache",
-                self.sched.reset_cache,
+                lambda: self.reset_answer.reset(_guarded(self, "reset_cache", self.sched.reset)),
                 calls={"reset_cache"},
             )
         elif kind in ("ok", "fail", "lose", "late"):
@@ -814,6 +813,7 @@ class World:
                 r.load_failed = True
         if res is not None:
             self.errors.extend(output_answer_errors(res))
+            self.errors.extend(self.reset_answer.output(res))
             self._loads_ended(res.finished_loads, res.invalid_block_ids)
 
     def _loads_ended(self, finished: frozenset[str], invalid: frozenset[int]) -> None:
@@ -1019,6 +1019,8 @@ class World:
         meta = _guarded(self, "build_connector_meta", sched.build_connector_meta, output)
         if meta is None:
             meta = ConnectorMetadata()
+        else:
+            self.errors.extend(self.reset_answer.built(meta))
         if meta.store_jobs:
             self._check_owners(meta)
         self.handed_now.clear()

@@ -733,6 +733,45 @@ def output_answer_errors(result: Any) -> list[str]:
     return errors
 
 
+class ResetAnswer:
+    """Holds what :meth:`~statecore.scheduler.OffloadingScheduler.reset` answered until the
+    calls that must deliver it: its ``flushed_jobs`` in the next step's ``jobs_to_flush``, its
+    ``discarded_loads`` in the next :meth:`update_connector_output`'s ``finished_loads`` and
+    ``failed_loads`` (their blocks are recomputed)."""
+
+    def __init__(self) -> None:
+        self.flush: set[int] = set()
+        self.loads: set[str] = set()
+
+    def reset(self, result: Any) -> None:
+        """Note a reset's answer (None: the call raised, nothing was answered)."""
+        if result is not None and hasattr(result, "flushed_jobs"):
+            self.flush.update(result.flushed_jobs)
+            self.loads.update(result.discarded_loads)
+
+    def built(self, meta: Any) -> list[str]:
+        """The step's metadata: the reset's flushed jobs must be in its ``jobs_to_flush``."""
+        missing = self.flush - set(meta.jobs_to_flush)
+        self.flush.clear()
+        if not missing:
+            return []
+        return [f"reset answered flushed_jobs {sorted(missing)[:8]}, not in jobs_to_flush"]
+
+    def output(self, result: Any) -> list[str]:
+        """The next output's answer: the reset's discarded loads ended, failed."""
+        loads, self.loads = self.loads, set()
+        failed = getattr(result, "failed_loads", None)
+        missing = loads - set(result.finished_loads)
+        if failed is not None:
+            missing |= loads - set(failed)
+        if not missing:
+            return []
+        return [
+            f"reset answered discarded_loads {sorted(missing)[:4]}, not reported ended and "
+            "failed by the next update_connector_output"
+        ]
+
+
 class SimEngine:
     """The engine loop over a connector, worker ranks and the data oracle.
 
@@ -783,6 +822,7 @@ class SimEngine:
         self.check_each_step = check_each_step
         # INV-DATA at store time: (job id, job, the keys it writes) -> errors
         self.store_oracle: Callable[[int, Any, tuple[Any, ...]], list[str]] | None = None
+        self.reset_answer = ResetAnswer()
         self._load_job_of: dict[str, int] = {}  # request -> its emitted load job
         self._failed_jobs: set[int] = set()  # jobs a delivered report failed
         self._stalled_seen: set[int] = set()
@@ -895,7 +935,11 @@ class SimEngine:
         self.epoch += 1
         for r in self.by_id.values():
             r.covered = 0
-        self._guard("reset_cache", self.conn.reset_cache)
+        reset = getattr(self.conn, "reset", None)
+        if reset is None:
+            self._guard("reset_cache", self.conn.reset_cache)
+        else:  # the call that says what it did
+            self.reset_answer.reset(self._guard("reset", reset))
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -958,6 +1002,9 @@ class SimEngine:
         meta = self._guard("build_connector_meta", self.conn.build_connector_meta, output)
         if meta is None:
             meta = ConnectorMetadata()
+        else:
+            for err in self.reset_answer.built(meta):
+                self.stats.violations.append(f"step {k}: {err}")
         self._expect_after_build(k, meta, output.preempted_req_ids - output.finished_req_ids)
         self._handed = set()
         for job_id in (*meta.load_jobs, *meta.store_jobs):
@@ -1011,7 +1058,7 @@ class SimEngine:
         if stalled:
             self._stalled_seen.update(stalled)
         if result is not None:
-            for err in output_answer_errors(result):
+            for err in [*output_answer_errors(result), *self.reset_answer.output(result)]:
                 self.stats.violations.append(f"step {self.step_no}: {err}")
             self._loads_ended(self.step_no, result.finished_loads, result.invalid_block_ids)
         if self._stores:
