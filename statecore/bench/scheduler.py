@@ -115,6 +115,11 @@ class Scenario:
     submitted so far has finished), as with a model step longer than the tier's I/O. Without
     it the simulated step takes no time, and how far the tiers' I/O threads get between steps
     is up to the machine's thread scheduling: one run of a seed differs from the next."""
+    mamba_block: int = 0
+    """vLLM engine runs: a hybrid model of two KV-cache groups, full attention and a Mamba
+    group in ``align`` cache mode, both with blocks of this many tokens (a multiple of 16),
+    requests hashed by 16-token blocks (``prefix_match_unit``): the layout for which vLLM's
+    connector looks up partial tails. 0: one full-attention group of 16-token blocks."""
     kv_events: bool = False
     """Enable KV events (self-describing ones) and collect the connector's event stream."""
     extra: tuple[tuple[str, Any], ...] = ()
@@ -1141,25 +1146,38 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
     SamplingParams = _m("vllm").SamplingParams
     VRequest = _m("vllm.v1.request").Request
     ngpu, ncpu = sc.num_gpu_blocks(), sc.num_cpu_chunks()
-    kcc = iface.KVCacheConfig(
-        num_blocks=ngpu,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
+    block = sc.mamba_block or BLOCK
+    groups = [
+        iface.KVCacheGroupSpec(
+            ["layer"],
+            iface.FullAttentionSpec(
+                block_size=block, num_kv_heads=1, head_size=1, dtype=torch.float32
+            ),
+        )
+    ]
+    if sc.mamba_block:
+        # the same token span in blocks of mamba_block tokens, and a Mamba state per request
+        ngpu = ngpu * BLOCK // block + 4 * sc.concurrency
+        ncpu = max(ncpu * BLOCK // block, 1)
+        groups.append(
             iface.KVCacheGroupSpec(
-                ["layer"],
-                iface.FullAttentionSpec(
-                    block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ["mamba"],
+                iface.MambaSpec(
+                    block_size=block,
+                    shapes=((1,),),
+                    dtypes=(torch.float32,),
+                    mamba_cache_mode="align",
                 ),
             )
-        ],
-    )
+        )
+    kcc = iface.KVCacheConfig(num_blocks=ngpu, kv_cache_tensors=[], kv_cache_groups=groups)
     extra: dict[str, Any] = {
         "blocks_per_chunk": 1,
         "eviction_policy": "lru",
         "offload_prompt_only": True,
         "store_threshold": 0,
     }
-    page = kcc.kv_cache_groups[0].kv_cache_spec.page_size_bytes * sc.num_workers
+    page = sum(g.kv_cache_spec.page_size_bytes for g in groups) * sc.num_workers
     align = _m("mmap").PAGESIZE
     extra["cpu_bytes_to_use"] = ncpu * (-(-page // align) * align)
     engine_id = f"bench-{connector}-{os.getpid()}-{id(sc)}"
@@ -1196,10 +1214,11 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
             register_worker_pool(engine_id, CPUPool(ncpu, [page // sc.num_workers]))
     model = _model_dir()
     cache_config = vcfg.CacheConfig(
-        block_size=BLOCK,
+        block_size=block,
         gpu_memory_utilization=0.9,
         cache_dtype="auto",
         enable_prefix_caching=True,
+        **({"mamba_cache_mode": "align", "prefix_match_unit": BLOCK} if sc.mamba_block else {}),
     )
     cache_config.kv_cache_layout = "LBNHC"
     vc = vcfg.VllmConfig(
@@ -1232,7 +1251,8 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
         vllm_config=vc,
         kv_cache_config=kcc,
         structured_output_manager=_m("vllm.v1.structured_output").StructuredOutputManager(vc),
-        block_size=BLOCK,
+        block_size=block,
+        hash_block_size=BLOCK,
         log_stats=True,
     )
     conn = engine.connector

@@ -25,6 +25,9 @@ from statecore.specs.conformance import (
 )
 from statecore.specs.fuzz import main as fuzz_main
 from statecore.specs.vllmkit import CONFIGS
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    OffloadingConnectorScheduler,
+)
 from vllm.v1.kv_offload import base as vb
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
@@ -143,7 +146,8 @@ def _count_promotion_hazards(
     """Counters over vLLM's TieringOffloadingManager, filled as an engine run goes: promotions
     started, keys answered HIT earlier in the step that a promotion evicted, loads, loads that
     followed such an eviction in the step, and loads of such a key (counted before vLLM's
-    prepare_load runs, so also when it asserts). The managers seen are appended to
+    prepare_load runs, so also when it asserts); the same for the promotions that the
+    connector's partial-tail lookups started. The managers seen are appended to
     ``managers``."""
     seen = {
         "promotions": 0,
@@ -151,9 +155,13 @@ def _count_promotion_hazards(
         "loads": 0,
         "loads_after_eviction": 0,
         "loads_of_evicted": 0,
+        "tail_promotions": 0,
+        "loads_of_evicted_by_tail": 0,
     }
     confirmed: set[bytes] = set()
     evicted: set[bytes] = set()
+    by_tail: set[bytes] = set()
+    in_tail = [False]  # inside vLLM's connector's partial-tail lookup
     lookup, promote = TieringOffloadingManager.lookup, TieringOffloadingManager._initiate_promotion
     load, end = TieringOffloadingManager.prepare_load, TieringOffloadingManager.on_schedule_end
 
@@ -168,26 +176,41 @@ def _count_promotion_hazards(
     def counted_promotion(self: TieringOffloadingManager, tier: int, key: bytes, ctx: object):  # type: ignore[no-untyped-def]
         started = promote(self, tier, key, ctx)
         seen["promotions"] += bool(started)
+        seen["tail_promotions"] += bool(started) and in_tail[0]
         gone = {k for k in confirmed if self.primary_tier._policy.get(k) is None} - evicted
         seen["evicted_confirmed"] += len(gone)
         evicted.update(gone)
+        if in_tail[0]:
+            by_tail.update(gone)
         return started
 
     def counted_load(self: TieringOffloadingManager, keys: list[bytes], ctx: object):  # type: ignore[no-untyped-def]
         seen["loads"] += 1
         seen["loads_after_eviction"] += bool(evicted)
         seen["loads_of_evicted"] += any(k in evicted for k in keys)
+        seen["loads_of_evicted_by_tail"] += any(k in by_tail for k in keys)
         return load(self, keys, ctx)
 
     def step_end(self: TieringOffloadingManager, context: object) -> None:
         confirmed.clear()
         evicted.clear()
+        by_tail.clear()
         end(self, context)
+
+    tail_lookup = OffloadingConnectorScheduler._lookup_partial_tail
+
+    def marked_tail_lookup(self: OffloadingConnectorScheduler, *args: object):  # type: ignore[no-untyped-def]
+        in_tail[0] = True
+        try:
+            return tail_lookup(self, *args)
+        finally:
+            in_tail[0] = False
 
     monkeypatch.setattr(TieringOffloadingManager, "lookup", counted_lookup)
     monkeypatch.setattr(TieringOffloadingManager, "_initiate_promotion", counted_promotion)
     monkeypatch.setattr(TieringOffloadingManager, "prepare_load", counted_load)
     monkeypatch.setattr(TieringOffloadingManager, "on_schedule_end", step_end)
+    monkeypatch.setattr(OffloadingConnectorScheduler, "_lookup_partial_tail", marked_tail_lookup)
     return seen
 
 
@@ -233,9 +256,6 @@ def test_engine_scheduler_loads_an_evicted_key_when_a_pending_lookup_does_not_de
     (as its partial-tail path does with the complete-chunk hit): a request then loads a key
     that its own promotion evicted, and vLLM's assert stops the engine. What the test above
     would see if the deferral went; it shows that its counters can fail it."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
-        OffloadingConnectorScheduler,
-    )
 
     def no_deferral_on_pending(  # type: ignore[no-untyped-def]
         self: OffloadingConnectorScheduler, keys, req_context, req, group_config, start
@@ -262,3 +282,40 @@ def test_engine_scheduler_loads_an_evicted_key_when_a_pending_lookup_does_not_de
         for m in managers:  # the run stopped before its own shutdown
             m.shutdown()
     assert seen["loads_of_evicted"] == 1, seen
+
+
+def test_engine_scheduler_loads_a_key_its_partial_tail_promotion_evicted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's own connector and engine Scheduler, unmodified, reach the bug on the
+    partial-tail path: a hybrid model (a full-attention group and a Mamba group in ``align``
+    cache mode, 64-token blocks, 16-token hashes: ``supports_partial_tail``), follow-up turns
+    (their partial tails were stored), TieringOffloadingSpec over vLLM's example tier (a
+    synchronous one: a lookup that finds a key there promotes it at once). A partial-tail
+    lookup's promotion evicts a complete chunk the same request's lookup confirmed HIT; the
+    connector still answers the complete-chunk hit, and ``update_state_after_alloc``'s
+    ``prepare_load`` stops the engine on vLLM's assert. See docs/upstream.md."""
+    managers: list[TieringOffloadingManager] = []
+    seen = _count_promotion_hazards(monkeypatch, managers)
+    sc = Scenario(
+        tiering=True,
+        tier_wait=True,
+        mamba_block=64,
+        extra=(("secondary_tiers", [{"type": "example"}]),),
+        seed=0,
+        concurrency=16,
+        steps=300,
+        num_prefixes=16,
+        gpu_cache_factor=0.8,
+        cpu_cache_factor=0.15,
+        followup_prob=0.6,
+    )
+    try:
+        with pytest.raises(AssertionError, match="not found in cache"):
+            run_vllm(sc, "vllm")
+    finally:
+        for m in managers:  # the run stopped before its own shutdown
+            m.shutdown()
+    # seed 0: 568 promotions, 16 of them by partial-tail lookups, 34 loads; the last one
+    # loads a key that a partial-tail lookup's promotion evicted in that step
+    assert seen["tail_promotions"] > 0 and seen["loads_of_evicted_by_tail"] == 1, seen
