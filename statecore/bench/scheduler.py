@@ -109,6 +109,17 @@ class Scenario:
     """vLLM's ``kv_load_failure_policy`` (``"fail"`` or ``"recompute"``)."""
     tiering: bool = False
     """``TieringOffloadingSpec`` with a file-system tier (in a temporary directory)."""
+    tier_wait: bool = False
+    """vLLM engine runs with ``tiering`` and vLLM's connector: the simulated forward pass of
+    each step lasts until vLLM's secondary tiers are idle (every transfer and existence lookup
+    submitted so far has finished), as with a model step longer than the tier's I/O. Without
+    it the simulated step takes no time, and how far the tiers' I/O threads get between steps
+    is up to the machine's thread scheduling: one run of a seed differs from the next."""
+    mamba_block: int = 0
+    """vLLM engine runs: a hybrid model of two KV-cache groups, full attention and a Mamba
+    group in ``align`` cache mode, both with blocks of this many tokens (a multiple of 16),
+    requests hashed by 16-token blocks (``prefix_match_unit``): the layout for which vLLM's
+    connector looks up partial tails. 0: one full-attention group of 16-token blocks."""
     kv_events: bool = False
     """Enable KV events (self-describing ones) and collect the connector's event stream."""
     extra: tuple[tuple[str, Any], ...] = ()
@@ -1080,6 +1091,32 @@ class _VllmDelayedEngine:
         self._due.clear()
 
 
+def _wait_for_tiers(manager: Any) -> None:
+    """Block until every secondary tier of vLLM's ``TieringOffloadingManager`` is idle: its
+    transfers finished (``drain_jobs``) and the existence lookups it has sent to its lookup
+    thread answered and applied (as its next ``lookup`` would apply them). Finished jobs stay
+    queued for the manager's own next poll. A manager without secondary tiers: nothing. A
+    lookup thread that answers nothing for 60 s is a RuntimeError."""
+    tiers = getattr(manager, "secondary_tiers", ())
+    if not tiers:
+        return
+    in_flight = _m("vllm.v1.kv_offload.tiering.async_lookup").LookupPhase.IN_FLIGHT
+    deadline = time.monotonic() + 60.0
+    with manager.lock:
+        for tier in tiers:
+            tier.drain_jobs()
+            lookups = getattr(tier, "_lookup_manager", None)
+            if lookups is None:
+                continue
+            while True:
+                lookups.drain_results()
+                if all(st.phase is not in_flight for st in lookups._lookup_state.values()):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{tier.tier_type} tier: lookups unanswered for 60 s")
+                time.sleep(0.0001)
+
+
 def _chunk_count(spec: Any) -> int:
     for attr in ("slots", "block_ids"):
         ids = getattr(spec, attr, None)
@@ -1109,25 +1146,38 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
     SamplingParams = _m("vllm").SamplingParams
     VRequest = _m("vllm.v1.request").Request
     ngpu, ncpu = sc.num_gpu_blocks(), sc.num_cpu_chunks()
-    kcc = iface.KVCacheConfig(
-        num_blocks=ngpu,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
+    block = sc.mamba_block or BLOCK
+    groups = [
+        iface.KVCacheGroupSpec(
+            ["layer"],
+            iface.FullAttentionSpec(
+                block_size=block, num_kv_heads=1, head_size=1, dtype=torch.float32
+            ),
+        )
+    ]
+    if sc.mamba_block:
+        # the same token span in blocks of mamba_block tokens, and a Mamba state per request
+        ngpu = ngpu * BLOCK // block + 4 * sc.concurrency
+        ncpu = max(ncpu * BLOCK // block, 1)
+        groups.append(
             iface.KVCacheGroupSpec(
-                ["layer"],
-                iface.FullAttentionSpec(
-                    block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ["mamba"],
+                iface.MambaSpec(
+                    block_size=block,
+                    shapes=((1,),),
+                    dtypes=(torch.float32,),
+                    mamba_cache_mode="align",
                 ),
             )
-        ],
-    )
+        )
+    kcc = iface.KVCacheConfig(num_blocks=ngpu, kv_cache_tensors=[], kv_cache_groups=groups)
     extra: dict[str, Any] = {
         "blocks_per_chunk": 1,
         "eviction_policy": "lru",
         "offload_prompt_only": True,
         "store_threshold": 0,
     }
-    page = kcc.kv_cache_groups[0].kv_cache_spec.page_size_bytes * sc.num_workers
+    page = sum(g.kv_cache_spec.page_size_bytes for g in groups) * sc.num_workers
     align = _m("mmap").PAGESIZE
     extra["cpu_bytes_to_use"] = ncpu * (-(-page // align) * align)
     engine_id = f"bench-{connector}-{os.getpid()}-{id(sc)}"
@@ -1164,10 +1214,11 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
             register_worker_pool(engine_id, CPUPool(ncpu, [page // sc.num_workers]))
     model = _model_dir()
     cache_config = vcfg.CacheConfig(
-        block_size=BLOCK,
+        block_size=block,
         gpu_memory_utilization=0.9,
         cache_dtype="auto",
         enable_prefix_caching=True,
+        **({"mamba_cache_mode": "align", "prefix_match_unit": BLOCK} if sc.mamba_block else {}),
     )
     cache_config.kv_cache_layout = "LBNHC"
     vc = vcfg.VllmConfig(
@@ -1200,7 +1251,8 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
         vllm_config=vc,
         kv_cache_config=kcc,
         structured_output_manager=_m("vllm.v1.structured_output").StructuredOutputManager(vc),
-        block_size=BLOCK,
+        block_size=block,
+        hash_block_size=BLOCK,
         log_stats=True,
     )
     conn = engine.connector
@@ -1302,6 +1354,9 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
         engine.add_request(req)
         return req
 
+    tier_manager: Any = None
+    if sc.tier_wait and sc.tiering and connector == "vllm":
+        tier_manager = conn.connector_scheduler.manager
     gc.collect()
     gc.freeze()
     with GCRecorder(timer) if sc.gc_stats else contextlib.nullcontext() as recorder:
@@ -1377,8 +1432,12 @@ def run_vllm(sc: Scenario, connector: str, probe: StepProbe | None = None) -> Ru
             # the GIL released, which is when the tiers' I/O threads (vLLM's file tier, its
             # lookup thread) run. The simulated runner takes no time, so it yields the GIL
             # once a step instead; without it those threads starve and vLLM's tiering manager
-            # never drains (its cascades to the file tier stay in flight). Untimed.
-            time.sleep(0)
+            # never drains (its cascades to the file tier stay in flight). Untimed. With
+            # tier_wait, it lasts until the tiers' I/O is done instead.
+            if tier_manager is not None:
+                _wait_for_tiers(tier_manager)
+            else:
+                time.sleep(0)
             if probe is not None and probe(
                 step, timer, res, int(getattr(delayed[0], "submitted", 0)) if delayed else 0
             ):
