@@ -484,7 +484,11 @@ def _group_config(index: int, group: Any) -> GroupConfig:
         elif isinstance(one, iface.ChunkedLocalAttentionSpec):
             refused = "a chunked local attention group"
         elif isinstance(one, iface.SlidingWindowSpec):
-            windows.add(int(one.sliding_window))
+            # the engine keeps the tokens a layer retains beyond its window (MTP's
+            # extra_retained_tokens) with the window, so a hit must restore them too
+            span = int(one.sliding_window)
+            extra = int(getattr(one, "extra_retained_tokens", 0) or 0)
+            windows.add(max(span, span - 1 + extra))
         elif isinstance(one, iface.FullAttentionSpec) and not getattr(one, "sliding_window", 0):
             windows.add(None)
         else:
@@ -678,10 +682,16 @@ def build_scheduler(
     per-access semantics). KV events are
     recorded when vLLM's ``kv_events_config.enable_kv_cache_events`` is on. An out-of-tree
     ``spec_name`` with ``spec_module_path``: that spec's manager, through
-    :class:`~statecore.adapters.vllm_spec.VllmSpecManager`.
+    :class:`~statecore.adapters.vllm_spec.VllmSpecManager` (the spec owns its capacity, so
+    this side needs neither ``num_cpu_chunks`` nor ``cpu_bytes_to_use``).
     """
     cfg = scheduler_config_from_vllm(vllm_config, kv_cache_config)
     extra = validate_extra_config(_extra(vllm_config))
+    if extra.spec_module_path is not None:  # an out-of-tree spec's manager, converted
+        # (it owns its capacity: the CPU chunks are the worker's concern, not this side's)
+        from statecore.adapters.vllm_spec import spec_manager
+
+        return OffloadingScheduler(cfg, spec_manager(vllm_config, kv_cache_config))
     num_chunks = cpu_chunks_from_config(vllm_config, kv_cache_config, cfg.blocks_per_chunk)
     tiers = [dict(t) for t in extra.tier_specs]
     if tiers and pool is None:
@@ -691,10 +701,6 @@ def build_scheduler(
             f"statecore connector: the pool has {pool.num_slots} slots, the config asks for "
             f"{num_chunks} CPU chunks"
         )
-    if extra.spec_module_path is not None:  # an out-of-tree spec's manager, converted
-        from statecore.adapters.vllm_spec import spec_manager
-
-        return OffloadingScheduler(cfg, spec_manager(vllm_config, kv_cache_config))
     primary = CPUOffloadingManager(
         num_chunks,
         policy=extra.eviction_policy,

@@ -374,3 +374,70 @@ def test_an_out_of_tree_specs_manager_runs_behind_statecores_scheduler() -> None
     for key in ("load_jobs", "store_jobs", "flushed", "lookups_deferred", "preempted"):
         assert ours.counters.get(key, 0) == upstream.counters.get(key, 0), key
     assert all(v == 0 for v in ours.leftovers.values()), ours.leftovers
+
+
+def _vllm_config(extra: dict[str, Any]) -> Any:
+    """A vLLM configuration of the tiny model with statecore's connector and ``extra``."""
+    from vllm import config as vcfg
+
+    from statecore.bench.scheduler import _model_dir
+
+    model = _model_dir()
+    return vcfg.VllmConfig(
+        model_config=vcfg.ModelConfig(model=model, tokenizer=model, skip_tokenizer_init=True),
+        cache_config=vcfg.CacheConfig(block_size=4, enable_prefix_caching=True),
+        kv_transfer_config=vcfg.KVTransferConfig(
+            kv_connector="StatecoreOffloadingConnector",
+            kv_connector_module_path="statecore.adapters.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        ),
+        device_config=vcfg.DeviceConfig("cpu"),
+    )
+
+
+def _kv_cache_config(*specs: Any) -> Any:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"layer{i}"], sp) for i, sp in enumerate(specs)]
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_an_out_of_tree_spec_needs_no_cpu_capacity_on_the_scheduler_side() -> None:
+    """The scheduler side of an out-of-tree spec asks the spec's manager, which owns its
+    capacity: a configuration without ``num_cpu_chunks`` or ``cpu_bytes_to_use`` builds, as
+    vLLM's connector builds it (vLLM's own test fixture selects such a spec)."""
+    import torch
+    from statecore.adapters.vllm import build_scheduler
+    from statecore.adapters.vllm_spec import VllmSpecManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    extra = {"spec_name": "FixedCapacitySpec", "spec_module_path": "vllm_oot_spec"}
+    sched = build_scheduler(_vllm_config(extra), _kv_cache_config(spec))
+    assert isinstance(sched.manager, VllmSpecManager)
+
+
+@pytest.mark.parametrize("window,extra_retained", [(8, 0), (8, 1), (8, 3), (13, 2), (16, 9)])
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_a_sliding_window_counts_the_tokens_its_group_retains_beyond_it(
+    window: int, extra_retained: int, blocks_per_chunk: int
+) -> None:
+    """A sliding-window group that retains tokens beyond its window (vLLM's
+    ``extra_retained_tokens``, for MTP) needs them on a hit too: statecore's window in chunks
+    is vLLM's connector's, so a hit restores every block the engine keeps for the group."""
+    import torch
+    from statecore.adapters.vllm import scheduler_config_from_vllm
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        get_sliding_window_size_in_chunks,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    common: dict[str, Any] = {"num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+    swa = SlidingWindowSpec(
+        block_size=4, sliding_window=window, extra_retained_tokens=extra_retained, **common
+    )
+    kcc = _kv_cache_config(FullAttentionSpec(block_size=4, **common), swa)
+    extra = {"num_cpu_chunks": 16, "blocks_per_chunk": blocks_per_chunk}
+    cfg = scheduler_config_from_vllm(_vllm_config(extra), kcc)
+    assert cfg.window_chunks(1) == get_sliding_window_size_in_chunks(swa, 4 * blocks_per_chunk)

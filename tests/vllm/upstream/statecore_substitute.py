@@ -7,12 +7,23 @@ becomes :class:`StatecoreCPUManager`: vLLM's constructor and interface over stat
 :class:`~statecore.managers.cpu.CPUOffloadingManager`, types converted at the boundary. The
 policy semantics follow ``STATECORE_POLICY_SEMANTICS`` (``vllm``, the default, or ``access``,
 statecore's former semantics), as the vLLM adapter's ``policy_semantics`` key does.
+
+With ``STATECORE_SUBSTITUTE=scheduler`` it substitutes statecore's connector scheduler side for
+vLLM's ``OffloadingConnectorScheduler`` instead (statecore_scheduler.py), with the test's own
+spec and manager behind it.
+
+``STATECORE_TREE`` (the script sets it to the clone) makes ``import statecore`` load that tree,
+whichever statecore the venv has installed.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
+import sys
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -24,10 +35,35 @@ from vllm.v1.kv_offload.cpu import spec as vllm_cpu_spec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from statecore.manager import ReqContext
-from statecore.managers.cpu import CPUOffloadingManager
+
+class _TreeFinder(importlib.abc.MetaPathFinder):
+    """statecore's packages from one source tree (the package dirs pyproject.toml maps)."""
+
+    def __init__(self, root: Path) -> None:
+        self.dirs = {
+            "statecore": root / "statecore",
+            "statecore.adapters": root / "adapters",
+            "statecore.specs": root / "specs",
+        }
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        pkg = self.dirs.get(fullname)
+        if pkg is None:
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, pkg / "__init__.py", submodule_search_locations=[str(pkg)]
+        )
+
+
+if os.environ.get("STATECORE_TREE"):
+    sys.meta_path.insert(0, _TreeFinder(Path(os.environ["STATECORE_TREE"])))
+
+
+from statecore.manager import ReqContext  # noqa: E402 (after the finder)
+from statecore.managers.cpu import CPUOffloadingManager  # noqa: E402
 
 SEMANTICS = os.environ.get("STATECORE_POLICY_SEMANTICS", "vllm")
+SUBSTITUTE = os.environ.get("STATECORE_SUBSTITUTE", "cpu")
 
 
 class _Context:
@@ -138,6 +174,14 @@ class StatecoreCPUManager(vb.OffloadingManager):
 
 
 def pytest_configure(config: Any) -> None:
-    """Substitute statecore's CPU tier before the test modules import vLLM's."""
+    """Substitute statecore's CPU tier (``cpu``) or connector scheduler side (``scheduler``)
+    before the test modules import vLLM's."""
+    if SUBSTITUTE == "scheduler":
+        import statecore_scheduler
+
+        statecore_scheduler.install()
+        return
+    if SUBSTITUTE != "cpu":
+        raise ValueError(f"STATECORE_SUBSTITUTE must be cpu or scheduler, got {SUBSTITUTE!r}")
     vllm_cpu_manager.CPUOffloadingManager = StatecoreCPUManager  # type: ignore[misc]
     vllm_cpu_spec.CPUOffloadingManager = StatecoreCPUManager  # type: ignore[attr-defined]

@@ -16,7 +16,11 @@ TYPED = re.compile(
 )
 INTERNAL = re.compile(
     r"has no attribute '(_\w+|t1|t2|b1|b2|target_t1_size|chunks|counts|\w+_in_current_batch)'"
+    # (the scheduler mode: names of vLLM's connector scheduler and of its private config)
+    r"|a vLLM-internal name|'(GroupView|ConfigView)' object has no attribute"
 )
+SHAPE = re.compile(r"KeyError: '(vllm:\w+|info)'")
+"""vLLM's connector stats payload (statecore's carries statecore's metric names)."""
 
 
 def outcomes(path: str) -> dict[str, tuple[str, str]]:
@@ -37,11 +41,14 @@ def outcomes(path: str) -> dict[str, tuple[str, str]]:
 
 
 def classify(reason: str) -> str:
-    """typed error (statecore raises where vLLM asserts), vLLM-internal name, or behaviour."""
+    """typed error (statecore raises where vLLM asserts), vLLM-internal name, metadata shape
+    (vLLM's stats payload), or behaviour."""
     if TYPED.search(reason):
         return "typed error"
     if INTERNAL.search(reason) or "ChunkStatus" in reason:
         return "vLLM-internal name"
+    if SHAPE.search(reason):
+        return "metadata shape"
     return "behaviour"
 
 

@@ -1,0 +1,291 @@
+"""statecore's connector scheduler side in place of vLLM 0.33's ``OffloadingConnectorScheduler``
+(the plugin's ``scheduler`` mode; see statecore_substitute.py).
+
+vLLM's ``OffloadingConnector`` builds its scheduler side by the name
+``OffloadingConnectorScheduler`` of its module; the plugin rebinds that name to
+:class:`StatecoreConnectorScheduler`. The engine's connector, the test fixtures and the test
+bodies stay vLLM's, unchanged; every scheduler-side decision (lookups, load and store jobs,
+fences, flushes, manager calls) is made by statecore's
+:class:`~statecore.adapters.vllm.StatecoreOffloadingConnector` (scheduler role).
+
+The test's spec (vLLM's out-of-tree spec path: ``spec_name`` + ``spec_module_path``) supplies
+the manager, a mock, which runs behind statecore's scheduler through statecore's
+:class:`~statecore.adapters.vllm_spec.VllmSpecManager`. The worker side stays vLLM's
+``OffloadingConnectorWorker`` over the spec's own worker: the scenarios assert on the transfers
+the spec's worker received (which GPU blocks went to which offload keys), so the worker must be
+one that hands the spec's own load/store specs to it. statecore's metadata is therefore converted
+to vLLM's ``OffloadingConnectorMetadata`` at the boundary (types only: job ids, request ids, the
+GPU side as vLLM's ``GPULoadStoreSpec``, the manager's own spec as the manager returned it), and
+vLLM's ``OffloadingWorkerMetadata`` back to statecore's.
+
+Two things are not statecore's production path, both for the mock's sake: the manager's load and
+store specs travel as the manager returned them (:class:`ManagerSpec`; statecore's own workers
+need CPU slots, vLLM's worker hands any spec to the spec's worker), and the scheduler side needs
+no CPU capacity (``num_cpu_chunks``) since the spec's manager owns it.
+
+A few vLLM-internal attributes the fixture or the tests read are exposed as read-only views of
+statecore's equivalents (:data:`VIEWS`); any other private attribute is refused with an
+``AttributeError`` that says it is vLLM-internal, and so is assigning one (tests that replace
+vLLM's private lookup or configuration cannot steer statecore).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from statecore.adapters import vllm as sc_vllm
+from statecore.adapters import vllm_spec
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector as vllm_connector
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading import common as vllm_common
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import TransferJobStatus
+from vllm.v1.kv_offload import base as vb
+
+from statecore.manager import LoadStoreSpec, PrepareStoreOutput, ReqContext
+from statecore.wire import (
+    DirectionStats,
+    GPULoadStoreSpec,
+    TransferJob,
+    TransferStats,
+    WorkerMetadata,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerSpec(LoadStoreSpec):
+    """A vLLM manager's own load/store spec, carried unchanged to vLLM's worker."""
+
+    spec: Any
+
+
+class PassThroughSpecManager(vllm_spec.VllmSpecManager):
+    """statecore's conversion of a vLLM manager, with the manager's specs carried as they are
+    (vLLM's worker hands them to the spec's worker) instead of read as CPU slots."""
+
+    def prepare_load(self, keys: Any, ctx: ReqContext) -> LoadStoreSpec:
+        with self.manager.lock:
+            return ManagerSpec(self.manager.prepare_load(list(keys), self._ctx(ctx)))
+
+    def prepare_store(self, keys: Any, ctx: ReqContext) -> PrepareStoreOutput | None:
+        with self.manager.lock:
+            out = self.manager.prepare_store(list(keys), self._ctx(ctx))
+        if out is None:
+            return None
+        return PrepareStoreOutput(
+            tuple(out.keys_to_store), ManagerSpec(out.store_spec), tuple(out.evicted_keys)
+        )
+
+
+def _spec_manager(vllm_config: Any, kv_cache_config: Any) -> vllm_spec.VllmSpecManager:
+    return PassThroughSpecManager(vllm_spec.load_spec(vllm_config, kv_cache_config).get_manager())
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata at the boundary
+# ---------------------------------------------------------------------------------------------
+
+
+def _vllm_spec(spec: LoadStoreSpec) -> Any:
+    if isinstance(spec, GPULoadStoreSpec):
+        return vb.GPULoadStoreSpec(
+            list(spec.block_ids), list(spec.group_sizes), list(spec.block_indices)
+        )
+    if isinstance(spec, ManagerSpec):
+        return spec.spec
+    raise TypeError(f"no vLLM form for statecore's {type(spec).__name__}")
+
+
+def _vllm_job(job: TransferJob) -> vllm_common.TransferJob:
+    return vllm_common.TransferJob(job.req_id, _vllm_spec(job.src), _vllm_spec(job.dst))
+
+
+def to_vllm_metadata(meta: Any) -> vllm_common.OffloadingConnectorMetadata:
+    """statecore's step metadata (in the adapter's wrapper) as vLLM's."""
+    inner = meta.inner
+    return vllm_common.OffloadingConnectorMetadata(
+        load_jobs={i: _vllm_job(j) for i, j in inner.load_jobs.items()},
+        store_jobs={i: _vllm_job(j) for i, j in inner.store_jobs.items()},
+        jobs_to_flush=set(inner.jobs_to_flush),
+    )
+
+
+def _direction(stats: Any) -> DirectionStats:
+    return DirectionStats(int(stats.bytes), float(stats.time), [int(s) for s in stats.sizes])
+
+
+def to_statecore_report(meta: Any) -> sc_vllm.StatecoreWorkerMetadata | None:
+    """vLLM's aggregated worker report as statecore's (per job: workers that completed it)."""
+    if not isinstance(meta, vllm_common.OffloadingWorkerMetadata):
+        return None
+    stats = TransferStats(
+        _direction(meta.transfer_stats.load), _direction(meta.transfer_stats.store)
+    )
+    return sc_vllm.StatecoreWorkerMetadata(
+        WorkerMetadata(completed=dict(meta.completed_jobs), stats=stats)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Read-only views of statecore's state under the names vLLM's tests read
+# ---------------------------------------------------------------------------------------------
+
+
+class GroupView(NamedTuple):
+    """One KV-cache group of statecore's configuration, under vLLM's field names."""
+
+    group_idx: int
+    tokens_per_block: int
+    tokens_per_chunk: int
+    sliding_window_size_in_chunks: int | None
+
+
+class ConfigView(NamedTuple):
+    """statecore's scheduler configuration, under vLLM's field names."""
+
+    kv_group_configs: tuple[GroupView, ...]
+    blocks_per_chunk: int
+    tokens_per_hash: int
+    num_workers: int
+    offload_prompt_only: bool
+
+
+def _config_view(sched: Any) -> ConfigView:
+    cfg = sched.config
+    groups = tuple(
+        GroupView(i, g.tokens_per_block, cfg.tokens_per_chunk(i), cfg.window_chunks(i))
+        for i, g in enumerate(cfg.groups)
+    )
+    return ConfigView(
+        groups,
+        cfg.blocks_per_chunk,
+        cfg.hash_tokens,
+        cfg.num_workers,
+        cfg.offload_prompt_only,
+    )
+
+
+def _job_view(job: Any) -> TransferJobStatus:
+    return TransferJobStatus(
+        req_id=job.req.req_id,
+        pending_count=job.pending,
+        keys=set(job.keys),
+        is_store=job.is_store,
+        deferred_fence_block_ids=list(job.deferred_fence) or None,
+        fenced_block_ids=list(job.fenced) or None,
+    )
+
+
+VIEWS: Mapping[str, Callable[[Any], Any]] = {
+    "_jobs": lambda s: {i: _job_view(j) for i, j in s.jobs.items()},
+    "_block_id_to_pending_jobs": lambda s: {b: set(j) for b, j in s.fence_index.items()},
+    "_chunks_being_loaded": lambda s: None if s.loading_keys is None else set(s.loading_keys),
+    "_job_counter": lambda s: s.next_job_id,
+    "_stale_job_threshold": lambda s: s.stale_threshold,
+}
+"""vLLM's private name -> statecore's equivalent, converted (read-only)."""
+
+
+class StatecoreConnectorScheduler:
+    """vLLM's connector scheduler interface over statecore's connector (scheduler role).
+
+    Built as vLLM's is, ``(spec, vllm_config, kv_cache_config)``; the spec's manager is built
+    again by statecore's out-of-tree-spec path, from the same configuration.
+    """
+
+    def __init__(self, spec: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+        connector = sc_vllm.StatecoreOffloadingConnector(
+            vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config
+        )
+        sched = connector.scheduler
+        assert sched is not None
+        manager: Any = sched.manager
+        if isinstance(manager, vllm_spec.VllmSpecManager):
+            manager = manager.manager  # the spec's own (the test's mock)
+        # (vLLM's registered specs: statecore builds its own tiers, read as statecore's)
+        self.__dict__.update(
+            statecore=connector, scheduler=sched, manager=manager, config=_config_view(sched)
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        view = VIEWS.get(name)
+        if view is not None:
+            return view(self.__dict__["scheduler"])
+        raise AttributeError(
+            f"{name!r}: a vLLM-internal name of OffloadingConnectorScheduler that statecore's "
+            "scheduler does not expose"
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"{name!r}: a vLLM-internal name of OffloadingConnectorScheduler; assigning it "
+            "cannot steer statecore's scheduler"
+        )
+
+    # -- vLLM's OffloadingConnectorScheduler interface, as OffloadingConnector calls it ------
+
+    def on_new_request(self, request: Any) -> None:
+        self.statecore.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int, max_num_new_tokens: int | None = None
+    ) -> tuple[int | None, bool]:
+        # statecore offloads every group it accepts, so vLLM never sets this cap for it
+        assert max_num_new_tokens is None
+        return self.statecore.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int]:
+        return self.statecore.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.statecore.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        return to_vllm_metadata(self.statecore.build_connector_meta(scheduler_output))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        report = to_statecore_report(connector_output.kv_connector_worker_meta)
+        original = connector_output.kv_connector_worker_meta
+        connector_output.kv_connector_worker_meta = report
+        try:
+            self.statecore.update_connector_output(connector_output)
+        finally:
+            connector_output.kv_connector_worker_meta = original
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        return self.statecore.request_finished(request, [])
+
+    def has_pending_push_work(self) -> bool:
+        return self.statecore.has_pending_push_work()
+
+    def take_events(self) -> Iterable[Any]:
+        return self.statecore.take_events()
+
+    def reset_cache(self) -> bool | None:
+        return self.statecore.reset_cache()
+
+    def get_stats(self) -> Any:
+        return self.statecore.get_kv_connector_stats()
+
+    def shutdown(self) -> None:
+        self.statecore.shutdown()
+
+
+def install() -> None:
+    """Rebind vLLM's connector-scheduler name to statecore's, and carry the spec's own specs."""
+    vllm_connector.OffloadingConnectorScheduler = StatecoreConnectorScheduler  # type: ignore[misc,assignment]
+    vllm_spec.spec_manager = _spec_manager  # type: ignore[assignment]
+
+
+__all__ = [
+    "VIEWS",
+    "ManagerSpec",
+    "PassThroughSpecManager",
+    "StatecoreConnectorScheduler",
+    "install",
+    "to_statecore_report",
+    "to_vllm_metadata",
+]
