@@ -12,7 +12,9 @@ to full-attention ones (``layer_types``), which vLLM serves as two KV-cache grou
 
 :func:`run_engine` runs in the test's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
 ``python -m statecore.bench.e2e_harness SPEC.json OUT.json`` runs the same thing in a process of
-its own (the file-tier restart and the shared Redis scenarios). The end-to-end suite
+its own (the file-tier restart and the shared Redis scenarios);
+``python -m statecore.bench.e2e_harness write-model DIR`` writes the model directory (for a
+server started by hand, docs/guides/vllm.md). The end-to-end suite
 (``tests/e2e``) and ``statecore bench e2e`` share it; it needs vLLM (imported lazily).
 """
 
@@ -407,8 +409,47 @@ def run_engine(spec: EngineSpec, on_round: Callable[[Any, int], None] | None = N
         shutdown(llm)
 
 
+USAGE = """\
+usage: python -m statecore.bench.e2e_harness SPEC.json OUT.json
+       python -m statecore.bench.e2e_harness write-model DIR [--sliding-window N] [--layers N]
+
+SPEC.json OUT.json: run the EngineSpec in SPEC.json, write its RunResult to OUT.json.
+write-model DIR: write the tiny Llama config.json the suite serves into DIR (no weights:
+serve it with --load-format dummy --skip-tokenizer-init)."""
+
+
+def _write_model_cli(argv: Sequence[str]) -> int:
+    """``write-model DIR [--sliding-window N] [--layers N]``."""
+    args = list(argv)
+    opts: dict[str, int] = {}
+    directory: str | None = None
+    while args:
+        arg = args.pop(0)
+        if arg in ("--sliding-window", "--layers") and args and args[0].isdigit():
+            opts[arg[2:].replace("-", "_")] = int(args.pop(0))
+        elif not arg.startswith("-") and directory is None:
+            directory = arg
+        else:
+            print(f"write-model: unexpected argument {arg!r}\n{USAGE}", file=sys.stderr)
+            return 2
+    if directory is None:
+        print(f"write-model: DIR is missing\n{USAGE}", file=sys.stderr)
+        return 2
+    print(write_model(Path(directory), **opts))
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
-    """``python -m statecore.bench.e2e_harness SPEC.json OUT.json``: one run in its own process."""
+    """``python -m statecore.bench.e2e_harness SPEC.json OUT.json``: one run in its own
+    process; ``... write-model DIR``: write the model directory (:data:`USAGE`)."""
+    if argv and argv[0] == "write-model":
+        return _write_model_cli(argv[1:])
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    if len(argv) != 2:
+        print(USAGE, file=sys.stderr)
+        return 2
     spec = EngineSpec(**json.loads(Path(argv[0]).read_text()))
     res = run_engine(spec)
     Path(argv[1]).write_text(json.dumps(asdict(res)))
