@@ -314,7 +314,9 @@ def test_e2e_harness_write_model_command(
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["vocab_size"] == 512
     assert "layer_types" not in cfg
-    assert e2e_harness.main(["write-model", str(out), "--sliding-window", "64", "--layers", "4"]) == 0
+    assert (
+        e2e_harness.main(["write-model", str(out), "--sliding-window", "64", "--layers", "4"]) == 0
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["sliding_window"] == 64 and len(cfg["layer_types"]) == 4
     for bad in (["write-model"], ["write-model", str(out), "--layers"], ["one.json"]):
