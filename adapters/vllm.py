@@ -735,6 +735,8 @@ class StatecorePromMetrics(KVConnectorPromMetrics):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
+        from prometheus_client import REGISTRY  # vLLM's metrics live in the default registry
+
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.metrics = OffloadPrometheus(
             self._counter_cls,
@@ -742,6 +744,7 @@ class StatecorePromMetrics(KVConnectorPromMetrics):
             self._histogram_cls,
             labelnames,
             per_engine_labelvalues,
+            registry=REGISTRY,  # a second engine in this process replaces the first's metrics
         )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

@@ -28,6 +28,12 @@ names (``kv_offload_load_bytes`` ...), per-job sizes as lists under ``load_sizes
   ``<tier>.failed_jobs_<kind>`` counters.
 
 Every metric carries the engine's label names first (vLLM passes them), as vLLM's do.
+
+Each :class:`OffloadPrometheus` given a ``registry`` first unregisters the metrics of an
+earlier one from it (:func:`unregister_statecore_metrics`), as vLLM unregisters its own
+``vllm:`` metrics each time it builds its Prometheus logger (not statecore's): a second engine
+in one process (a test, a notebook, an engine built again) would otherwise fail at start with
+``prometheus_client``'s ``Duplicated timeseries in CollectorRegistry``.
 """
 
 from __future__ import annotations
@@ -38,13 +44,16 @@ from typing import Any
 
 __all__ = [
     "COUNTERS",
+    "DIRECTION_METRICS",
     "GAUGES",
     "TIER_FAILED_JOBS",
     "TRANSFER_SIZE_BUCKETS",
     "VLLM_METRICS",
     "OffloadPrometheus",
     "TransferSizes",
+    "metric_names",
     "stats_payload",
+    "unregister_statecore_metrics",
 ]
 
 TRANSFER_SIZE_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
@@ -89,6 +98,13 @@ VLLM_METRICS: dict[str, tuple[str, str, str]] = {
     ),
 }
 """statecore's stats keys exported under vLLM's metric names."""
+
+DIRECTION_METRICS = (
+    "vllm:kv_offload_total_bytes",
+    "vllm:kv_offload_total_time",
+    "vllm:kv_offload_size",
+)
+"""vLLM's per-direction metrics (label ``transfer_type``): bytes, time, sizes."""
 
 _DIRECTIONS = (
     ("CPU_to_GPU", "kv_offload_load_bytes", "kv_offload_load_time", "load_sizes"),
@@ -176,6 +192,31 @@ class TransferSizes:
 MetricFactory = Callable[..., Any]
 
 
+def metric_names() -> frozenset[str]:
+    """The names of every metric an :class:`OffloadPrometheus` registers: statecore's own and
+    those it registers under vLLM's names."""
+    names = {name for name, _, _ in VLLM_METRICS.values()}
+    names.update(DIRECTION_METRICS)
+    names.update(f"statecore:kv_offload_{key}" for key in (*COUNTERS, *GAUGES))
+    names.add(TIER_FAILED_JOBS)
+    return frozenset(names)
+
+
+def unregister_statecore_metrics(registry: Any) -> int:
+    """Unregister from ``registry`` (a ``prometheus_client`` ``CollectorRegistry``) every
+    collector of one of the metrics an :class:`OffloadPrometheus` registers
+    (:func:`metric_names`); returns how many. Under vLLM its own ``vllm:`` metrics are gone
+    already (vLLM unregisters them each time it builds its Prometheus logger)."""
+    names_of: Mapping[Any, Iterable[str]] | None = getattr(registry, "_collector_to_names", None)
+    if names_of is None:
+        return 0
+    ours = metric_names()
+    found = [c for c, names in list(names_of.items()) if not ours.isdisjoint(names)]
+    for collector in found:
+        registry.unregister(collector)
+    return len(found)
+
+
 class OffloadPrometheus:
     """Prometheus metrics for statecore's stats payloads, one labelled child per engine.
 
@@ -184,6 +225,9 @@ class OffloadPrometheus:
             wrappers), called as ``cls(name=, documentation=, labelnames=[, buckets=])``.
         labelnames: the engine's label names (they come first on every metric).
         per_engine_labelvalues: engine index -> its label values.
+        registry: the registry the metric classes register into; the metrics of an earlier
+            instance there are unregistered first (module docstring). ``None``:
+            nothing is unregistered (the classes register into a registry of their own).
     """
 
     def __init__(
@@ -193,7 +237,10 @@ class OffloadPrometheus:
         histogram: MetricFactory,
         labelnames: Sequence[str],
         per_engine_labelvalues: Mapping[int, Sequence[object]],
+        registry: Any = None,
     ) -> None:
+        if registry is not None:
+            unregister_statecore_metrics(registry)
         names = list(labelnames)
         self._engines = {i: [str(v) for v in vals] for i, vals in per_engine_labelvalues.items()}
         self._vllm: dict[str, tuple[str, Any]] = {}
@@ -207,17 +254,17 @@ class OffloadPrometheus:
             self._vllm[key] = (kind, metric)
         per_dir = [*names, "transfer_type"]
         self._dir_bytes = counter(
-            name="vllm:kv_offload_total_bytes",
+            name=DIRECTION_METRICS[0],
             documentation="Number of bytes offloaded by KV connector",
             labelnames=per_dir,
         )
         self._dir_time = counter(
-            name="vllm:kv_offload_total_time",
+            name=DIRECTION_METRICS[1],
             documentation="Total time measured by all KV offloading operations",
             labelnames=per_dir,
         )
         self._dir_size = histogram(
-            name="vllm:kv_offload_size",
+            name=DIRECTION_METRICS[2],
             documentation="Histogram of KV offload transfer size, in bytes.",
             labelnames=per_dir,
             buckets=TRANSFER_SIZE_BUCKETS,

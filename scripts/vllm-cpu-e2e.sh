@@ -9,7 +9,7 @@
 # keyed by a stamp of what it installs (rebuilt when the stamp changes). statecore itself is
 # installed into it editable (--no-deps) from the clone being tested, on every run (seconds).
 #
-#   bash scripts/vllm-cpu-e2e.sh [pytest args...]      e.g. -m smoke
+#   bash scripts/vllm-cpu-e2e.sh [pytest args...]      e.g. -m smoke, or tests/e2e/test_e2e_tiers.py
 #   bash scripts/vllm-cpu-e2e.sh --setup-only          build (or reuse) the venv and stop
 #   bash scripts/vllm-cpu-e2e.sh --python ARGS...      run the venv's python (e.g. -m statecore.cli bench e2e)
 #
@@ -104,4 +104,13 @@ case "${1:-}" in
     --python) shift; exec "$venv/bin/python" "$@" ;;
 esac
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 STATECORE_E2E=1
-exec "$venv/bin/python" -m pytest tests/e2e -q -p no:cacheprovider "$@"
+# the whole suite unless the arguments name tests (a file, a directory or a node id): pytest
+# would otherwise collect tests/e2e and the named file both, i.e. everything
+where=(tests/e2e)
+for arg in "$@"; do
+    if [[ $arg != -* && -e ${arg%%::*} ]]; then
+        where=()
+        break
+    fi
+done
+exec "$venv/bin/python" -m pytest "${where[@]}" -q -p no:cacheprovider "$@"

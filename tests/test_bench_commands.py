@@ -296,3 +296,31 @@ def test_bench_e2e_without_vllm_names_the_venv(
     assert bench_e2e.main(["--lengths", "64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "scripts/vllm-cpu-e2e.sh --setup-only" in err[0], err
+
+
+def test_e2e_harness_write_model_command(
+    tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m statecore.bench.e2e_harness write-model DIR`` (the vLLM guide's "Try it
+    without a GPU") writes the tiny Llama config, no vLLM needed; bad arguments exit 2."""
+    import json
+    from pathlib import Path
+
+    from statecore.bench import e2e_harness
+
+    out = Path(str(tmp_path)) / "tiny"
+    assert e2e_harness.main(["write-model", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["vocab_size"] == 512
+    assert "layer_types" not in cfg
+    assert (
+        e2e_harness.main(["write-model", str(out), "--sliding-window", "64", "--layers", "4"]) == 0
+    )
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["sliding_window"] == 64 and len(cfg["layer_types"]) == 4
+    for bad in (["write-model"], ["write-model", str(out), "--layers"], ["one.json"]):
+        assert e2e_harness.main(bad) == 2, bad
+        assert "usage:" in capsys.readouterr().err
+    assert e2e_harness.main(["--help"]) == 0
+    assert "write-model DIR" in capsys.readouterr().out

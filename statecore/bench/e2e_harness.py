@@ -12,7 +12,9 @@ to full-attention ones (``layer_types``), which vLLM serves as two KV-cache grou
 
 :func:`run_engine` runs in the test's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
 ``python -m statecore.bench.e2e_harness SPEC.json OUT.json`` runs the same thing in a process of
-its own (the file-tier restart and the shared Redis scenarios). The end-to-end suite
+its own (the file-tier restart and the shared Redis scenarios);
+``python -m statecore.bench.e2e_harness write-model DIR`` writes the model directory (for a
+server started by hand, docs/guides/vllm.md). The end-to-end suite
 (``tests/e2e``) and ``statecore bench e2e`` share it; it needs vLLM (imported lazily).
 """
 
@@ -104,6 +106,9 @@ class EngineSpec:
         kv_events: enable vLLM's KV-cache events (collected from the connector).
         kv_load_failure_policy: vLLM's policy for a failed load: ``"fail"`` (its default:
             the request ends with an error) or ``"recompute"``.
+        log_stats: turn vLLM's stats logging on (``disable_log_stats=False``): its
+            Prometheus logger then records the connector's stats in this process's default
+            registry (:attr:`RunResult.metrics`).
     """
 
     model: str
@@ -120,6 +125,7 @@ class EngineSpec:
     inject: str | None = None
     kv_events: bool = False
     kv_load_failure_policy: str = "fail"
+    log_stats: bool = False
 
 
 @dataclass
@@ -140,6 +146,9 @@ class RunResult:
         stats: every ``get_stats`` delta of the run summed (the scheduler's and the
             manager's, its tiers' included).
         final: the scheduler's jobs, tracked requests and stalled ledger at the end.
+        metrics: with ``log_stats``, the connector's Prometheus metrics as vLLM recorded them
+            (:func:`prometheus_samples`: counters as ``NAME_total``, gauges as ``NAME``, each
+            summed over its labels).
     """
 
     outputs: list[list[tuple[list[int], list[float]] | None]]
@@ -152,6 +161,26 @@ class RunResult:
     injected: int = 0
     stats: dict[str, float] = field(default_factory=dict)
     final: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def prometheus_samples() -> dict[str, float]:
+    """The connector's metrics in this process's default Prometheus registry (the one vLLM's
+    logger uses): every counter (``NAME_total``) and gauge (``NAME``) of
+    :func:`statecore.adapters.vllm_metrics.metric_names`, summed over its labels."""
+    from prometheus_client import REGISTRY
+
+    from statecore.adapters.vllm_metrics import metric_names
+
+    names = metric_names()
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        if family.name not in names or family.type not in ("counter", "gauge"):
+            continue
+        for sample in family.samples:
+            if sample.name in (family.name, family.name + "_total"):
+                out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    return out
 
 
 def _connector_config(extra: dict[str, Any], load_failure_policy: str) -> Any:
@@ -192,6 +221,7 @@ def make_llm(spec: EngineSpec) -> Any:
         enable_prefix_caching=True,
         enforce_eager=True,
         seed=spec.seed,
+        disable_log_stats=not spec.log_stats,
         **kwargs,
     )
 
@@ -398,6 +428,8 @@ def run_engine(spec: EngineSpec, on_round: Callable[[Any, int], None] | None = N
             res.final = {k: last[k] for k in ("live_jobs", "tracked_requests", "stalled_ledger")}
         res.stats = stats
         res.counters = totals
+        if spec.log_stats and sched_conn is not None:
+            res.metrics = prometheus_samples()
         res.injected = sum(injected.values())
         if per_token:
             res.loaded_tokens = int(totals.get("load_bytes", 0)) // per_token
@@ -407,8 +439,47 @@ def run_engine(spec: EngineSpec, on_round: Callable[[Any, int], None] | None = N
         shutdown(llm)
 
 
+USAGE = """\
+usage: python -m statecore.bench.e2e_harness SPEC.json OUT.json
+       python -m statecore.bench.e2e_harness write-model DIR [--sliding-window N] [--layers N]
+
+SPEC.json OUT.json: run the EngineSpec in SPEC.json, write its RunResult to OUT.json.
+write-model DIR: write the tiny Llama config.json the suite serves into DIR (no weights:
+serve it with --load-format dummy --skip-tokenizer-init)."""
+
+
+def _write_model_cli(argv: Sequence[str]) -> int:
+    """``write-model DIR [--sliding-window N] [--layers N]``."""
+    args = list(argv)
+    opts: dict[str, int] = {}
+    directory: str | None = None
+    while args:
+        arg = args.pop(0)
+        if arg in ("--sliding-window", "--layers") and args and args[0].isdigit():
+            opts[arg[2:].replace("-", "_")] = int(args.pop(0))
+        elif not arg.startswith("-") and directory is None:
+            directory = arg
+        else:
+            print(f"write-model: unexpected argument {arg!r}\n{USAGE}", file=sys.stderr)
+            return 2
+    if directory is None:
+        print(f"write-model: DIR is missing\n{USAGE}", file=sys.stderr)
+        return 2
+    print(write_model(Path(directory), **opts))
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
-    """``python -m statecore.bench.e2e_harness SPEC.json OUT.json``: one run in its own process."""
+    """``python -m statecore.bench.e2e_harness SPEC.json OUT.json``: one run in its own
+    process; ``... write-model DIR``: write the model directory (:data:`USAGE`)."""
+    if argv and argv[0] == "write-model":
+        return _write_model_cli(argv[1:])
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    if len(argv) != 2:
+        print(USAGE, file=sys.stderr)
+        return 2
     spec = EngineSpec(**json.loads(Path(argv[0]).read_text()))
     res = run_engine(spec)
     Path(argv[1]).write_text(json.dumps(asdict(res)))

@@ -115,3 +115,33 @@ def test_tier_failed_jobs_are_counted_by_tier_and_kind() -> None:
     assert value("redis0", "out-of-memory") == 1
     assert value("file1", "missing") == 2
     assert value("redis0", "corrupt") is None  # never incremented: no series
+
+
+def test_a_second_instance_on_the_registry_replaces_the_first() -> None:
+    """A second engine in one process builds statecore's metrics again on vLLM's registry:
+    the earlier ones are unregistered first (as vLLM does for its ``vllm:`` metrics), the new
+    ones count from zero, and collectors that are not statecore's stay."""
+    from statecore.adapters.vllm_metrics import metric_names, unregister_statecore_metrics
+
+    reg = prometheus_client.CollectorRegistry()
+    other = prometheus_client.Counter("not_statecore", "someone else's", registry=reg)
+    metrics(reg)
+    with pytest.raises(ValueError, match="Duplicated"):  # without the registry: refused
+        metrics(reg)
+
+    def bind(cls: Any) -> Any:
+        return functools.partial(cls, registry=reg)
+
+    pc = prometheus_client
+    for lookups in (7, 2):
+        prom = OffloadPrometheus(
+            bind(pc.Counter), bind(pc.Gauge), bind(pc.Histogram), ["m"], {0: ["x"]}, registry=reg
+        )
+        prom.observe(stats_payload({"lookups": lookups}, [], []))
+        assert reg.get_sample_value("statecore:kv_offload_lookups_total", {"m": "x"}) == lookups
+    other.inc()
+    assert reg.get_sample_value("not_statecore_total") == 1
+    assert unregister_statecore_metrics(reg) == len(metric_names())
+    assert reg.get_sample_value("statecore:kv_offload_lookups_total", {"m": "x"}) is None
+    assert reg.get_sample_value("not_statecore_total") == 1
+    assert unregister_statecore_metrics(object()) == 0  # no registry internals: nothing

@@ -219,11 +219,13 @@ def test_injected_load_failure_recomputes(llama_dir: Path) -> None:
     assert ours.loaded_tokens > 0
 
 
-def test_kv_events_in_the_engine(llama_dir: Path) -> None:
+def test_kv_events_and_metrics_in_the_engine(llama_dir: Path) -> None:
     """vLLM's KV-cache events on (``kv_events_config``): the connector hands vLLM's
     publisher a ``BlockStored`` event per offloaded chunk batch, and ``BlockRemoved`` ones
     when the CPU tier (40 chunks here, two prompts' worth) evicts for a third prompt; the
-    output is bit-identical."""
+    output is bit-identical. vLLM's stats on (``disable_log_stats=False``): its Prometheus
+    logger records statecore's metrics in the process's registry, and what they count
+    (bytes and jobs loaded and stored, hit tokens) is what the scheduler counted."""
     a, b, c = prompts(3, 600, seed=9)
     spec = EngineSpec(
         model=str(llama_dir),
@@ -231,6 +233,7 @@ def test_kv_events_in_the_engine(llama_dir: Path) -> None:
         gpu_blocks=24,
         max_model_len=23 * BLOCK_SIZE,
         kv_events=True,
+        log_stats=True,
     )
     base, ours = both(spec, {"num_cpu_chunks": 40})
     assert compare(base, ours, bit_identical=True) == 4
@@ -238,3 +241,15 @@ def test_kv_events_in_the_engine(llama_dir: Path) -> None:
     print(f"loaded {ours.loaded_tokens} tokens; events {sorted(kinds)} ({len(ours.events)})")
     assert "BlockStored" in kinds and "BlockRemoved" in kinds, ours.events
     assert ours.loaded_tokens > 0, ours.counters
+    metrics, counted = ours.metrics, ours.counters
+    print(f"metrics {metrics}")
+    for name, counter in (
+        ("vllm:kv_offload_load_bytes_total", "load_bytes"),
+        ("vllm:kv_offload_store_bytes_total", "store_bytes"),
+        ("statecore:kv_offload_lookup_hit_tokens_total", "lookup_hit_tokens"),
+        ("statecore:kv_offload_load_jobs_created_total", "load_jobs_created"),
+        ("statecore:kv_offload_store_jobs_created_total", "store_jobs_created"),
+        ("statecore:kv_offload_jobs_completed_total", "jobs_completed"),
+    ):
+        assert metrics.get(name, 0) == counted[counter], (name, metrics, counted)
+    assert metrics["vllm:kv_offload_load_bytes_total"] > 0

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from statecore.adapters import vllm_metrics
 from statecore.adapters.vllm_metrics import TransferSizes
 
 from statecore import kernels
@@ -52,6 +53,7 @@ from statecore.wire import ConnectorMetadata
 __all__ = [
     "ENGINE_OUTPUT_MUTANTS",
     "FILE_MUTANTS",
+    "METRICS_MUTANTS",
     "MUTANTS",
     "REDIS_MUTANTS",
     "RETAINED_MUTANTS",
@@ -804,3 +806,22 @@ ENGINE_OUTPUT_MUTANTS: dict[str, Mutant] = dict(
 engine models never produce (same interface as :data:`MUTANTS`); the scheduler unit test of
 that output shape (``tests/mutants/test_engine_output_mutants.py``) and the end-to-end suite
 on vLLM's CPU build catch them."""
+
+
+METRICS_MUTANTS: dict[str, Mutant] = dict(
+    [
+        _mutant(
+            "metrics_registered_twice",
+            "a second OffloadPrometheus on the same registry registers statecore's metrics "
+            "next to the first one's, and prometheus_client refuses them "
+            "(Duplicated timeseries)",
+            "a second vLLM engine with the connector and stats on in one process fails at "
+            "start: vLLM unregisters its own vllm: metrics before it registers them again, "
+            "not statecore's (found by the end-to-end suite on vLLM's CPU build)",
+            (vllm_metrics, "unregister_statecore_metrics", lambda registry: 0),
+        ),
+    ]
+)
+"""Mutants of the vLLM adapter's Prometheus metrics (same interface as :data:`MUTANTS`);
+``tests/mutants/test_metrics_mutants.py`` catches them against a real ``prometheus_client``
+registry."""
