@@ -109,6 +109,8 @@ class EngineSpec:
         log_stats: turn vLLM's stats logging on (``disable_log_stats=False``): its
             Prometheus logger then records the connector's stats in this process's default
             registry (:attr:`RunResult.metrics`).
+        async_scheduling: vLLM's asynchronous scheduling (the next step is scheduled while
+            the current one runs).
     """
 
     model: str
@@ -126,6 +128,7 @@ class EngineSpec:
     kv_events: bool = False
     kv_load_failure_policy: str = "fail"
     log_stats: bool = False
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -208,6 +211,8 @@ def make_llm(spec: EngineSpec) -> Any:
         from vllm.config import KVEventsConfig
 
         kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    if spec.async_scheduling:
+        kwargs["async_scheduling"] = True
     return LLM(
         model=spec.model,
         load_format="dummy",

@@ -154,6 +154,28 @@ def test_concurrency_preemption_chunked_prefill(llama_dir: Path) -> None:
     assert ours.final == {"live_jobs": 0, "tracked_requests": 0, "stalled_ledger": 0}
 
 
+def test_async_scheduling(llama_dir: Path) -> None:
+    """The same eviction pressure with vLLM's asynchronous scheduling (the next step is
+    scheduled while the current one runs): identical tokens, logprobs within the tolerance,
+    statecore loads, nothing fails or leaks."""
+    spec = EngineSpec(
+        model=str(llama_dir),
+        rounds=shared_prefix_rounds(3, 12, 8, seed=6),
+        max_tokens=16,
+        gpu_blocks=40,
+        max_model_len=39 * BLOCK_SIZE,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        async_scheduling=True,
+    )
+    base, ours = both(spec)
+    assert compare(base, ours, bit_identical=False) == 36
+    print(f"loaded {ours.loaded_tokens} tokens, by round {ours.loaded_by_round}")
+    assert ours.loaded_tokens >= 4 * 8 * BLOCK_SIZE, ours.counters
+    assert ours.counters["jobs_failed"] == 0
+    assert ours.final == {"live_jobs": 0, "tracked_requests": 0, "stalled_ledger": 0}
+
+
 def test_aborts_while_loads_and_stores_are_in_flight(llama_dir: Path) -> None:
     """The odd-numbered requests of each round are aborted two engine steps in, while their
     loads and stores run: the others finish identical, nothing fails, nothing leaks."""
