@@ -28,7 +28,9 @@ Admission: a lookup never changes a request's block lists or store cursors (so c
 for a running request is harmless). An allocation (:meth:`update_state_after_alloc`) records
 the request's complete block lists; the request's next :class:`~statecore.views.ScheduledRequest`
 starts from that fresh allocation, whether it repeats the complete lists (vLLM's new-request
-form) or carries only blocks added since.
+form) or carries only blocks added since. Its store cursors rewind there only if it was looked
+up since its last admission: a streaming session resumed with its blocks kept is allocated
+and scheduled as a new request without a lookup, and keeps what it stored.
 
 The class is sans-IO: no threads, no files, time only through the injected ``clock``.
 
@@ -128,6 +130,7 @@ class RequestRecord:
         "groups",
         "hashes_ok",
         "jobs",
+        "looked_up",
         "max_load_tokens",
         "max_offload_tokens",
         "n_hashes",
@@ -178,6 +181,10 @@ class RequestRecord:
         self.store_cap = 1 << 62
         # complete block lists of the last allocation, until the next scheduling applies them
         self.admitted: tuple[tuple[int, ...], ...] | None = None
+        # looked up since its last admission: the engine (re)starts it from its prefix, so
+        # that admission rewinds its store cursors; an admission without a lookup (a streaming
+        # session resumed with its blocks kept) keeps them
+        self.looked_up = False
         self.hashes_ok = 0  # block hashes already validated (a prefix of the view's list)
         REQUEST.attach(self)
 
@@ -819,6 +826,7 @@ class OffloadingScheduler:
             self.counters.implicit_new_requests += 1
             rec = self._track(request, raw if type(raw) is str else None)
         REQUEST.require(rec, RE_LOOKUP)
+        rec.looked_up = True
         rec.request = request
         rec.hashes_ok = len(request.block_hashes)
         self.counters.lookups += 1
@@ -1204,22 +1212,32 @@ class OffloadingScheduler:
 
         ``new_ids`` may repeat the complete lists (vLLM's new-request form) or carry only the
         blocks added since the allocation; either way the request's lists become the
-        allocation followed by what is new. Cursors rewind (a fresh allocation).
+        allocation followed by what is new. Cursors rewind when the request was looked up
+        since its last admission (the engine starts it from its prefix: a new, preempted or
+        reset request). Without a lookup (a streaming session resumed for its next input
+        chunk: the engine kept its blocks and computed tokens) they stay where they were, so
+        the chunks stored from the kept blocks are not offered again; a cursor beyond the new
+        lists' whole chunks (lists that no longer hold what was stored) rewinds all the same.
         """
         admitted = rec.admitted or ()
         rec.admitted = None
         rec.store_floor = 0
+        rewind = rec.looked_up
+        rec.looked_up = False
         self._unindex_window_positions(rec)
         out: list[Sequence[int]] = []
+        bpc = self._bpc
         for gs, adm, ids in zip(rec.groups, admitted, new_ids, strict=True):
             gs.block_ids.clear()
-            gs.cursor = 0
             n = len(adm)
             head = ids[:n]  # ScheduledRequest stores tuples: no conversion in the usual case
             if n and (len(ids) < n or (head if type(head) is tuple else tuple(head)) != adm):
-                out.append([*adm, *ids])
+                lists: Sequence[int] = [*adm, *ids]
             else:
-                out.append(ids)
+                lists = ids
+            out.append(lists)
+            if rewind or gs.cursor * bpc > len(lists):
+                gs.cursor = 0
         return out
 
     def _apply_preemptions(self, output: SchedulerOutput) -> None:
