@@ -913,17 +913,26 @@ class OffloadingScheduler:
         # a full hit is allowed (the engine recomputes the last token after the load, as vLLM
         # does); with a sliding-window group the last token must be computed to fill it
         max_hit = request.num_tokens - self._any_sliding
+        # an explicit cap on the tokens loaded is met with whole chunks of every group
+        limit = 1 << 62
         if max_num_new_tokens is not None:
-            max_hit = min(max_hit, num_computed + max_num_new_tokens)
+            limit = num_computed + max_num_new_tokens
         if rec.max_load_tokens is not None:
-            max_hit = min(max_hit, num_computed + rec.max_load_tokens)
+            limit = min(limit, num_computed + rec.max_load_tokens)
+        max_hit = min(max_hit, limit)
         budget_tokens = self.config.max_recompute_pending_tokens
         lookup_many = self.manager.lookup_many
         ctx = rec.ctx
         defer = False
         changed = True
         # a group's kernel answers the same over its own answer's range again (prefix_hits and
-        # window_hits are idempotent under that cut): with one group, one pass is all
+        # window_hits are idempotent under that cut): with one group, one pass is all.
+        # A full-attention group covers the hit with the chunks that hold it, its last one
+        # maybe in part (the load fills the blocks up to the hit's end, as vLLM's connector
+        # does): with groups of different chunk sizes the hit need not end on a boundary
+        # of every group's chunks. Whole chunks only under an explicit cap (`limit`), and
+        # for a sliding-window group, whose window is counted in whole chunks back from the
+        # hit's end.
         single = len(self._lookup_order) == 1
         while changed:
             changed = False
@@ -932,10 +941,13 @@ class OffloadingScheduler:
                 keys = rec.groups[g].keys
                 cap = min(max_hit, len(keys) * tpc)
                 start = num_computed // tpc
-                end = cap // tpc
+                window = self._window[g]
+                if window is not None or cap <= num_computed:
+                    end = cap // tpc
+                else:
+                    end = min(-(-cap // tpc), limit // tpc, len(keys))
                 if end <= start:  # (start + 1) * tpc > num_computed: nothing loadable
                     return 0
-                window = self._window[g]
                 try:
                     if window is None:  # (up to and with the first miss)
                         results = lookup_many(keys[start:end], ctx, True)
@@ -971,7 +983,8 @@ class OffloadingScheduler:
             listed = loading.keys()
             for g in self._lookup_order:
                 tpc = self._tpc[g]
-                if not listed.isdisjoint(rec.groups[g].keys[num_computed // tpc : max_hit // tpc]):
+                end = _ceil_div(max_hit, tpc)  # (the chunks the load reads, as above)
+                if not listed.isdisjoint(rec.groups[g].keys[num_computed // tpc : end]):
                     return None
         return max_hit - num_computed
 
