@@ -1840,8 +1840,12 @@ class OffloadingScheduler:
         return delta
 
     def has_pending_push_work(self) -> bool:
-        """Whether the engine must keep stepping: jobs in flight, finishes to signal, or
-        manager work pending.
+        """Whether the engine must keep stepping: jobs in flight, finishes to signal, a flush
+        not sent yet, or manager work pending.
+
+        A flush (after a reset or a stall) reaches the workers with the next step's metadata;
+        the jobs it names may still run there with no request left, so the engine steps once
+        more to send it (the flushed jobs' reports are not waited for: they are inert).
 
         The engine asks before every step (vLLM's ``has_requests``). A manager whose
         ``has_pending_work`` raises is answered for as having none: nothing of the scheduler's
@@ -1849,7 +1853,7 @@ class OffloadingScheduler:
         again at the next step), rather than step without end for a manager that keeps
         raising. The error is counted (``manager_errors``) and, when it is untyped or checked
         mode is on, raised by the next :meth:`update_connector_output`."""
-        if self._jobs or self._awaiting_signal:
+        if self._jobs or self._awaiting_signal or self._batch.flush:
             return True
         try:
             return bool(self.manager.has_pending_work())

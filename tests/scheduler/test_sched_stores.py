@@ -198,6 +198,23 @@ def test_engine_keeps_stepping_while_any_work_is_pending(kind: str) -> None:
     assert not h.sched.has_pending_push_work()
 
 
+def test_a_flush_not_yet_sent_keeps_the_engine_stepping(kind: str) -> None:
+    """A reset with a store in flight and no request left: the flushed store may still be
+    running on the workers, and the flush reaches them only with a step's metadata, so the
+    engine steps once more to send it (the CPU tier's quarantine clock then moves on); the
+    reports of the flushed store are not waited for."""
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(8)))
+    (job,) = prefill(h, "a")
+    h.finish("a")
+    h.step(finished=["a"])
+    h.sched.reset_cache()
+    assert not h.sched.jobs and not h.sched.requests
+    assert h.sched.has_pending_push_work()
+    assert h.step().jobs_to_flush == frozenset({job})
+    assert not h.sched.has_pending_push_work()
+
+
 def test_manager_work_alone_keeps_the_engine_stepping() -> None:
     tier = MemoryTier()
     manager = TieringOffloadingManager(CPUOffloadingManager(8), [tier])
