@@ -28,7 +28,9 @@ Admission: a lookup never changes a request's block lists or store cursors (so c
 for a running request is harmless). An allocation (:meth:`update_state_after_alloc`) records
 the request's complete block lists; the request's next :class:`~statecore.views.ScheduledRequest`
 starts from that fresh allocation, whether it repeats the complete lists (vLLM's new-request
-form) or carries only blocks added since.
+form) or carries only blocks added since. Its store cursors rewind there only if it was looked
+up since its last admission: a streaming session resumed with its blocks kept is allocated
+and scheduled as a new request without a lookup, and keeps what it stored.
 
 The class is sans-IO: no threads, no files, time only through the injected ``clock``.
 
@@ -128,6 +130,7 @@ class RequestRecord:
         "groups",
         "hashes_ok",
         "jobs",
+        "looked_up",
         "max_load_tokens",
         "max_offload_tokens",
         "n_hashes",
@@ -178,6 +181,10 @@ class RequestRecord:
         self.store_cap = 1 << 62
         # complete block lists of the last allocation, until the next scheduling applies them
         self.admitted: tuple[tuple[int, ...], ...] | None = None
+        # looked up since its last admission: the engine (re)starts it from its prefix, so
+        # that admission rewinds its store cursors; an admission without a lookup (a streaming
+        # session resumed with its blocks kept) keeps them
+        self.looked_up = False
         self.hashes_ok = 0  # block hashes already validated (a prefix of the view's list)
         REQUEST.attach(self)
 
@@ -819,6 +826,7 @@ class OffloadingScheduler:
             self.counters.implicit_new_requests += 1
             rec = self._track(request, raw if type(raw) is str else None)
         REQUEST.require(rec, RE_LOOKUP)
+        rec.looked_up = True
         rec.request = request
         rec.hashes_ok = len(request.block_hashes)
         self.counters.lookups += 1
@@ -905,17 +913,26 @@ class OffloadingScheduler:
         # a full hit is allowed (the engine recomputes the last token after the load, as vLLM
         # does); with a sliding-window group the last token must be computed to fill it
         max_hit = request.num_tokens - self._any_sliding
+        # an explicit cap on the tokens loaded is met with whole chunks of every group
+        limit = 1 << 62
         if max_num_new_tokens is not None:
-            max_hit = min(max_hit, num_computed + max_num_new_tokens)
+            limit = num_computed + max_num_new_tokens
         if rec.max_load_tokens is not None:
-            max_hit = min(max_hit, num_computed + rec.max_load_tokens)
+            limit = min(limit, num_computed + rec.max_load_tokens)
+        max_hit = min(max_hit, limit)
         budget_tokens = self.config.max_recompute_pending_tokens
         lookup_many = self.manager.lookup_many
         ctx = rec.ctx
         defer = False
         changed = True
         # a group's kernel answers the same over its own answer's range again (prefix_hits and
-        # window_hits are idempotent under that cut): with one group, one pass is all
+        # window_hits are idempotent under that cut): with one group, one pass is all.
+        # A full-attention group covers the hit with the chunks that hold it, its last one
+        # maybe in part (the load fills the blocks up to the hit's end, as vLLM's connector
+        # does): with groups of different chunk sizes the hit need not end on a boundary
+        # of every group's chunks. Whole chunks only under an explicit cap (`limit`), and
+        # for a sliding-window group, whose window is counted in whole chunks back from the
+        # hit's end.
         single = len(self._lookup_order) == 1
         while changed:
             changed = False
@@ -924,10 +941,13 @@ class OffloadingScheduler:
                 keys = rec.groups[g].keys
                 cap = min(max_hit, len(keys) * tpc)
                 start = num_computed // tpc
-                end = cap // tpc
+                window = self._window[g]
+                if window is not None or cap <= num_computed:
+                    end = cap // tpc
+                else:
+                    end = min(-(-cap // tpc), limit // tpc, len(keys))
                 if end <= start:  # (start + 1) * tpc > num_computed: nothing loadable
                     return 0
-                window = self._window[g]
                 try:
                     if window is None:  # (up to and with the first miss)
                         results = lookup_many(keys[start:end], ctx, True)
@@ -963,7 +983,8 @@ class OffloadingScheduler:
             listed = loading.keys()
             for g in self._lookup_order:
                 tpc = self._tpc[g]
-                if not listed.isdisjoint(rec.groups[g].keys[num_computed // tpc : max_hit // tpc]):
+                end = _ceil_div(max_hit, tpc)  # (the chunks the load reads, as above)
+                if not listed.isdisjoint(rec.groups[g].keys[num_computed // tpc : end]):
                     return None
         return max_hit - num_computed
 
@@ -1204,22 +1225,32 @@ class OffloadingScheduler:
 
         ``new_ids`` may repeat the complete lists (vLLM's new-request form) or carry only the
         blocks added since the allocation; either way the request's lists become the
-        allocation followed by what is new. Cursors rewind (a fresh allocation).
+        allocation followed by what is new. Cursors rewind when the request was looked up
+        since its last admission (the engine starts it from its prefix: a new, preempted or
+        reset request). Without a lookup (a streaming session resumed for its next input
+        chunk: the engine kept its blocks and computed tokens) they stay where they were, so
+        the chunks stored from the kept blocks are not offered again; a cursor beyond the new
+        lists' whole chunks (lists that no longer hold what was stored) rewinds all the same.
         """
         admitted = rec.admitted or ()
         rec.admitted = None
         rec.store_floor = 0
+        rewind = rec.looked_up
+        rec.looked_up = False
         self._unindex_window_positions(rec)
         out: list[Sequence[int]] = []
+        bpc = self._bpc
         for gs, adm, ids in zip(rec.groups, admitted, new_ids, strict=True):
             gs.block_ids.clear()
-            gs.cursor = 0
             n = len(adm)
             head = ids[:n]  # ScheduledRequest stores tuples: no conversion in the usual case
             if n and (len(ids) < n or (head if type(head) is tuple else tuple(head)) != adm):
-                out.append([*adm, *ids])
+                lists: Sequence[int] = [*adm, *ids]
             else:
-                out.append(ids)
+                lists = ids
+            out.append(lists)
+            if rewind or gs.cursor * bpc > len(lists):
+                gs.cursor = 0
         return out
 
     def _apply_preemptions(self, output: SchedulerOutput) -> None:
@@ -1809,8 +1840,12 @@ class OffloadingScheduler:
         return delta
 
     def has_pending_push_work(self) -> bool:
-        """Whether the engine must keep stepping: jobs in flight, finishes to signal, or
-        manager work pending.
+        """Whether the engine must keep stepping: jobs in flight, finishes to signal, a flush
+        not sent yet, or manager work pending.
+
+        A flush (after a reset or a stall) reaches the workers with the next step's metadata;
+        the jobs it names may still run there with no request left, so the engine steps once
+        more to send it (the flushed jobs' reports are not waited for: they are inert).
 
         The engine asks before every step (vLLM's ``has_requests``). A manager whose
         ``has_pending_work`` raises is answered for as having none: nothing of the scheduler's
@@ -1818,7 +1853,7 @@ class OffloadingScheduler:
         again at the next step), rather than step without end for a manager that keeps
         raising. The error is counted (``manager_errors``) and, when it is untyped or checked
         mode is on, raised by the next :meth:`update_connector_output`."""
-        if self._jobs or self._awaiting_signal:
+        if self._jobs or self._awaiting_signal or self._batch.flush:
             return True
         try:
             return bool(self.manager.has_pending_work())

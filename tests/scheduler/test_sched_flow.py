@@ -227,6 +227,38 @@ def test_sliding_window_lookup_prefix_fallback(kind: str) -> None:
     assert h.sched.get_num_new_matched_tokens(h.reqs["b"], 0) == (4, True)
 
 
+def test_groups_of_different_chunk_sizes_cover_the_hit_with_the_chunks_that_hold_it(
+    kind: str,
+) -> None:
+    """Two full-attention groups of 12- and 16-token blocks (4-token hashes): every chunk is
+    stored, so group 0 hits 84 tokens (7 chunks) and group 1 80 (5 chunks). The hit is 80
+    tokens: group 0 loads the 7 chunks that hold them, its last one partly (as vLLM's
+    connector answers), not only the 6 chunks below 80 (which would lower the hit to a
+    boundary common to both groups, 48 tokens)."""
+    cfg = SchedulerConfig(groups=(GroupConfig(12), GroupConfig(16)), tokens_per_hash=4)
+    h = Harness(make_manager(kind), cfg)
+    offloaded(h, "a", [7] * 96)
+    h.add("b", [7] * 85)
+    assert h.admit("b") == (80, True)
+    ((job, load),) = h.step().load_jobs.items()
+    assert h.sched.jobs[job].keys == (*keys_of(h, "b", 0)[:7], *keys_of(h, "b", 1)[:5])
+    assert load.dst.group_sizes == (7, 5)  # type: ignore[attr-defined]
+    assert load.dst.block_indices == (0, 0)  # type: ignore[attr-defined]
+
+
+def test_groups_of_different_chunk_sizes_after_a_local_prefix(kind: str) -> None:
+    """The same two groups, 48 tokens computed locally (4 and 3 blocks): the hit goes on to
+    80 tokens, group 0 loading its blocks 4 to 6 and group 1 its blocks 3 and 4."""
+    cfg = SchedulerConfig(groups=(GroupConfig(12), GroupConfig(16)), tokens_per_hash=4)
+    h = Harness(make_manager(kind), cfg)
+    offloaded(h, "a", [7] * 96)
+    h.add("b", [7] * 85)
+    assert h.admit("b", num_computed=48) == (32, True)
+    (load,) = h.step().load_jobs.values()
+    assert load.dst.group_sizes == (3, 2)  # type: ignore[attr-defined]
+    assert load.dst.block_indices == (4, 3)  # type: ignore[attr-defined]
+
+
 # -- 4. loads and stores -------------------------------------------------------------------------
 
 

@@ -198,6 +198,23 @@ def test_engine_keeps_stepping_while_any_work_is_pending(kind: str) -> None:
     assert not h.sched.has_pending_push_work()
 
 
+def test_a_flush_not_yet_sent_keeps_the_engine_stepping(kind: str) -> None:
+    """A reset with a store in flight and no request left: the flushed store may still be
+    running on the workers, and the flush reaches them only with a step's metadata, so the
+    engine steps once more to send it (the CPU tier's quarantine clock then moves on); the
+    reports of the flushed store are not waited for."""
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(8)))
+    (job,) = prefill(h, "a")
+    h.finish("a")
+    h.step(finished=["a"])
+    h.sched.reset_cache()
+    assert not h.sched.jobs and not h.sched.requests
+    assert h.sched.has_pending_push_work()
+    assert h.step().jobs_to_flush == frozenset({job})
+    assert not h.sched.has_pending_push_work()
+
+
 def test_manager_work_alone_keeps_the_engine_stepping() -> None:
     tier = MemoryTier()
     manager = TieringOffloadingManager(CPUOffloadingManager(8), [tier])
@@ -468,3 +485,33 @@ def test_load_into_an_all_null_sliding_window_list_writes_no_sliding_block(kind:
     (load,) = h.step().load_jobs.values()
     dst = load.dst  # type: ignore[attr-defined]
     assert (list(dst.block_ids), dst.group_sizes) == (full, (8, 0))
+
+
+def test_a_resumed_streaming_session_offers_only_its_new_chunks() -> None:
+    """A streaming session's next input chunk: the engine keeps the session's blocks, looks
+    nothing up (its tokens are computed), allocates for the new input and schedules it as a
+    new request with its complete lists. The chunks stored from the kept blocks stay stored:
+    the session offers its new chunks only (vLLM's connector keeps its store index there)."""
+    fake = RecordingManager()
+    h = Harness(fake, config())
+    prompt = list(range(8))
+    s = h.add("s", prompt)
+    h.report(list(prefill(h, "s")))  # chunks 0 and 1
+    # one sampled token computed, then the turn stops (its last sampled token is dropped)
+    s.num_tokens = 9
+    h.report(list(h.step([h.schedule("s", 1)]).store_jobs))
+    assert s.num_computed_tokens == 9
+    # the next input chunk: 12 tokens; the lists grow, the kept blocks stay
+    tokens = [*prompt, 100, *range(200, 212)]
+    s.num_tokens = s.num_prompt_tokens = len(tokens)
+    s.block_hashes = chain_hashes(tokens, h.tph)
+    kept = h.blocks["s"][0]
+    lists = [kept + h.alloc(h.blocks_for(len(tokens)) - len(kept))]
+    h.sched.update_state_after_alloc(s, lists, 0)
+    meta = h.step([ScheduledRequest("s", (tuple(lists[0]),), 12, False)], new=["s"])
+    ((job, store),) = meta.store_jobs.items()
+    keys = h.sched.request_keys("s")[0]
+    assert h.sched.jobs[job].keys == tuple(keys[2:5])
+    assert _layout(store) == (tuple(lists[0][2:5]), (3,), (2,))
+    offered = [c.keys for c in fake.methods("prepare_store")]
+    assert offered == [tuple(keys[:2]), tuple(keys[2:5])]

@@ -42,8 +42,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector as
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading import common as vllm_common
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import TransferJobStatus
 from vllm.v1.kv_offload import base as vb
+from vllm.v1.kv_offload.cpu import common as vllm_cpu
 
-from statecore.manager import LoadStoreSpec, PrepareStoreOutput, ReqContext
+from statecore.manager import CPULoadStoreSpec, LoadStoreSpec, PrepareStoreOutput, ReqContext
 from statecore.wire import (
     DirectionStats,
     GPULoadStoreSpec,
@@ -94,6 +95,10 @@ def _vllm_spec(spec: LoadStoreSpec) -> Any:
         )
     if isinstance(spec, ManagerSpec):
         return spec.spec
+    if isinstance(spec, CPULoadStoreSpec):
+        # statecore's own CPU tier (a vLLM registered spec: statecore builds its own tiers):
+        # the same chunk indices into the CPU pool, under vLLM's type
+        return vllm_cpu.CPULoadStoreSpec(list(spec.slots))
     raise TypeError(f"no vLLM form for statecore's {type(spec).__name__}")
 
 
@@ -177,6 +182,39 @@ def _job_view(job: Any) -> TransferJobStatus:
     )
 
 
+class ManagerView:
+    """A manager statecore built itself (a vLLM registered spec: statecore's own tiers), with
+    the calls the tests make on vLLM's manager converted to and from vLLM's types (request
+    contexts, lookup results, the policy). Types only: every call goes to statecore's manager
+    once, unchanged; any other attribute is refused."""
+
+    def __init__(self, manager: Any) -> None:
+        self.statecore = manager
+        self._contexts: dict[int, ReqContext] = {}
+
+    def _ctx(self, vctx: Any) -> ReqContext:
+        ctx = self._contexts.get(id(vctx))
+        if ctx is None:  # (one statecore context a vLLM context, as the managers keep state)
+            ctx = self._contexts[id(vctx)] = ReqContext(vctx.req_id, vctx.kv_transfer_params)
+        return ctx
+
+    def lookup(self, key: Any, req_context: Any) -> Any:
+        return vb.LookupResult[self.statecore.lookup(key, self._ctx(req_context)).name]
+
+    def on_new_request(self, req_context: Any) -> Any:
+        got = self.statecore.on_new_request(self._ctx(req_context))
+        return vb.RequestOffloadingContext(vb.OffloadPolicy[got.policy.name])
+
+    def on_request_finished(self, req_context: Any) -> None:
+        self.statecore.on_request_finished(self._contexts.pop(id(req_context)))
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"{name!r}: statecore's own manager is seen through vLLM's lookup, on_new_request "
+            "and on_request_finished only"
+        )
+
+
 VIEWS: Mapping[str, Callable[[Any], Any]] = {
     "_jobs": lambda s: {i: _job_view(j) for i, j in s.jobs.items()},
     "_block_id_to_pending_jobs": lambda s: {b: set(j) for b, j in s.fence_index.items()},
@@ -203,7 +241,8 @@ class StatecoreConnectorScheduler:
         manager: Any = sched.manager
         if isinstance(manager, vllm_spec.VllmSpecManager):
             manager = manager.manager  # the spec's own (the test's mock)
-        # (vLLM's registered specs: statecore builds its own tiers, read as statecore's)
+        else:  # (vLLM's registered specs: statecore builds its own tiers)
+            manager = ManagerView(manager)
         self.__dict__.update(
             statecore=connector, scheduler=sched, manager=manager, config=_config_view(sched)
         )
@@ -283,6 +322,7 @@ def install() -> None:
 __all__ = [
     "VIEWS",
     "ManagerSpec",
+    "ManagerView",
     "PassThroughSpecManager",
     "StatecoreConnectorScheduler",
     "install",
