@@ -132,11 +132,13 @@ def shared_prefix_rounds(
     ]
 
 
-def test_concurrency_preemption_chunked_prefill(llama_dir: Path) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_concurrency_preemption_chunked_prefill(llama_dir: Path, async_scheduling: bool) -> None:
     """Twelve concurrent requests per round over eight shared 256-token prefixes, a device
     cache far too small for the batch (preemption), a 128-token step budget (chunked
-    prefill): identical tokens, logprobs within the tolerance (loads change which requests
-    run together in a step)."""
+    prefill), with and without vLLM's asynchronous scheduling (the next step scheduled while
+    the current one runs): identical tokens, logprobs within the tolerance (loads change
+    which requests run together in a step)."""
     spec = EngineSpec(
         model=str(llama_dir),
         rounds=shared_prefix_rounds(3, 12, 8, seed=4),
@@ -145,28 +147,7 @@ def test_concurrency_preemption_chunked_prefill(llama_dir: Path) -> None:
         max_model_len=39 * BLOCK_SIZE,
         max_num_seqs=8,
         max_num_batched_tokens=128,
-    )
-    base, ours = both(spec)
-    assert compare(base, ours, bit_identical=False) == 36
-    print(f"loaded {ours.loaded_tokens} tokens, by round {ours.loaded_by_round}")
-    assert ours.loaded_tokens >= 4 * 8 * BLOCK_SIZE, ours.counters
-    assert ours.counters["jobs_failed"] == 0
-    assert ours.final == {"live_jobs": 0, "tracked_requests": 0, "stalled_ledger": 0}
-
-
-def test_async_scheduling(llama_dir: Path) -> None:
-    """The same eviction pressure with vLLM's asynchronous scheduling (the next step is
-    scheduled while the current one runs): identical tokens, logprobs within the tolerance,
-    statecore loads, nothing fails or leaks."""
-    spec = EngineSpec(
-        model=str(llama_dir),
-        rounds=shared_prefix_rounds(3, 12, 8, seed=6),
-        max_tokens=16,
-        gpu_blocks=40,
-        max_model_len=39 * BLOCK_SIZE,
-        max_num_seqs=8,
-        max_num_batched_tokens=128,
-        async_scheduling=True,
+        async_scheduling=async_scheduling,
     )
     base, ours = both(spec)
     assert compare(base, ours, bit_identical=False) == 36
