@@ -1439,5 +1439,6 @@ def backend_from_vllm(
     group_layers = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
     tensors, groups = canonical_kv_tensors(kv_caches, group_layers, int(kv_cache_config.num_blocks))
     pages = [t[0].numel() * t.element_size() for t in tensors]
-    pool = CPUPool(num_slots, [p * cfg.blocks_per_chunk for p in pages])
+    # prefaulted: a serving engine pays the pool's page faults at start-up, not in its stores
+    pool = CPUPool(num_slots, [p * cfg.blocks_per_chunk for p in pages], prefault=True)
     return TorchTransferBackend(tensors, pool, cfg.blocks_per_chunk, group_tensors=groups)
