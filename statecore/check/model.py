@@ -606,7 +606,8 @@ class World:
         """Apply one move (see the module docstring); errors land in :attr:`errors`."""
         kind = action[0]
         if kind == "step":
-            self.step()
+            if self.engine_has_work():
+                self.step()
         elif kind == "steperr":
             self._armed("typed" if action[2] else "untyped", self.step, calls={action[1]})
         elif kind == "jump":
@@ -984,6 +985,22 @@ class World:
             if b and self._skippable(1, i, computed):
                 self.free.append(b)
                 blocks[i] = 0
+
+    def engine_has_work(self) -> bool:
+        """Whether the engine's loop steps at all: vLLM 0.33's ``Scheduler.has_requests``,
+        asked before every step.
+
+        Requests waiting or running, finishes or preemptions not yet sent to the workers, or
+        the connector's ``has_pending_push_work``. When it answers no, the engine idles until a
+        request arrives: what the workers still hold (copies in flight, a flush they have not
+        been sent) stays there, and the liveness check finds it if nothing else would ever
+        send it.
+        """
+        if self.finished_since or self.preempted_next:
+            return True
+        if any(r.status in (WAITING, LOADING, RUNNING) for r in self.reqs):
+            return True
+        return bool(_guarded(self, "has_pending_push_work", self.sched.has_pending_push_work))
 
     def step(self) -> None:
         """One engine step in vLLM 0.33's order (see the module docstring): the running

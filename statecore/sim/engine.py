@@ -923,9 +923,16 @@ class SimEngine:
         self.stats.drain_steps = n
 
     def _work_pending(self) -> bool:
-        if self.by_id or self.foreign or self.channel.pending():
-            return True
-        if any(s.pending_copies() for s in self.stacks) or self.extra_pending():
+        """Whether the engine steps again: vLLM 0.33's ``Scheduler.has_requests``.
+
+        Requests not done, finishes not yet sent to the workers, or the connector's
+        ``has_pending_push_work`` (and :attr:`extra_pending`, the stack's own clocks: the
+        stalled-job ledger's expiry, secondary-tier executors). What the workers still hold
+        (copies in flight, reports not yet delivered) is not asked: vLLM's engine cannot see
+        it, so work the connector fails to declare stays behind when the engine idles, and
+        the drain's leak check finds it.
+        """
+        if self.by_id or self.foreign or self.finished_since_last or self.extra_pending():
             return True
         return bool(self._guard("has_pending_push_work", self.conn.has_pending_push_work))
 
