@@ -258,6 +258,18 @@ def _failed_loads_forgotten(self: OffloadingScheduler, output: Any) -> Any:
     return dataclasses.replace(result, failed_loads=kept)
 
 
+_real_pending_push_work = OffloadingScheduler.has_pending_push_work
+
+
+def _pending_without_unsent_flush(self: OffloadingScheduler) -> bool:
+    batch = self._batch
+    unsent, batch.flush = batch.flush, set()  # a flush not sent yet is not pending work
+    try:
+        return _real_pending_push_work(self)
+    finally:
+        batch.flush = unsent
+
+
 def _flush_request_noop(self: OffloadingScheduler, req: Any) -> None:
     return None  # a preempted request's in-flight jobs are not flushed
 
@@ -621,6 +633,15 @@ MUTANTS: dict[str, Mutant] = dict(
             "connector metadata to the workers (found by `vllm serve` on vLLM's CPU build; the "
             "in-process engines never pickled it)",
             (scheduler_module, "_NO_KEYS", MappingProxyType({})),
+        ),
+        _mutant(
+            "unsent_flush_not_pending",
+            "has_pending_push_work leaves out a flush not sent yet",
+            "after a reset (or a stall) with no request left, the engine idles before the flush "
+            "reaches the workers: the flushed copies stay in flight there until some later "
+            "request's step (found by vLLM's own scheduler scenarios; the engine models kept "
+            "stepping while the workers held copies, which vLLM's has_requests cannot see)",
+            (OffloadingScheduler, "has_pending_push_work", _pending_without_unsent_flush),
         ),
     ]
 )

@@ -90,6 +90,10 @@ FOUND_ELSEWHERE = {
     "preempt_keeps_block_lists": "needs a preemption, a re-admission with a load, a reset and "
     "an abort within that load's lifetime: statecore check finds it every run (scope one, "
     "tests/check/test_check.py); this fuzz budget only on some seeds (as INV-OWN)",
+    "unsent_flush_not_pending": "needs a stall or a reset of a job in flight when no request "
+    "is left, then an idle engine: statecore check finds it every run (scope one, a liveness "
+    "violation: the stalled job's flush never reaches the worker); the fuzz harness's drain "
+    "steps until the stalled-job ledger is empty, so it sends that flush anyway",
 }
 """Mutants whose class this harness's budget reaches only on some seeds, with the verifier
 that finds them every run."""
