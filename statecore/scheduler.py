@@ -2054,8 +2054,16 @@ class OffloadingScheduler:
         self.counters.loads_carried += 1
 
     def flush_request(self, req: RequestRecord) -> None:
-        """Flush every in-flight job of a preempted request."""
-        self._batch.flush.update(req.jobs)
+        """Flush every in-flight job of a preempted request, except the loads created in this
+        step: the engine preempted the request before this step's scheduling (preemptions
+        are applied first), so such a load comes from its re-admission after the preemption
+        and writes its new blocks, which no other owner holds; flushing it would make the
+        workers wait for it, a synchronous load."""
+        loads = self._batch.loads
+        if loads:
+            self._batch.flush.update(j for j in req.jobs if j not in loads)
+        else:
+            self._batch.flush.update(req.jobs)
 
     def drop_block_lists(self, req: RequestRecord) -> None:
         """A preempted request's blocks are freed: its block lists and store cursors start
