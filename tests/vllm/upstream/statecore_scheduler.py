@@ -31,7 +31,7 @@ vLLM's private lookup or configuration cannot steer statecore).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -251,6 +251,93 @@ class ManagerView:
         )
 
 
+class ReadOnlyView:
+    """A live, read-only view under vLLM's names (each read asks statecore's record again):
+    any other name, read or assigned, is refused with an ``AttributeError`` that says it is
+    vLLM-internal."""
+
+    __slots__ = ("_fields",)
+
+    def __init__(self, **fields: Callable[[], Any]) -> None:
+        object.__setattr__(self, "_fields", fields)
+
+    def __getattr__(self, name: str) -> Any:
+        fields = object.__getattribute__(self, "_fields")
+        if name in fields:
+            return fields[name]()
+        raise AttributeError(
+            f"{name!r}: a vLLM-internal name of vLLM's request state that statecore's "
+            "request records do not expose"
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"{name!r}: a vLLM-internal name of vLLM's request state; assigning it cannot "
+            "steer statecore's scheduler"
+        )
+
+
+class ReadOnlyList(tuple[Any, ...]):
+    """A read-only sequence: changing it in place is refused as vLLM-internal steering."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"{name!r}: a vLLM-internal name (changing vLLM's request state in place cannot "
+            "steer statecore's scheduler)"
+        )
+
+
+def _group_view(gs: Any) -> ReadOnlyView:
+    return ReadOnlyView(
+        offload_keys=lambda: ReadOnlyList(gs.keys), block_ids=lambda: ReadOnlyList(gs.block_ids)
+    )
+
+
+def _request_view(owner: StatecoreConnectorScheduler, rec: Any) -> ReadOnlyView:
+    """One tracked request of statecore's scheduler under the names of vLLM's request state:
+    the request, its context (as vLLM's manager sees it), its keys and block ids per group,
+    its jobs in flight and its locally computed tokens. (vLLM's ``next_stored_chunk_idx`` has
+    no single counterpart: statecore keeps a store cursor and, apart, the chunks loaded at
+    admission, which the request's policy decides whether to offer again.)"""
+
+    def ctx() -> Any:
+        manager = owner.scheduler.manager
+        if isinstance(manager, vllm_spec.VllmSpecManager):
+            return manager._ctx(rec.ctx)
+        return rec.ctx
+
+    groups = tuple(_group_view(gs) for gs in rec.groups)
+    return ReadOnlyView(
+        req=lambda: owner.vllm_requests.get(rec.req_id),
+        req_context=ctx,
+        group_states=lambda: groups,
+        transfer_jobs=lambda: frozenset(rec.jobs),
+        num_locally_computed_tokens=lambda: rec.num_local_computed,
+    )
+
+
+class RequestStates(Mapping[str, ReadOnlyView]):
+    """statecore's tracked requests by id, each as :func:`_request_view` (read-only)."""
+
+    def __init__(self, owner: StatecoreConnectorScheduler) -> None:
+        self._owner = owner
+
+    def __getitem__(self, req_id: str) -> ReadOnlyView:
+        return _request_view(self._owner, self._owner.scheduler.requests[req_id])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._owner.scheduler.requests))
+
+    def __len__(self) -> int:
+        return len(self._owner.scheduler.requests)
+
+    def __setitem__(self, req_id: str, state: Any) -> None:
+        raise TypeError(
+            "'_req_status': a vLLM-internal name of OffloadingConnectorScheduler; assigning a "
+            "request state cannot steer statecore's scheduler"
+        )
+
+
 VIEWS: Mapping[str, Callable[[Any], Any]] = {
     "_jobs": lambda s: {i: _job_view(j) for i, j in s.jobs.items()},
     "_block_id_to_pending_jobs": lambda s: {b: set(j) for b, j in s.fence_index.items()},
@@ -293,13 +380,19 @@ class StatecoreConnectorScheduler:
         else:  # (vLLM's registered specs: statecore builds its own tiers)
             manager = ManagerView(manager)
         self.__dict__.update(
-            statecore=connector, scheduler=sched, manager=manager, config=_config_view(sched)
+            statecore=connector,
+            scheduler=sched,
+            manager=manager,
+            config=_config_view(sched),
+            vllm_requests={},
         )
 
     def __getattr__(self, name: str) -> Any:
         view = VIEWS.get(name)
         if view is not None:
             return view(self.__dict__["scheduler"])
+        if name == "_req_status":
+            return RequestStates(self)
         raise AttributeError(
             f"{name!r}: a vLLM-internal name of OffloadingConnectorScheduler that statecore's "
             "scheduler does not expose"
@@ -341,7 +434,7 @@ class StatecoreConnectorScheduler:
         def prefix_hits(keys: Sequence[OffloadKey], ctx: ReqContext) -> int | None:
             group = key_group(keys[0])
             start = sched.request_keys(ctx.req_id)[group].index(keys[0])
-            request = sched.requests[ctx.req_id].request
+            request = self.vllm_requests.get(ctx.req_id)
             return stub(
                 list(keys), manager._ctx(ctx), request, config.kv_group_configs[group], start
             )
@@ -363,6 +456,7 @@ class StatecoreConnectorScheduler:
     # -- vLLM's OffloadingConnectorScheduler interface, as OffloadingConnector calls it ------
 
     def on_new_request(self, request: Any) -> None:
+        self.vllm_requests[request.request_id] = request
         self.statecore.on_new_request(request)
 
     def get_num_new_matched_tokens(
@@ -370,6 +464,7 @@ class StatecoreConnectorScheduler:
     ) -> tuple[int | None, bool]:
         # statecore offloads every group it accepts, so vLLM never sets this cap for it
         assert max_num_new_tokens is None
+        self.vllm_requests[request.request_id] = request
         return self.statecore.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def get_external_cache_hit_sources(
@@ -378,6 +473,7 @@ class StatecoreConnectorScheduler:
         return self.statecore.get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.vllm_requests[request.request_id] = request
         self.statecore.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
