@@ -95,6 +95,7 @@ class VllmSpecManager(OffloadingManager):
     """
 
     wants_key_positions = True
+    schedule_end_last = True  # (vLLM 0.33: on_schedule_end is a step's last manager call)
 
     def __init__(self, manager: Any) -> None:
         from vllm.v1.kv_offload import base as vb

@@ -204,6 +204,13 @@ class OffloadingManager(ABC):
     (:attr:`ReqContext.key_positions`), so it can rank a request's chunks head to tail.
     """
 
+    schedule_end_last: bool = False
+    """Whether :meth:`on_schedule_end` should be the last manager call of a step, after the
+    step's store preparations and ``on_request_finished`` (vLLM 0.33's manager contract, for
+    a manager that ends a step's exclusive region there). Off by default: the scheduler calls
+    it after the step's lookups and allocations and before its store jobs are built, the
+    step boundary statecore's own tiers count their quarantine clock and lookup answers by."""
+
     wants_key_positions: bool = False
     """Whether the scheduler should record each request key's position in
     :attr:`ReqContext.key_positions` (off by default: it costs a dict entry per key)."""
@@ -305,7 +312,8 @@ class OffloadingManager(ABC):
         """No more ``prepare_*`` calls will come for the request; completions still may."""
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:  # noqa: B027
-        """Once per engine step, after lookups and before store jobs are built."""
+        """Once per engine step, after lookups and before store jobs are built (after every
+        other call of the step when :attr:`schedule_end_last` is true)."""
 
     def has_pending_work(self) -> bool:
         """Whether the manager still has asynchronous work that needs engine steps."""

@@ -1159,7 +1159,9 @@ class OffloadingScheduler:
         the same output), update request states from ``output`` (keys, block ids, stale
         sliding-window ids), ``manager.on_schedule_end``, flush jobs fenced on any block
         handed out this step, build store jobs (running requests, then finished ones), then
-        signal finished requests to the manager.
+        signal finished requests to the manager. A manager whose
+        :attr:`~statecore.manager.OffloadingManager.schedule_end_last` is true gets
+        ``on_schedule_end`` last instead, after the signals (vLLM 0.33's order).
 
         A manager whose ``prepare_store`` raises (a typed error changes nothing) does not
         stop the step: that offer is taken as no room (retried next step, cursors untouched),
@@ -1177,14 +1179,9 @@ class OffloadingScheduler:
         # this very output; its resumed block lists must survive the preemption
         self._apply_preemptions(output)
         scheduled = self._update_req_states(output)
-        try:
-            self.manager.on_schedule_end(
-                ScheduleEndContext(output.new_req_ids, output.preempted_req_ids)
-            )
-        except Exception as exc:  # the step goes on; raised after the step
-            self._manager_error(
-                exc, "build_connector_meta: the manager's on_schedule_end", "(the step went on)"
-            )
+        end_last = getattr(self.manager, "schedule_end_last", False) is True
+        if not end_last:
+            self._schedule_end(output)
         fence = self._fence
         if fence and batch.allocated:
             small, large = (
@@ -1218,7 +1215,20 @@ class OffloadingScheduler:
             manager_reset,
         )
         self._batch = _StepBatch()
+        if end_last:
+            self._schedule_end(output)
         return meta
+
+    def _schedule_end(self, output: SchedulerOutput) -> None:
+        """``manager.on_schedule_end``; what it raises is counted and raised after the step."""
+        try:
+            self.manager.on_schedule_end(
+                ScheduleEndContext(output.new_req_ids, output.preempted_req_ids)
+            )
+        except Exception as exc:  # the step goes on; raised after the step
+            self._manager_error(
+                exc, "build_connector_meta: the manager's on_schedule_end", "(the step went on)"
+            )
 
     def _admit(self, rec: RequestRecord, new_ids: Sequence[Sequence[int]]) -> list[Sequence[int]]:
         """The first scheduling after an allocation: start from the allocated lists.
@@ -2054,8 +2064,16 @@ class OffloadingScheduler:
         self.counters.loads_carried += 1
 
     def flush_request(self, req: RequestRecord) -> None:
-        """Flush every in-flight job of a preempted request."""
-        self._batch.flush.update(req.jobs)
+        """Flush every in-flight job of a preempted request, except the loads created in this
+        step: the engine preempted the request before this step's scheduling (preemptions
+        are applied first), so such a load comes from its re-admission after the preemption
+        and writes its new blocks, which no other owner holds; flushing it would make the
+        workers wait for it, a synchronous load."""
+        loads = self._batch.loads
+        if loads:
+            self._batch.flush.update(j for j in req.jobs if j not in loads)
+        else:
+            self._batch.flush.update(req.jobs)
 
     def drop_block_lists(self, req: RequestRecord) -> None:
         """A preempted request's blocks are freed: its block lists and store cursors start

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from sched_harness import Harness, admit_with_load, config, make_manager, offloaded, prefill
-from statecore.specs.fakes import RecordingManager
+from statecore.specs.fakes import Call, RecordingManager
 
 from statecore import (
     ConfigError,
@@ -18,6 +18,7 @@ from statecore import (
     LookupResult,
     OffloadPolicy,
     ReqContext,
+    ScheduleEndContext,
     SchedulerConfig,
     make_offload_key,
 )
@@ -427,3 +428,38 @@ def test_finished_request_never_stores_more_than_it_computed(kind: str) -> None:
     h.finish("a")  # finished (not aborted) mid-prefill, e.g. by the engine's stop logic
     h.step(finished=["a"])
     assert sum(len(j.keys) for j in h.sched.jobs.values()) == 1
+
+
+class _StepOrderManager(RecordingManager):
+    """Records ``on_schedule_end`` and ``on_request_finished`` beside the recorded calls."""
+
+    def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
+        self.calls.append(Call("on_schedule_end"))
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        self.calls.append(Call("on_request_finished", ctx.req_id))
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_on_schedule_end_comes_where_the_manager_asks(last: bool) -> None:
+    """statecore's order calls ``on_schedule_end`` before the step's store jobs are built; a
+    manager with ``schedule_end_last`` (vLLM 0.33's contract, which vLLM's managers behind
+    the out-of-tree-spec path follow) gets it after every other call of the step, the store
+    preparations and ``on_request_finished`` included."""
+    fake = _StepOrderManager()
+    fake.schedule_end_last = last
+    h = Harness(fake, config())
+    h.add("b", list(range(100, 108)))
+    h.report(list(prefill(h, "b")))
+    h.finish("b")  # b's finish is signalled in the next step
+    h.add("a", list(range(8)))
+    h.admit("a")
+    fake.calls.clear()
+    h.step([h.schedule("a", 8)], new=["a"], finished=["b"])  # a's prompt is stored
+    names = [c.method for c in fake.calls]
+    assert {"prepare_store", "on_request_finished"} <= set(names)
+    assert names.count("on_schedule_end") == 1
+    if last:
+        assert names[-1] == "on_schedule_end"
+    else:
+        assert names.index("on_schedule_end") < names.index("prepare_store")

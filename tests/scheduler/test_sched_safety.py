@@ -623,3 +623,20 @@ def test_rank_identity_keeps_a_repeated_report_from_completing_a_job_early(kind:
     h.sched.update_connector_output(rank0.aggregate(rank1))
     assert job_id not in h.sched.jobs
     assert (h.sched.counters.jobs_completed, h.sched.counters.duplicate_reports) == (1, 2)
+
+
+def test_a_load_admitted_after_a_preemption_notice_is_not_flushed() -> None:
+    """A request preempted outside scheduling (vLLM's prefix-cache reset with running
+    requests) is looked up and loads again before the output that carries its preemption
+    reaches the connector: that load writes the request's new blocks, so the preemption
+    flushes only the jobs it had before, and the load stays asynchronous."""
+    h = Harness(make_manager("cpu"), config())
+    offloaded(h, "a", list(range(16)))
+    h.reqs["a"].num_computed_tokens = 0  # preempted: the engine starts it from its prefix
+    assert h.admit("a") == (16, True)
+    meta = h.step(preempted=["a"])
+    (load,) = meta.load_jobs
+    assert load not in meta.jobs_to_flush
+    h.report([load])
+    assert h.sched.request_state("a") == "no_transfer"
+    assert not h.sched.jobs

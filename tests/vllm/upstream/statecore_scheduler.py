@@ -31,7 +31,7 @@ vLLM's private lookup or configuration cannot steer statecore).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -44,7 +44,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import Tr
 from vllm.v1.kv_offload import base as vb
 from vllm.v1.kv_offload.cpu import common as vllm_cpu
 
-from statecore.manager import CPULoadStoreSpec, LoadStoreSpec, PrepareStoreOutput, ReqContext
+from statecore.keys import OffloadKey, key_group
+from statecore.manager import (
+    CPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    PrepareStoreOutput,
+    ReqContext,
+)
 from statecore.wire import (
     DirectionStats,
     GPULoadStoreSpec,
@@ -61,9 +68,38 @@ class ManagerSpec(LoadStoreSpec):
     spec: Any
 
 
+PrefixHits = Callable[[Sequence[OffloadKey], ReqContext], "int | None"]
+"""How many of a full-attention group's keys, looked up from the request's first uncomputed
+chunk on, the offloading store holds (None: a lookup the store deferred)."""
+
+
 class PassThroughSpecManager(vllm_spec.VllmSpecManager):
     """statecore's conversion of a vLLM manager, with the manager's specs carried as they are
-    (vLLM's worker hands them to the spec's worker) instead of read as CPU slots."""
+    (vLLM's worker hands them to the spec's worker) instead of read as CPU slots.
+
+    :attr:`prefix_hits`, when set, states what the offloading store holds for full-attention
+    groups instead of the manager: a scenario's stub of vLLM's maximal-prefix lookup
+    (:meth:`StatecoreConnectorScheduler.__setattr__`). The keys it covers hit, the first key
+    after them misses; sliding-window groups' keys are still the manager's to answer.
+    """
+
+    prefix_hits: PrefixHits | None = None
+    full_attention_groups: frozenset[int] = frozenset()
+
+    def lookup_many(
+        self, keys: Sequence[OffloadKey], ctx: ReqContext, until_miss: bool = False
+    ) -> list[LookupResult]:
+        answer = self.prefix_hits
+        if answer is None or not keys or key_group(keys[0]) not in self.full_attention_groups:
+            return super().lookup_many(keys, ctx, until_miss)
+        hits = answer(keys, ctx)
+        if hits is None:  # (vLLM's lookup deferred: the store is still locating a key)
+            return [LookupResult.RETRY] * len(keys)
+        hits = max(0, min(int(hits), len(keys)))
+        misses = len(keys) - hits
+        if until_miss:
+            misses = min(misses, 1)
+        return [LookupResult.HIT] * hits + [LookupResult.MISS] * misses
 
     def prepare_load(self, keys: Any, ctx: ReqContext) -> LoadStoreSpec:
         with self.manager.lock:
@@ -215,6 +251,93 @@ class ManagerView:
         )
 
 
+class ReadOnlyView:
+    """A live, read-only view under vLLM's names (each read asks statecore's record again):
+    any other name, read or assigned, is refused with an ``AttributeError`` that says it is
+    vLLM-internal."""
+
+    __slots__ = ("_fields",)
+
+    def __init__(self, **fields: Callable[[], Any]) -> None:
+        object.__setattr__(self, "_fields", fields)
+
+    def __getattr__(self, name: str) -> Any:
+        fields = object.__getattribute__(self, "_fields")
+        if name in fields:
+            return fields[name]()
+        raise AttributeError(
+            f"{name!r}: a vLLM-internal name of vLLM's request state that statecore's "
+            "request records do not expose"
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"{name!r}: a vLLM-internal name of vLLM's request state; assigning it cannot "
+            "steer statecore's scheduler"
+        )
+
+
+class ReadOnlyList(tuple[Any, ...]):
+    """A read-only sequence: changing it in place is refused as vLLM-internal steering."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"{name!r}: a vLLM-internal name (changing vLLM's request state in place cannot "
+            "steer statecore's scheduler)"
+        )
+
+
+def _group_view(gs: Any) -> ReadOnlyView:
+    return ReadOnlyView(
+        offload_keys=lambda: ReadOnlyList(gs.keys), block_ids=lambda: ReadOnlyList(gs.block_ids)
+    )
+
+
+def _request_view(owner: StatecoreConnectorScheduler, rec: Any) -> ReadOnlyView:
+    """One tracked request of statecore's scheduler under the names of vLLM's request state:
+    the request, its context (as vLLM's manager sees it), its keys and block ids per group,
+    its jobs in flight and its locally computed tokens. (vLLM's ``next_stored_chunk_idx`` has
+    no single counterpart: statecore keeps a store cursor and, apart, the chunks loaded at
+    admission, which the request's policy decides whether to offer again.)"""
+
+    def ctx() -> Any:
+        manager = owner.scheduler.manager
+        if isinstance(manager, vllm_spec.VllmSpecManager):
+            return manager._ctx(rec.ctx)
+        return rec.ctx
+
+    groups = tuple(_group_view(gs) for gs in rec.groups)
+    return ReadOnlyView(
+        req=lambda: owner.vllm_requests.get(rec.req_id),
+        req_context=ctx,
+        group_states=lambda: groups,
+        transfer_jobs=lambda: frozenset(rec.jobs),
+        num_locally_computed_tokens=lambda: rec.num_local_computed,
+    )
+
+
+class RequestStates(Mapping[str, ReadOnlyView]):
+    """statecore's tracked requests by id, each as :func:`_request_view` (read-only)."""
+
+    def __init__(self, owner: StatecoreConnectorScheduler) -> None:
+        self._owner = owner
+
+    def __getitem__(self, req_id: str) -> ReadOnlyView:
+        return _request_view(self._owner, self._owner.scheduler.requests[req_id])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._owner.scheduler.requests))
+
+    def __len__(self) -> int:
+        return len(self._owner.scheduler.requests)
+
+    def __setitem__(self, req_id: str, state: Any) -> None:
+        raise TypeError(
+            "'_req_status': a vLLM-internal name of OffloadingConnectorScheduler; assigning a "
+            "request state cannot steer statecore's scheduler"
+        )
+
+
 VIEWS: Mapping[str, Callable[[Any], Any]] = {
     "_jobs": lambda s: {i: _job_view(j) for i, j in s.jobs.items()},
     "_block_id_to_pending_jobs": lambda s: {b: set(j) for b, j in s.fence_index.items()},
@@ -223,6 +346,19 @@ VIEWS: Mapping[str, Callable[[Any], Any]] = {
     "_stale_job_threshold": lambda s: s.stale_threshold,
 }
 """vLLM's private name -> statecore's equivalent, converted (read-only)."""
+
+SPIES = frozenset(
+    {
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "update_connector_output",
+        "request_finished",
+        "take_events",
+    }
+)
+"""Interface methods a test may wrap on the instance (to record calls or answers): vLLM's
+connector calls the wrapper, which calls statecore's."""
 
 
 class StatecoreConnectorScheduler:
@@ -244,27 +380,83 @@ class StatecoreConnectorScheduler:
         else:  # (vLLM's registered specs: statecore builds its own tiers)
             manager = ManagerView(manager)
         self.__dict__.update(
-            statecore=connector, scheduler=sched, manager=manager, config=_config_view(sched)
+            statecore=connector,
+            scheduler=sched,
+            manager=manager,
+            config=_config_view(sched),
+            vllm_requests={},
         )
 
     def __getattr__(self, name: str) -> Any:
         view = VIEWS.get(name)
         if view is not None:
             return view(self.__dict__["scheduler"])
+        if name == "_req_status":
+            return RequestStates(self)
         raise AttributeError(
             f"{name!r}: a vLLM-internal name of OffloadingConnectorScheduler that statecore's "
             "scheduler does not expose"
         )
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name in SPIES:  # a test's wrapper of an interface method (vLLM's connector calls it)
+            self.__dict__[name] = value
+            return
+        if name == "_maximal_prefix_lookup" and isinstance(
+            self.scheduler.manager, PassThroughSpecManager
+        ):
+            self.__dict__[name] = value
+            self._state_prefix_hits(value)
+            return
+        if name == "manager" and isinstance(self.scheduler.manager, PassThroughSpecManager):
+            self._replace_manager(value)
+            return
         raise AttributeError(
             f"{name!r}: a vLLM-internal name of OffloadingConnectorScheduler; assigning it "
             "cannot steer statecore's scheduler"
         )
 
+    def _state_prefix_hits(self, stub: Callable[..., int | None]) -> None:
+        """A scenario's stub of vLLM's maximal-prefix lookup, as what the store holds.
+
+        vLLM calls it once per full-attention group and lookup, with the group's keys from the
+        request's first uncomputed chunk to the end of what the lookup may load, the request's
+        context, the request, the group's configuration and that first chunk's index; it
+        answers how many of those keys, from the first, are offloaded (None: defer). Here the
+        manager statecore's scheduler asks answers exactly those keys as hits and the next one
+        as a miss, and statecore's own lookup (which keys, the convergence of the groups, the
+        last chunk loaded in part) decides the hit on top of it.
+        """
+        sched = self.scheduler
+        manager: PassThroughSpecManager = sched.manager
+        config: ConfigView = self.config
+
+        def prefix_hits(keys: Sequence[OffloadKey], ctx: ReqContext) -> int | None:
+            group = key_group(keys[0])
+            start = sched.request_keys(ctx.req_id)[group].index(keys[0])
+            request = self.vllm_requests.get(ctx.req_id)
+            return stub(
+                list(keys), manager._ctx(ctx), request, config.kv_group_configs[group], start
+            )
+
+        manager.full_attention_groups = frozenset(
+            g.group_idx for g in config.kv_group_configs if g.sliding_window_size_in_chunks is None
+        )
+        manager.prefix_hits = prefix_hits
+
+    def _replace_manager(self, manager: Any) -> None:
+        """A scenario's own manager in place of the spec's: statecore's scheduler talks to it
+        through the same conversion (what the store holds, if stated, stays stated)."""
+        old: PassThroughSpecManager = self.scheduler.manager
+        new = PassThroughSpecManager(manager)
+        new.prefix_hits, new.full_attention_groups = old.prefix_hits, old.full_attention_groups
+        self.scheduler.manager = new
+        self.__dict__["manager"] = manager
+
     # -- vLLM's OffloadingConnectorScheduler interface, as OffloadingConnector calls it ------
 
     def on_new_request(self, request: Any) -> None:
+        self.vllm_requests[request.request_id] = request
         self.statecore.on_new_request(request)
 
     def get_num_new_matched_tokens(
@@ -272,6 +464,7 @@ class StatecoreConnectorScheduler:
     ) -> tuple[int | None, bool]:
         # statecore offloads every group it accepts, so vLLM never sets this cap for it
         assert max_num_new_tokens is None
+        self.vllm_requests[request.request_id] = request
         return self.statecore.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def get_external_cache_hit_sources(
@@ -280,6 +473,7 @@ class StatecoreConnectorScheduler:
         return self.statecore.get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.vllm_requests[request.request_id] = request
         self.statecore.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
