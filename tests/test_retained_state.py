@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 from retained import RETAINED_SCENARIO, containers
-from statecore.adapters.vllm_metrics import TransferSizes, stats_payload
 
+from statecore.adapters.vllm_metrics import TransferSizes, stats_payload
 from statecore.bench.scheduler import HookTimer, RunResult, run_standalone
 from statecore.manager import OffloadingManager
 from statecore.managers.cpu import CPUOffloadingManager
