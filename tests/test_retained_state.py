@@ -38,7 +38,7 @@ from statecore.managers.cpu import CPUOffloadingManager
 from statecore.managers.filetier import FileTier, InlineExecutor
 from statecore.managers.redistier import RedisTier, RedisTierConfig, TierLayout
 from statecore.managers.tiering import TieringOffloadingManager
-from statecore.redisserver import LocalRedis
+from statecore.services.redisserver import LocalRedis
 from statecore.sim.engine import SimConfig, SimEngine
 from statecore.sim.faults import SimFaults
 from statecore.sim.run import SimStack, attach_store_oracle
