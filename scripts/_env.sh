@@ -32,7 +32,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 stamp="$VENV/.statecore-env"
 # pyproject.toml and the C sources of the compiled extensions decide what an install builds
-want="torch==$TORCH_VERSION extras=$EXTRAS $(cat pyproject.toml adapters/_hostcopy.c statecore/_viewcheck.c statecore/_keyorder.c | sha256sum | cut -d' ' -f1)"
+want="torch==$TORCH_VERSION extras=$EXTRAS $(cat pyproject.toml statecore/adapters/_hostcopy.c statecore/_viewcheck.c statecore/_keyorder.c | sha256sum | cut -d' ' -f1)"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]] \
     || ! "$VENV/bin/python" -c "import statecore, torch" >/dev/null 2>&1; then
     env_start=$SECONDS

@@ -96,14 +96,10 @@ install_statecore() {
         echo "statecore installed editable"
         return 0
     fi
-    echo "pip -e failed; building a symlink tree for PYTHONPATH"
-    local shadow=/tmp/statecore_path
-    rm -rf "$shadow" && mkdir -p "$shadow/statecore"
-    for f in "$PWD"/statecore/*; do ln -s "$f" "$shadow/statecore/"; done
-    ln -s "$PWD/adapters" "$shadow/statecore/adapters"
-    [ -d "$PWD/specs" ] && ln -s "$PWD/specs" "$shadow/statecore/specs"
-    echo "$shadow" >/tmp/statecore_pythonpath
-    (cd /tmp && PYTHONPATH="$shadow" "$PY" -c "import statecore.adapters.torch, statecore.worker")
+    # the checkout's folders are the import package (statecore/, with its adapters and specs)
+    echo "pip -e failed; importing statecore from the checkout through PYTHONPATH"
+    echo "$PWD" >/tmp/statecore_pythonpath
+    (cd /tmp && PYTHONPATH="$PWD" "$PY" -c "import statecore.adapters.torch, statecore.worker")
 }
 
 # Why the CUDA stages cannot run here (empty: they can).

@@ -54,8 +54,8 @@ def measure(name: str, value: str) -> None:
 
 def _imports() -> tuple[Any, Any, Any, Any, Any, Any]:
     import torch
-    from statecore.adapters.torch import TorchTransferBackend
 
+    from statecore.adapters.torch import TorchTransferBackend
     from statecore.manager import CPULoadStoreSpec
     from statecore.pool import CPUPool
     from statecore.wire import GPULoadStoreSpec, TransferJob

@@ -849,7 +849,7 @@ def _fork(work: Callable[[], str], timeout: float) -> str:
 def _source_hash() -> str:
     digest = hashlib.sha256()
     digest.update(repr((FAST_TESTS, CLI_KILLERS, HYPOTHESIS_PROFILE)).encode())
-    for folder in ("statecore", "tests", "specs", "adapters"):
+    for folder in ("statecore", "tests"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             digest.update(str(path.relative_to(ROOT)).encode())
             digest.update(path.read_bytes())

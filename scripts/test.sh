@@ -125,8 +125,6 @@ total_start=$SECONDS
 step "ruff check" ruff check .
 step "ruff format --check" ruff format --check .
 step "mypy --strict statecore" mypy statecore
-# adapters/ and specs/ are mapped into statecore at build time; mypy checks them as folders
-step "mypy --strict adapters specs" mypy adapters specs
 step "statecore diagrams --check" statecore diagrams --check
 step "statecore docs --check" statecore docs --check
 step "crosshair contracts" crosshair_contracts

@@ -91,7 +91,7 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]] \
 fi
 # statecore from the clone under test, editable, its dependencies already in the venv; redone
 # when the clone or what the install builds (pyproject.toml, the C extensions) changed
-editable="$root $(cat "$root/pyproject.toml" "$root"/adapters/*.c "$root"/statecore/*.c | sha256sum | cut -d' ' -f1)"
+editable="$root $(cat "$root/pyproject.toml" "$root"/statecore/*.c "$root"/statecore/adapters/*.c | sha256sum | cut -d' ' -f1)"
 if [[ ! -f "$venv/.statecore-editable" || "$(cat "$venv/.statecore-editable")" != "$editable" ]]; then
     echo "==> installing statecore from $root into the vLLM CPU-build venv (editable)"
     "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root" >/dev/null

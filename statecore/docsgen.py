@@ -524,38 +524,26 @@ def _mechanism(label: str) -> str | None:
 def _source_files(root: Path | None) -> Iterator[tuple[str, Path]]:
     """Every source file of the package as ``(checkout-relative name, path)``.
 
-    ``root`` is a checkout (with ``statecore/``, ``adapters/``, ``specs/``); None reads the
-    importable packages wherever they are installed (``adapters`` and ``specs`` are then
-    ``statecore/adapters`` and ``statecore/specs``), so an installed package renders the same
-    page as its checkout.
+    ``root`` is a checkout (with ``statecore/``); None reads the package wherever it is
+    installed, so an installed package renders the same page as its checkout.
     """
-    folders = {
-        "statecore": "statecore",
-        "adapters": "statecore.adapters",
-        "specs": "statecore.specs",
-    }
-    bases: dict[str, Path] = {}
-    for folder, package in folders.items():
-        if root is not None:
-            bases[folder] = root / folder
-            continue
-        spec = importlib.util.find_spec(package)
+    if root is not None:
+        base = root / "statecore"
+    else:
+        spec = importlib.util.find_spec("statecore")
         locations = list(spec.submodule_search_locations or []) if spec is not None else []
-        if locations:
-            bases[folder] = Path(locations[0]).resolve()
-    nested = {path for folder, path in bases.items() if folder != "statecore"}
-    for folder, base in bases.items():
-        for path in sorted(base.rglob("*.py")):
-            if folder == "statecore" and any(parent in nested for parent in path.parents):
-                continue
-            yield f"{folder}/{path.relative_to(base).as_posix()}", path
+        if not locations:
+            return
+        base = Path(locations[0]).resolve()
+    for path in sorted(base.rglob("*.py")):
+        yield f"statecore/{path.relative_to(base).as_posix()}", path
 
 
 def _source_mentions(root: Path | None) -> dict[str, list[str]]:
     """INV code -> source files (relative, sorted) that name it, the catalogue excluded."""
     found: dict[str, set[str]] = {}
     for rel, path in _source_files(root):
-        if rel in ("specs/invariants.py", "statecore/docsgen.py"):
+        if rel in ("statecore/specs/invariants.py", "statecore/docsgen.py"):
             continue
         for code in set(_INV_RE.findall(path.read_text(encoding="utf-8"))):
             found.setdefault(code, set()).add(rel)
@@ -564,8 +552,8 @@ def _source_mentions(root: Path | None) -> dict[str, list[str]]:
 
 def render_invariants_page(root: Path | None = None) -> str:
     """The invariant catalogue page."""
-    inv_mod: Any = importlib.import_module("statecore.specs.invariants")
-    invariants: dict[str, Any] = inv_mod.INVARIANTS
+    from statecore.specs.invariants import INVARIANTS as invariants
+
     mentions = _source_mentions(root)
     out = [
         "# Invariant catalogue",
@@ -574,7 +562,7 @@ def render_invariants_page(root: Path | None = None) -> str:
         "do not edit. -->",
         "",
         "Every correctness rule statecore keeps has a name. The catalogue lives in "
-        "`specs/invariants.py` (importable as `statecore.specs.invariants`) as executable "
+        "`statecore/specs/invariants.py` as executable "
         "`Invariant` records; this page is generated from it. An invariant with a *scheduler "
         "predicate* is a function of the scheduler's state that yields violation messages: "
         "it runs in checked mode after every public scheduler call, and after every step of "
@@ -749,9 +737,9 @@ def rendered_pages() -> dict[str, str]:
 
 def render_bad_inputs_page() -> str:
     """The "bad inputs" page: :mod:`statecore.specs.bad_inputs` run case by case."""
-    # specs/ is mapped into the package at build time; import it by name
-    page: str = importlib.import_module("statecore.specs.bad_inputs").render_page()
-    return page
+    from statecore.specs.bad_inputs import render_page
+
+    return render_page()
 
 
 def default_docs_dir() -> Path | None:

@@ -46,7 +46,6 @@ duplicates.
 from __future__ import annotations
 
 import enum
-import importlib
 import os
 import time
 from collections import deque
@@ -708,8 +707,10 @@ class OffloadingScheduler:
 
     def check_invariants(self) -> None:
         """Evaluate every scheduler invariant; raise the first violation."""
-        # specs/ is mapped into the package at build time; import it by name
-        importlib.import_module("statecore.specs.invariants").check_scheduler(self)
+        # checked mode only: the catalogue (above the core) is imported on first use
+        from statecore.specs.invariants import check_scheduler
+
+        check_scheduler(self)
 
     # ----------------------------------------------------------------------------------------
     # engine hooks

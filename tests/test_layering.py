@@ -1,4 +1,5 @@
-"""Module layering: the wire types sit below the validation layer.
+"""Module layering: the wire types sit below the validation layer, and the sans-IO core
+starts no process.
 
 :mod:`statecore.validate` checks the wire types (it imports :mod:`statecore.wire`), so the
 wire module must not need the validation layer: the shape check of a report lives beside its
@@ -7,6 +8,10 @@ type (:func:`statecore.wire.check_worker_metadata`, re-exported as
 :mod:`statecore._argerrors`, which imports only the errors. Read from the source (no import
 runs), every ``import`` at any depth counts: one inside a function is a cycle deferred, and a
 call-time cost besides.
+
+What starts external processes (a Redis server) lives in :mod:`statecore.services`, used by
+the simulator and the benchmarks: no module at statecore's top level starts a process or
+imports the services, at any depth.
 """
 
 from __future__ import annotations
@@ -26,8 +31,16 @@ ALLOWED = {
 """A low module -> the statecore modules it may import."""
 
 
-def _imports(module: str) -> list[tuple[str, bool]]:
-    """(imported statecore module, whether the import is inside a function) for ``module``."""
+PROCESSES = {"subprocess", "multiprocessing", "statecore.services"}
+"""Modules that start processes: none of them is imported at statecore's top level."""
+
+SERVICE_USERS = {"sim", "bench"}
+"""The subpackages that may start external services (:mod:`statecore.services`)."""
+
+
+def _imports(module: str, everything: bool = False) -> list[tuple[str, bool]]:
+    """(imported statecore module, whether the import is inside a function) for ``module``
+    (a path under statecore/ without ``.py``); ``everything``: not only statecore's modules."""
     tree = ast.parse((ROOT / f"{module}.py").read_text())
     nested = {
         id(node)
@@ -45,8 +58,12 @@ def _imports(module: str) -> list[tuple[str, bool]]:
             names = [a.name for a in node.names]
         else:
             continue
-        out += [(n, id(node) in nested) for n in names if n.startswith("statecore")]
+        out += [(n, id(node) in nested) for n in names if everything or n.startswith("statecore")]
     return out
+
+
+def _starts_processes(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in PROCESSES)
 
 
 @pytest.mark.parametrize("module", sorted(ALLOWED))
@@ -68,3 +85,30 @@ def test_the_views_import_their_diagnosis_at_module_level() -> None:
     got = _imports("views")
     assert ("statecore._viewerrors", False) in got
     assert [name for name, inside in got if inside] == []
+
+
+def test_no_top_level_module_starts_a_process() -> None:
+    """The sans-IO core's modules (statecore's top level: the scheduler, the worker, the wire
+    types, the commands' entry points) import nothing that starts a process."""
+    top = sorted(p.stem for p in ROOT.glob("*.py"))
+    assert "scheduler" in top and "redisserver" not in top
+    found = {
+        module: name
+        for module in top
+        for name, _ in _imports(module, everything=True)
+        if _starts_processes(name)
+    }
+    assert found == {}
+
+
+def test_only_the_simulator_and_the_benchmarks_use_the_services() -> None:
+    users = {
+        path.relative_to(ROOT).parts[0]
+        for path in ROOT.rglob("*.py")
+        if path.relative_to(ROOT).parts[0] != "services"
+        and any(
+            name.startswith("statecore.services")
+            for name, _ in _imports(path.relative_to(ROOT).with_suffix("").as_posix())
+        )
+    }
+    assert users and users <= SERVICE_USERS

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from native_build import can_build_extensions
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_DIRS = {"statecore": "statecore", "adapters": "adapters", "specs": "specs"}
 ROOTS = ("statecore", "statecore.adapters", "statecore.specs")
 MUST_IMPORT = (
     "statecore",
@@ -80,13 +80,13 @@ def _probe(cwd: Path, pythonpath: str | None) -> dict[str, Any]:
 
 
 def _copy_tree(dest: Path) -> Path:
-    """Copy what the build reads (top-level files and the package folders) to ``dest``."""
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    """Copy what the build reads (top-level files and the package folder) to ``dest``; built
+    extensions stay behind, so the wheel compiles its own."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "*.so")
     for entry in ROOT.iterdir():
         if entry.is_file():
             shutil.copy2(entry, dest / entry.name)
-    for folder in PACKAGE_DIRS.values():
-        shutil.copytree(ROOT / folder, dest / folder, ignore=ignore)
+    shutil.copytree(ROOT / "statecore", dest / "statecore", ignore=ignore)
     return dest
 
 
@@ -154,11 +154,25 @@ def test_wheel_and_editable_import_the_same_names(wheel_site: Path, tmp_path: Pa
 
 def test_wheel_ships_type_marker_and_entry_point(wheel_site: Path) -> None:
     assert (wheel_site / "statecore" / "py.typed").is_file()
+    # the adapters and specs are folders of the package, stubs of the extensions beside them
+    for stub in ("_viewcheck.pyi", "_keyorder.pyi", "adapters/_hostcopy.pyi"):
+        assert (wheel_site / "statecore" / stub).is_file(), stub
+    for module in ("adapters/torch.py", "adapters/vllm.py", "specs/invariants.py"):
+        assert (wheel_site / "statecore" / module).is_file(), module
     (dist_info,) = wheel_site.glob("statecore-*.dist-info")
     entry_points = (dist_info / "entry_points.txt").read_text(encoding="utf-8")
     assert "statecore = statecore.cli:main" in entry_points
     metadata = (dist_info / "METADATA").read_text(encoding="utf-8")
     assert "Requires-Dist: python-statemachine" in metadata
+
+
+@pytest.mark.skipif(
+    not can_build_extensions(),
+    reason="no C compiler or Python headers: the optional extensions cannot have been built",
+)
+def test_wheel_ships_the_compiled_extensions_in_their_folders(wheel_site: Path) -> None:
+    for folder, name in (("", "_viewcheck"), ("", "_keyorder"), ("adapters", "_hostcopy")):
+        assert list((wheel_site / "statecore" / folder).glob(f"{name}.*.so")), name
 
 
 def test_wheel_runs_the_diagrams_command(wheel_site: Path, tmp_path: Path) -> None:

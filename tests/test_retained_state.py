@@ -30,15 +30,15 @@ from pathlib import Path
 
 import pytest
 from retained import RETAINED_SCENARIO, containers
-from statecore.adapters.vllm_metrics import TransferSizes, stats_payload
 
+from statecore.adapters.vllm_metrics import TransferSizes, stats_payload
 from statecore.bench.scheduler import HookTimer, RunResult, run_standalone
 from statecore.manager import OffloadingManager
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.managers.filetier import FileTier, InlineExecutor
 from statecore.managers.redistier import RedisTier, RedisTierConfig, TierLayout
 from statecore.managers.tiering import TieringOffloadingManager
-from statecore.redisserver import LocalRedis
+from statecore.services.redisserver import LocalRedis
 from statecore.sim.engine import SimConfig, SimEngine
 from statecore.sim.faults import SimFaults
 from statecore.sim.run import SimStack, attach_store_oracle

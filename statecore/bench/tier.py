@@ -16,7 +16,7 @@ pass, so both see the same load on the machine); ``client CPU ratio`` is the bas
 seconds in this process over the tier's (best pass each), which a loaded machine disturbs less
 than wall time; ``ratio`` is tier / baseline
 (the goal is >= 0.8). Without ``--url`` a throw-away ``redis-server`` is started on loopback
-(see :mod:`statecore.redisserver`). This is a command, not a test: nothing asserts timings.
+(see :mod:`statecore.services.redisserver`). This is a command, not a test: nothing asserts timings.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     server = None
     url = args.url
     if url is None:
-        from statecore.redisserver import LocalRedis
+        from statecore.services.redisserver import LocalRedis
 
         server = LocalRedis().start()
         url = server.url

@@ -71,7 +71,6 @@ behaviour.
 
 from __future__ import annotations
 
-import importlib
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -98,6 +97,7 @@ from statecore.sim.engine import (
     update_observed,
 )
 from statecore.sim.hashing import ROOT_HASH, chain_hash, extend_block_hashes
+from statecore.specs import invariants as oracles
 from statecore.views import Request, ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, GPULoadStoreSpec, TransferJob, WorkerMetadata
 from statecore.worker import OffloadingWorker, TransferResult, job_specs, plan_block_copies
@@ -429,7 +429,7 @@ class World:
         self.owner: list[int] = [-1] * (scope.gpu_blocks + 1)
         self.handed_now: set[int] = set()
         # INV-STORE-COMPLETE: finished requests whose final store the next step builds
-        self.completeness: list[tuple[int, tuple[bytes, ...], int]] = []
+        self.completeness: list[tuple[int, tuple[OffloadKey, ...], int]] = []
         self.preempted_next: set[int] = set()
         self.finished_since: set[int] = set()
         self.delivered: list[tuple[int, int, bool]] = []
@@ -711,7 +711,7 @@ class World:
 
     def _take_events(self) -> None:
         events = _guarded(self, "take_events", self.sched.take_events)
-        _invariants().replay_events_into(self.announced, events or (), Medium.CPU)
+        oracles.replay_events_into(self.announced, events or (), Medium.CPU)
 
     def _prune_delivered(self) -> None:
         if self.delivered:
@@ -875,7 +875,7 @@ class World:
         if req.request_id not in self.observed.registered:
             return  # the manager never took the request (its on_new_request raised)
         n_off = min(max(req.num_prompt_tokens, req.num_tokens - 1), req.num_computed_tokens)
-        keys = _invariants().store_complete_keys(
+        keys = oracles.store_complete_keys(
             req.block_hashes, n_off, r.covered, self._groups, self.tpb, 1
         )
         if keys:
@@ -886,7 +886,7 @@ class World:
         ids = [r.req.request_id for r in self.reqs]
         owners = [(ids[o],) if o >= 0 else () for o in self.owner]
         flush = meta.jobs_to_flush
-        own = _invariants().own_violation
+        own = oracles.own_violation
         for j, job in meta.store_jobs.items():
             src = job.src
             blocks = src.block_ids if isinstance(src, GPULoadStoreSpec) else ()
@@ -902,7 +902,7 @@ class World:
         for idx, keys, epoch in pending:
             if epoch != self.resets or unusable:
                 continue  # a reset discarded the final store, or the manager took nothing
-            bad = _invariants().store_complete_violation(
+            bad = oracles.store_complete_violation(
                 self.reqs[idx].req.request_id, keys, obs.known, obs.refused
             )
             if bad is not None:
@@ -1231,15 +1231,14 @@ class World:
         """Everything wrong with this state: errors raised into the engine, data errors,
         every scheduler ``INV-*`` predicate and the CPU manager's own bookkeeping."""
         out = list(self.errors)
-        inv = _invariants()
-        for code, msg in inv.scheduler_violations(self.sched):
+        for code, msg in oracles.scheduler_violations(self.sched):
             out.append(f"{code}: {msg}")
             break
         try:
             self.manager.check_invariants()
         except StatecoreError as exc:
             out.append(f"manager: {exc}")
-        bad = self._events_violation(inv)
+        bad = self._events_violation()
         if bad is not None:
             out.append(bad)
         for r in self.reqs:
@@ -1250,11 +1249,11 @@ class World:
                 del self.errors[before:]
         return out
 
-    def _events_violation(self, inv: Any) -> str | None:
+    def _events_violation(self) -> str | None:
         """INV-EVENTS on the CPU tier: the replay of its events (taken after every action)
         against the keys it holds readable."""
         ready = set(self.manager.ready_keys())
-        bad: str | None = inv.events_violation(self.announced, ready)
+        bad = oracles.events_violation(self.announced, ready)
         if bad is not None:
             self.announced = ready  # report each divergence once
         return bad
@@ -1551,11 +1550,6 @@ class World:
                 )
         out["clock"] = f"{self.clock.now:g}s"
         return out
-
-
-def _invariants() -> Any:
-    """The invariant catalogue (specs/ is mapped into the package at build time)."""
-    return importlib.import_module("statecore.specs.invariants")
 
 
 def _outcome(fut: Future[Any]) -> Any:

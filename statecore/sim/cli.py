@@ -221,7 +221,7 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
             except ConfigError as exc:
                 return str(exc)
         else:
-            from statecore.redisserver import find_server
+            from statecore.services.redisserver import find_server
 
             if find_server() is None:
                 return (

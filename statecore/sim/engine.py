@@ -74,7 +74,6 @@ chunk a finished request produced was offered to the manager or is known to it).
 from __future__ import annotations
 
 import enum
-import importlib
 import math
 import pickle
 import random
@@ -92,6 +91,7 @@ from statecore.sim.hashing import ROOT_HASH, extend_block_hashes
 from statecore.sim.kv import KVCache
 from statecore.sim.presets import GROUP_PRESETS
 from statecore.sim.workload import Turn, Workload, WorkloadConfig
+from statecore.specs import invariants as oracles
 from statecore.views import Request, ScheduledRequest, SchedulerOutput
 from statecore.wire import ConnectorMetadata, WorkerMetadata
 
@@ -360,12 +360,6 @@ class EngineStats:
     in_flight_series: list[int] = field(default_factory=list)
 
 
-def _oracles() -> Any:
-    """The invariant catalogue, where the expectation oracles are defined once (specs/ is
-    mapped into the package at build time and type-checked on its own)."""
-    return importlib.import_module("statecore.specs.invariants")
-
-
 def reraise(exc: Exception) -> None:
     """Raise ``exc`` again: hands an exception :func:`update_observed` returned to a guard
     that classifies what a call raises (the engine's ``_guard``, the model checker's)."""
@@ -395,16 +389,15 @@ def update_observed(
         obs.errors_counted,
         counters.manager_errors if counters is not None else 0,
     )
-    inv = _oracles()
     jobs: Any = getattr(conn, "jobs", {})
-    bad = inv.manager_error_violation(
+    bad = oracles.manager_error_violation(
         injected,
         raised,
         obs.errors_counted - before,
         bool(getattr(conn, "checked", False)),
         lambda rid: [j for j in jobs.values() if j.req.req_id == rid],
     )
-    other = None if inv.raised_by_injection(raised, injected) else raised
+    other = None if oracles.raised_by_injection(raised, injected) else raised
     return result, other, bad
 
 
@@ -424,7 +417,7 @@ def shutdown_observed(conn: Any, obs: ObservedManager) -> str | None:
     obs.injected = [i for i in obs.injected if i.call != "shutdown"]
     after = counters.manager_errors if counters is not None else 0
     obs.errors_counted = after
-    bad: str | None = _oracles().shutdown_error_violation(
+    bad: str | None = oracles.shutdown_error_violation(
         ours[0] if ours else None, raised, after - before
     )
     return bad
@@ -535,7 +528,7 @@ class ObservedManager:
         self.registered: set[str] = set()
         """Requests the manager took (``on_new_request`` forwarded) and has not finished:
         INV-STORE-COMPLETE promises nothing for a request it never took."""
-        self.answers = _oracles().LookupAnswers()
+        self.answers = oracles.LookupAnswers()
         """This step's lookup answers, for INV-LOAD-HIT on every ``prepare_load``."""
 
     def _forward(self, call: str, req_id: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -544,7 +537,7 @@ class ObservedManager:
         try:
             return fn(*args)
         except Exception as exc:
-            self.violations.append(_oracles().caused_error_violation(call, req_id, exc))
+            self.violations.append(oracles.caused_error_violation(call, req_id, exc))
             raise
 
     def take_events(self) -> Any:
@@ -664,7 +657,7 @@ class ObservedManager:
             return out
         self.known.update(offered)
         if out.evicted_keys:
-            bad = _oracles().evict_violation(ctx.req_id, offered, out.evicted_keys)
+            bad = oracles.evict_violation(ctx.req_id, offered, out.evicted_keys)
             if bad is not None:
                 self.violations.append(bad)
         return out
@@ -1170,7 +1163,7 @@ class SimEngine:
         """Take the connector's KV events, as an engine that publishes them does after every
         step (a manager with events on keeps them until asked), and replay the CPU tier's."""
         events = self._guard("take_events", self.conn.take_events)
-        _oracles().replay_events_into(self._announced, events or (), Medium.CPU)
+        oracles.replay_events_into(self._announced, events or (), Medium.CPU)
 
     def _check_events(self, k: int) -> None:
         """INV-EVENTS on the CPU tier (:func:`statecore.specs.invariants.events_violation`)."""
@@ -1181,7 +1174,7 @@ class SimEngine:
         if self.observed is not None and self.observed.events_held_back:
             return  # the manager's take_events raised: its events come with the next one
         held = ready()
-        bad = _oracles().events_violation(self._announced, held)
+        bad = oracles.events_violation(self._announced, held)
         if bad is not None:
             self.stats.violations.append(f"step {k}: CPU tier: {bad}")
             self._announced = set(held)  # report each divergence once
@@ -1225,7 +1218,7 @@ class SimEngine:
             rid = job.req_id
             srcs = frozenset(b for b in getattr(job.src, "block_ids", ()) if b)
             pulled = j in flush  # submitted before this step's compute: reads first
-            bad = _oracles().own_violation(
+            bad = oracles.own_violation(
                 j, rid, srcs, self.owners, self._handed, pulled, self.handed_at
             )
             if bad is not None:
@@ -1269,7 +1262,7 @@ class SimEngine:
         if obs is not None and r.turn.req_id not in obs.registered:
             return  # the manager never took the request (its on_new_request raised)
         n_off = min(max(req.num_prompt_tokens, req.num_tokens - 1), req.num_computed_tokens)
-        keys: list[OffloadKey] = _oracles().store_complete_keys(
+        keys: list[OffloadKey] = oracles.store_complete_keys(
             req.block_hashes,
             n_off,
             r.covered,  # covered at admission: a named cause, never offered
@@ -1289,7 +1282,7 @@ class SimEngine:
             self.stats.completeness_checked += 1
             # named causes: stored or declined by the manager (known), found by a lookup
             # (known), no room at the last chance, the final store (refused this step)
-            bad = _oracles().store_complete_violation(rid, keys, obs.known, obs.refused)
+            bad = oracles.store_complete_violation(rid, keys, obs.known, obs.refused)
             if bad is not None:
                 self._violation(bad)
 

@@ -273,7 +273,7 @@ def run_instances(
         instances: how many engine stacks.
         prefix: the key prefix (``shared=False`` appends the instance number to it).
         shared: one namespace for all (sharing) or one per instance (no sharing).
-        server: the :class:`~statecore.redisserver.LocalRedis` behind ``url``, needed to
+        server: the :class:`~statecore.services.redisserver.LocalRedis` behind ``url``, needed to
             restart it.
         restart: stop the server once half the requests were issued, start it
             ``down_steps`` rounds later, or later once a tier job has failed (at most
@@ -515,7 +515,7 @@ def compare(
     """
     server: Any = None
     if url is None:
-        from statecore.redisserver import LocalRedis
+        from statecore.services.redisserver import LocalRedis
 
         server = LocalRedis().start()
         url = server.url

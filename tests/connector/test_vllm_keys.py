@@ -6,14 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
+from statecore import ConfigError
 from statecore.adapters.vllm_keys import (
     EXTRA_KEYS,
     FS_TIER_KEYS,
     render_table_page,
     validate_extra_config,
 )
-
-from statecore import ConfigError
 
 # Every kv_connector_extra_config key vLLM 0.33.0's offloading connector, its CPU and tiering
 # specs read (tests/vllm checks this list against vLLM's installed source).

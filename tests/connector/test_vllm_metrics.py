@@ -7,6 +7,7 @@ import functools
 from typing import Any
 
 import pytest
+
 from statecore.adapters.vllm_metrics import COUNTERS, OffloadPrometheus, stats_payload
 
 prometheus_client = pytest.importorskip(

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+
 from statecore.adapters.vllm_version import (
     SUPPORTED_VLLM_VERSIONS,
     check_vllm_version,
     supported_versions_text,
 )
-
 from statecore.errors import ConfigError
 
 

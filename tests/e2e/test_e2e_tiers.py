@@ -3,8 +3,9 @@
 Each engine with a tier runs in a process of its own
 (``python -m statecore.bench.e2e_harness SPEC OUT``), as two serving processes would; the
 reference runs without a connector in the test's process. The tiers: a directory (file tier),
-a real Redis server (``redis-server`` started by :class:`statecore.redisserver.LocalRedis`),
-and a file tier whose values were corrupted between the engines.
+a real Redis server (``redis-server`` started by
+:class:`statecore.services.redisserver.LocalRedis`), and a file tier whose values were corrupted
+between the engines.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 from test_e2e_engine import compare, prompts
 
 from statecore.bench.e2e_harness import BLOCK_SIZE, EngineSpec, RunResult, run_engine
-from statecore.redisserver import LocalRedis, find_server
+from statecore.services.redisserver import LocalRedis, find_server
 
 HARNESS = "statecore.bench.e2e_harness"
 

@@ -8,6 +8,7 @@ state unchanged (scheduler records and counters, manager entries, tiers, worker)
 from __future__ import annotations
 
 import pytest
+
 from statecore.specs.bad_inputs import CASES, Case, run_case
 
 

@@ -36,15 +36,6 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule, run_state_machine_as_test
-from statecore.specs.bad_inputs import (
-    Foreign,
-    IntPoser,
-    LyingInt,
-    observe_cpu,
-    observe_scheduler,
-    observe_worker,
-)
-from statecore.specs.stack import StackMachine
 
 from statecore import (
     ConnectorMetadata,
@@ -60,6 +51,15 @@ from statecore import (
 )
 from statecore.errors import StatecoreError
 from statecore.managers import CPUOffloadingManager
+from statecore.specs.bad_inputs import (
+    Foreign,
+    IntPoser,
+    LyingInt,
+    observe_cpu,
+    observe_scheduler,
+    observe_worker,
+)
+from statecore.specs.stack import StackMachine
 from statecore.wire import DirectionStats, TransferStats
 from statecore.worker import OffloadingWorker, aggregate
 

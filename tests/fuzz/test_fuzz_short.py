@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, settings
+
 from statecore.specs import fuzz
 from statecore.specs.stack import StackHarness, StackMachine
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from statecore.redisserver import find_server
+from statecore.services.redisserver import find_server
 
 
 def require_server() -> None:

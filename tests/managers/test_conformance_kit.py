@@ -13,6 +13,10 @@ from typing import Any
 
 import pytest
 from hypothesis import Phase
+
+from statecore.keys import OffloadKey, key_group
+from statecore.manager import LoadStoreSpec, PrepareStoreOutput, ReqContext
+from statecore.managers import CPUOffloadingManager
 from statecore.specs.conformance import (
     CONTRACT_METHODS,
     MISUSE_ERRORS,
@@ -27,10 +31,6 @@ from statecore.specs.fifo import FifoManager
 from statecore.specs.fuzz import main as fuzz_main
 from statecore.specs.planted import PLANTED, run_one
 from statecore.specs.thirdparty import resolve_manager
-
-from statecore.keys import OffloadKey, key_group
-from statecore.manager import LoadStoreSpec, PrepareStoreOutput, ReqContext
-from statecore.managers import CPUOffloadingManager
 
 GENERATE = {"phases": [Phase.generate]}
 
@@ -439,9 +439,8 @@ def test_vllm_profile_still_catches_a_real_bug() -> None:
 
 
 def test_misuse_errors_option() -> None:
-    from statecore.specs.thirdparty import parse_misuse_errors
-
     from statecore.errors import UnknownKeyError
+    from statecore.specs.thirdparty import parse_misuse_errors
 
     every = parse_misuse_errors(["AssertionError"])
     assert every == dict.fromkeys(MISUSE_ERRORS, AssertionError)

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
-from statecore.specs.conformance import make_manager_conformance
 
 from statecore.keys import OffloadKey
 from statecore.manager import CPULoadStoreSpec, ReqContext
@@ -19,6 +18,7 @@ from statecore.managers import (
     MemoryTier,
     TieringOffloadingManager,
 )
+from statecore.specs.conformance import make_manager_conformance
 
 # statecore's own suite follows the Hypothesis profile (dev/ci/fuzz) rather than the kit's
 # default budget, which is sized for a single third-party manager

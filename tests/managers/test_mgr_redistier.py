@@ -40,7 +40,7 @@ from statecore.managers.redistier import (
 from statecore.managers.tierconfig import build_tier
 from statecore.managers.tiers import FaultLog
 from statecore.pool import CPUPool
-from statecore.redisserver import LocalRedis, LocalRedisCluster
+from statecore.services.redisserver import LocalRedis, LocalRedisCluster
 from tests.managers.redis_fixtures import require_server
 
 END = ScheduleEndContext()

@@ -35,11 +35,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from statecore.adapters import vllm_metrics
-from statecore.adapters.vllm_metrics import TransferSizes
-
 from statecore import kernels
 from statecore import scheduler as scheduler_module
+from statecore.adapters import vllm_metrics
+from statecore.adapters.vllm_metrics import TransferSizes
 from statecore.errors import ManagerError
 from statecore.keys import OffloadKey
 from statecore.manager import LookupResult, ReqContext

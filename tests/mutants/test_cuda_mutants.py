@@ -20,10 +20,10 @@ import pytest
 pytest.importorskip("torch", reason="the torch adapter needs torch")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "worker"))
 
-import statecore.adapters._pinning as pinning
 from cuda_fakes import FakeCudaRuntime, findings
-from statecore.adapters.torch import TorchTransferBackend
 
+import statecore.adapters._pinning as pinning
+from statecore.adapters.torch import TorchTransferBackend
 from statecore.pool import CPUPool
 
 CHUNK = 4096

@@ -8,6 +8,7 @@ import functools
 
 import pytest
 from catalogue import METRICS_MUTANTS
+
 from statecore.adapters.vllm_metrics import OffloadPrometheus, stats_payload
 
 prometheus_client = pytest.importorskip(

@@ -15,11 +15,11 @@ import io
 
 import pytest
 from catalogue import MUTANTS
-from statecore.specs.fuzz import campaign, harness_factory_for
 
 from statecore.sim.engine import SimConfig
 from statecore.sim.run import simulate
 from statecore.sim.workload import WorkloadConfig
+from statecore.specs.fuzz import campaign, harness_factory_for
 
 FUZZ_SECONDS = 20.0
 FUZZ_SEED = 12

@@ -20,7 +20,7 @@ from statecore.manager import CPULoadStoreSpec, LookupResult, ReqContext, Schedu
 from statecore.managers import CPUOffloadingManager, InlineExecutor, TieringOffloadingManager
 from statecore.managers.redistier import RedisTier, RedisTierConfig, TierLayout
 from statecore.pool import CPUPool
-from statecore.redisserver import LocalRedis
+from statecore.services.redisserver import LocalRedis
 from statecore.sim.engine import SimConfig
 from statecore.sim.multi import run_instances
 from statecore.sim.workload import WorkloadConfig

@@ -6,8 +6,6 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from statecore.specs.fakes import RecordingManager
-
 from statecore import (
     ConnectorMetadata,
     ConnectorOutputResult,
@@ -21,6 +19,7 @@ from statecore import (
     WorkerMetadata,
 )
 from statecore.managers import CPUOffloadingManager
+from statecore.specs.fakes import RecordingManager
 
 
 def chain_hashes(tokens: Sequence[int], tokens_per_hash: int) -> list[bytes]:

@@ -11,10 +11,10 @@ strict and non-strict is seen.
 from __future__ import annotations
 
 from sched_harness import Harness, config, make_manager, offloaded, prefill
-from statecore.specs.fakes import RecordingManager
 
 from statecore import GroupConfig, LookupResult, OffloadKey, Request, SchedulerConfig
 from statecore.managers import CPUOffloadingManager, MemoryTier, TieringOffloadingManager
+from statecore.specs.fakes import RecordingManager
 
 
 def test_job_stalls_exactly_at_the_timeout_when_the_check_runs_exactly_at_the_interval(

@@ -28,7 +28,6 @@ from sched_harness import (
     offloaded,
     prefill,
 )
-from statecore.specs.fakes import RecordingManager
 
 from statecore import (
     ConnectorOutputResult,
@@ -41,6 +40,7 @@ from statecore import (
 )
 from statecore.errors import ManagerError, ManagerStateError, UnknownKeyError
 from statecore.manager import OffloadPolicy
+from statecore.specs.fakes import RecordingManager
 
 
 def test_store_is_unflushed_until_a_step_flushes_it(kind: str) -> None:

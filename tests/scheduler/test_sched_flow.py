@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 from sched_harness import Harness, admit_with_load, config, make_manager, offloaded, prefill
-from statecore.specs.fakes import Call, RecordingManager
 
 from statecore import (
     ConfigError,
@@ -22,6 +21,7 @@ from statecore import (
     SchedulerConfig,
     make_offload_key,
 )
+from statecore.specs.fakes import Call, RecordingManager
 
 
 def seed(h: Harness, keys: list[bytes]) -> None:

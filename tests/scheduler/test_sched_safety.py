@@ -16,7 +16,6 @@ from sched_harness import (
     offloaded,
     prefill,
 )
-from statecore.specs.fakes import RecordingManager
 
 from statecore import (
     InvalidMetadataError,
@@ -29,6 +28,7 @@ from statecore import (
     UnknownRequestError,
     WorkerMetadata,
 )
+from statecore.specs.fakes import RecordingManager
 from statecore.views import ScheduledRequest
 
 

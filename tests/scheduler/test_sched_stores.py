@@ -13,7 +13,6 @@ import weakref
 
 import pytest
 from sched_harness import Harness, chain_hashes, config, make_manager, prefill
-from statecore.specs.fakes import RecordingManager
 
 from statecore import (
     GroupConfig,
@@ -25,6 +24,7 @@ from statecore import (
 )
 from statecore.manager import LookupResult, OffloadPolicy, ReqContext
 from statecore.managers import CPUOffloadingManager, MemoryTier, TieringOffloadingManager
+from statecore.specs.fakes import RecordingManager
 
 
 def _layout(meta_store: object) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

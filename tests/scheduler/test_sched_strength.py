@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 import pytest
 from sched_harness import Harness, chain_hashes, config, make_manager, prefill
-from statecore.specs.fakes import RecordingManager
 
 from statecore import (
     InvalidMetadataError,
@@ -26,6 +25,7 @@ from statecore import (
     kernels,
     make_offload_key,
 )
+from statecore.specs.fakes import RecordingManager
 
 # -- counters ------------------------------------------------------------------------------------
 

@@ -17,12 +17,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from statecore.specs.invariants import (
-    manager_error_violation,
-    raised_by_injection,
-    shutdown_error_violation,
-)
-from statecore.specs.stack import MANAGER_ERROR_TARGETS, StackHarness
 
 from statecore.errors import InvariantViolation, ManagerError
 from statecore.keys import make_offload_key
@@ -38,6 +32,12 @@ from statecore.sim.engine import (
 )
 from statecore.sim.run import build_stack, simulate
 from statecore.sim.workload import WorkloadConfig
+from statecore.specs.invariants import (
+    manager_error_violation,
+    raised_by_injection,
+    shutdown_error_violation,
+)
+from statecore.specs.stack import MANAGER_ERROR_TARGETS, StackHarness
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mutants"))
 from catalogue import MUTANTS

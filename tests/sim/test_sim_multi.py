@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from statecore.redisserver import LocalRedis
+from statecore.services.redisserver import LocalRedis
 from statecore.sim.engine import SimConfig
 from statecore.sim.multi import compare, run_instances
 from statecore.sim.workload import WorkloadConfig

@@ -224,6 +224,7 @@ def test_removal_events_name_announced_chunks() -> None:
 
 def test_prometheus_metrics_from_a_run() -> None:
     import prometheus_client as pc
+
     from statecore.adapters.vllm import StatecoreOffloadingConnector
 
     ours = run("steady", "statecore")
@@ -246,10 +247,11 @@ def test_prometheus_metrics_from_a_run() -> None:
 
 
 def test_layout_answer_matches_upstream() -> None:
-    from statecore.adapters.vllm import StatecoreOffloadingConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
+
+    from statecore.adapters.vllm import StatecoreOffloadingConnector
 
     cfg = type("Cfg", (), {"attention_config": type("A", (), {"hisparse_config": None})()})()
     assert StatecoreOffloadingConnector.get_required_kvcache_layout(cfg) == (
@@ -259,8 +261,9 @@ def test_layout_answer_matches_upstream() -> None:
 
 def test_unmodelled_group_kinds_are_refused_at_start_up() -> None:
     import torch
-    from statecore.adapters.vllm import _group_config
     from vllm.v1 import kv_cache_interface as iface
+
+    from statecore.adapters.vllm import _group_config
 
     attn: dict[str, Any] = {"block_size": 16, "num_kv_heads": 1, "head_size": 1}
     mamba = iface.MambaSpec(block_size=16, shapes=((1,),), dtypes=(torch.float32,))
@@ -275,6 +278,7 @@ def test_unmodelled_group_kinds_are_refused_at_start_up() -> None:
 
 def test_every_extra_config_key_vllm_reads_is_in_the_table() -> None:
     import vllm
+
     from statecore.adapters.vllm_keys import EXTRA_KEYS
 
     root = Path(vllm.__file__).parent
@@ -408,9 +412,10 @@ def test_an_out_of_tree_spec_needs_no_cpu_capacity_on_the_scheduler_side() -> No
     capacity: a configuration without ``num_cpu_chunks`` or ``cpu_bytes_to_use`` builds, as
     vLLM's connector builds it (vLLM's own test fixture selects such a spec)."""
     import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
     from statecore.adapters.vllm import build_scheduler
     from statecore.adapters.vllm_spec import VllmSpecManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32)
     extra = {"spec_name": "FixedCapacitySpec", "spec_module_path": "vllm_oot_spec"}
@@ -427,11 +432,12 @@ def test_a_sliding_window_counts_the_tokens_its_group_retains_beyond_it(
     ``extra_retained_tokens``, for MTP) needs them on a hit too: statecore's window in chunks
     is vLLM's connector's, so a hit restores every block the engine keeps for the group."""
     import torch
-    from statecore.adapters.vllm import scheduler_config_from_vllm
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
         get_sliding_window_size_in_chunks,
     )
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from statecore.adapters.vllm import scheduler_config_from_vllm
 
     common: dict[str, Any] = {"num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
     swa = SlidingWindowSpec(

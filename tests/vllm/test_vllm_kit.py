@@ -16,15 +16,6 @@ pytest.importorskip(
     "vllm.config", reason="vLLM 0.33 is not installed (build it: scripts/vllm-integration.sh)"
 )
 
-from statecore.adapters import vllm_manager
-from statecore.specs.conformance import (
-    ConformanceError,
-    coverage_report,
-    make_manager_conformance,
-    run_conformance,
-)
-from statecore.specs.fuzz import main as fuzz_main
-from statecore.specs.vllmkit import CONFIGS
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
@@ -36,9 +27,18 @@ from vllm.v1.kv_offload.tiering.manager import (
     TieringOffloadingManager,
 )
 
+from statecore.adapters import vllm_manager
 from statecore.bench.scheduler import Scenario, run_vllm
 from statecore.keys import make_offload_key
 from statecore.manager import CPULoadStoreSpec, LookupResult, ReqContext
+from statecore.specs.conformance import (
+    ConformanceError,
+    coverage_report,
+    make_manager_conformance,
+    run_conformance,
+)
+from statecore.specs.fuzz import main as fuzz_main
+from statecore.specs.vllmkit import CONFIGS
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -36,7 +36,6 @@ torch = pytest.importorskip("torch", reason="the torch adapter needs torch")
 import statecore.adapters.torch as torch_adapter  # noqa: E402
 from statecore.adapters._pinning import HostRegistration  # noqa: E402
 from statecore.adapters.torch import TorchTransferBackend  # noqa: E402
-
 from statecore.errors import ConfigError, TransferError  # noqa: E402
 from statecore.pool import CPUPool  # noqa: E402
 from statecore.worker import plan_block_copies  # noqa: E402

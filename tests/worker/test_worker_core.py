@@ -7,12 +7,12 @@ import random
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from statecore.specs.bad_inputs import IncomparableInt
 from worker_harness import random_mapping, simple_mapping
 
 from statecore.errors import LifecycleError, SpecError
 from statecore.manager import CPULoadStoreSpec
 from statecore.pool import CPUPool
+from statecore.specs.bad_inputs import IncomparableInt
 from statecore.wire import ConnectorMetadata, GPULoadStoreSpec, TransferJob, WorkerMetadata
 from statecore.worker import (
     FaultyBackend,

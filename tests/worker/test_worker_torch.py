@@ -18,7 +18,6 @@ from statecore.adapters.torch import (  # noqa: E402
     host_copy_impl,
     run_segments,
 )
-
 from statecore.errors import ConfigError, SpecError  # noqa: E402
 from statecore.manager import CPULoadStoreSpec  # noqa: E402
 from statecore.pool import CPUPool  # noqa: E402

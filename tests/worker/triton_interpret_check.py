@@ -21,9 +21,9 @@ import random
 
 import torch
 from cuda_fakes import FakeCudaRuntime, findings
-from statecore.adapters.torch import TorchTransferBackend, triton_copy
 from worker_harness import random_mapping
 
+from statecore.adapters.torch import TorchTransferBackend, triton_copy
 from statecore.manager import CPULoadStoreSpec
 from statecore.pool import CPUPool
 from statecore.wire import GPULoadStoreSpec, TransferJob

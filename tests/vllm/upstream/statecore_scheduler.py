@@ -35,8 +35,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from statecore.adapters import vllm as sc_vllm
-from statecore.adapters import vllm_spec
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector as vllm_connector
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading import common as vllm_common
@@ -44,6 +42,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import Tr
 from vllm.v1.kv_offload import base as vb
 from vllm.v1.kv_offload.cpu import common as vllm_cpu
 
+from statecore.adapters import vllm as sc_vllm
+from statecore.adapters import vllm_spec
 from statecore.keys import OffloadKey, key_group
 from statecore.manager import (
     CPULoadStoreSpec,

@@ -19,6 +19,7 @@ whichever statecore the venv has installed.
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -37,22 +38,20 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 
 class _TreeFinder(importlib.abc.MetaPathFinder):
-    """statecore's packages from one source tree (the package dirs pyproject.toml maps)."""
+    """The ``statecore`` package from one source tree, and every module under it from the
+    tree too (its parent's path), ahead of any finder an installed statecore brings."""
 
     def __init__(self, root: Path) -> None:
-        self.dirs = {
-            "statecore": root / "statecore",
-            "statecore.adapters": root / "adapters",
-            "statecore.specs": root / "specs",
-        }
+        self.pkg = root / "statecore"
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        pkg = self.dirs.get(fullname)
-        if pkg is None:
-            return None
-        return importlib.util.spec_from_file_location(
-            fullname, pkg / "__init__.py", submodule_search_locations=[str(pkg)]
-        )
+        if fullname == "statecore":
+            return importlib.util.spec_from_file_location(
+                fullname, self.pkg / "__init__.py", submodule_search_locations=[str(self.pkg)]
+            )
+        if fullname.startswith("statecore.") and path is not None:
+            return importlib.machinery.PathFinder.find_spec(fullname, path)
+        return None
 
 
 if os.environ.get("STATECORE_TREE"):

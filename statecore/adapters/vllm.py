@@ -77,7 +77,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from statecore.adapters.vllm_keys import validate_extra_config
 from statecore.adapters.vllm_metrics import GAUGES, OffloadPrometheus, TransferSizes, stats_payload
 from statecore.adapters.vllm_version import check_vllm_version
-
 from statecore.config import GroupConfig, SchedulerConfig
 from statecore.errors import ConfigError
 from statecore.keys import OffloadKey, key_group, key_hash

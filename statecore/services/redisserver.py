@@ -1,5 +1,7 @@
 """Throw-away Redis/Valkey servers on loopback, for the tests, the benchmark and the simulator.
 
+It starts server processes, so it lives in :mod:`statecore.services`, outside the sans-IO core.
+
 :class:`LocalRedis` runs one ``redis-server`` (or ``valkey-server``) process on
 ``127.0.0.1``, on a free port, with its own temporary data directory and no persistence; it
 can be stopped and started again on the same port (a restart loses the data, as a server

@@ -75,7 +75,6 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from statecore.specs.invariants import replay_events_into
 
 from statecore.errors import (
     KeyNotReadyError,
@@ -93,6 +92,7 @@ from statecore.manager import (
     ReqContext,
     ScheduleEndContext,
 )
+from statecore.specs.invariants import replay_events_into
 
 __all__ = [
     "CONTRACT_METHODS",
