@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import statecore.bench.scheduler as bench
-import statecore.scheduler as sched_mod
+import statecore.scheduler.planning as planning
 import statecore.validate as validate
 import statecore.wire as wire
 from statecore.views import ScheduledColumns, ScheduledRequest, SchedulerOutput
@@ -84,7 +84,7 @@ _STUBS: tuple[tuple[Any, str, Any], ...] = (
     (validate, "flag", _nothing),
     (validate, "connector_metadata", _nothing),
     (validate, "id_collection", _nothing),
-    (sched_mod, "_admitted_lists", _admitted_lists),
+    (planning, "admitted_lists", _admitted_lists),
     (ScheduledRequest, "__post_init__", _nothing),
     (ScheduledColumns, "__post_init__", _nothing),
     (SchedulerOutput, "__post_init__", _nothing),

@@ -39,7 +39,6 @@ from statecore.adapters import vllm_metrics
 from statecore.adapters.vllm_metrics import TransferSizes
 
 from statecore import kernels
-from statecore import scheduler as scheduler_module
 from statecore.errors import ManagerError
 from statecore.keys import OffloadKey
 from statecore.manager import LookupResult, ReqContext
@@ -48,6 +47,8 @@ from statecore.managers.cpu import CPUOffloadingManager
 from statecore.managers.policies import ARCCachePolicy, LRUCachePolicy
 from statecore.managers.tiering import TieringOffloadingManager
 from statecore.scheduler import OffloadingScheduler, ResetResult
+from statecore.scheduler import core as scheduler_core
+from statecore.scheduler.effects import SchedulerEffects
 from statecore.wire import ConnectorMetadata
 
 __all__ = [
@@ -104,9 +105,9 @@ class Mutant:
 # -- the mutations ------------------------------------------------------------------------------
 
 
-def _discard_keeping_request_set(self: OffloadingScheduler, job: Any) -> None:
-    del self._jobs[job.job_id]  # seed 004: the request's in-flight set keeps the job
-    self.counters.jobs_discarded += 1
+def _discard_keeping_request_set(self: SchedulerEffects, job: Any) -> None:
+    del self.sched._table.live[job.job_id]  # seed 004: the request's in-flight set keeps the job
+    self.sched.counters.jobs_discarded += 1
 
 
 _real_reset = OffloadingScheduler.reset
@@ -219,9 +220,9 @@ def _clear_block_lists_keeping_window_positions(self: OffloadingScheduler, req: 
         gs.cursor = 0
 
 
-def _release_keeping_window_positions(self: OffloadingScheduler, req: Any) -> None:
-    self._reqs.pop(req.req_id, None)  # forgotten, but its window-index entries stay
-    self._awaiting_signal.pop(req.req_id, None)
+def _release_keeping_window_positions(self: SchedulerEffects, req: Any) -> None:
+    self.sched._reqs.pop(req.req_id, None)  # forgotten, but its window-index entries stay
+    self.sched._awaiting_signal.pop(req.req_id, None)
 
 
 _real_alloc = OffloadingScheduler.update_state_after_alloc
@@ -258,7 +259,7 @@ def _failed_loads_forgotten(self: OffloadingScheduler, output: Any) -> Any:
     return dataclasses.replace(result, failed_loads=kept)
 
 
-def _flush_request_noop(self: OffloadingScheduler, req: Any) -> None:
+def _flush_request_noop(self: SchedulerEffects, req: Any) -> None:
     return None  # a preempted request's in-flight jobs are not flushed
 
 
@@ -274,7 +275,7 @@ def _arc_evict_unprotected(self: ARCCachePolicy, n: int, protected: Any) -> Any:
     return _real_arc_evict(self, n, frozenset())
 
 
-def _keep_block_lists(self: OffloadingScheduler, req: Any) -> None:
+def _keep_block_lists(self: SchedulerEffects, req: Any) -> None:
     return None  # the preempted request keeps the block lists the engine just freed
 
 
@@ -338,8 +339,8 @@ def _update_then_preempt(self: OffloadingScheduler, output: Any) -> Any:
     return scheduled
 
 
-def _rewind_keeping_cursors(self: OffloadingScheduler, req: Any) -> None:
-    self._dormant.discard(req.req_id)  # the store position stays where it was: what the reset
+def _rewind_keeping_cursors(self: SchedulerEffects, req: Any) -> None:
+    self.sched._dormant.discard(req.req_id)  # the store position stays where it was: what the reset
     # dropped is never offered again, later chunks are stored behind a hole
 
 
@@ -370,7 +371,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "reset_keeps_request_job_sets",
             "reset_cache discards jobs but keeps them in each request's in-flight job set",
             "seed 004: reset leaves requests waiting on discarded jobs",
-            (OffloadingScheduler, "discard_job", _discard_keeping_request_set),
+            (SchedulerEffects, "discard_job", _discard_keeping_request_set),
         ),
         _mutant(
             "reset_invalidates_sent_loads",
@@ -539,7 +540,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "a released request's sliding-window index entries are kept",
             "leak: per-request window-index entries outlive their request; INV-REF, "
             "simulator leak check",
-            (OffloadingScheduler, "release_request", _release_keeping_window_positions),
+            (SchedulerEffects, "release_request", _release_keeping_window_positions),
         ),
         _mutant(
             "untracked_allocation_not_fenced",
@@ -578,7 +579,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "preempt_without_flush",
             "a preempted request's in-flight jobs are not flushed",
             "preemption does not flush a request's stores; INV-FLUSH-PREEMPT",
-            (OffloadingScheduler, "flush_request", _flush_request_noop),
+            (SchedulerEffects, "flush_request", _flush_request_noop),
         ),
         _mutant(
             "reset_keeps_store_cursors",
@@ -586,7 +587,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "a blind spot of every whole-stack checker: chunks a reset dropped are never "
             "offered again (later chunks stored behind a hole no prefix gets past; bytes "
             "fine); INV-STORE-COMPLETE",
-            (OffloadingScheduler, "rewind_request", _rewind_keeping_cursors),
+            (SchedulerEffects, "rewind_request", _rewind_keeping_cursors),
         ),
         _mutant(
             "window_loads_pending_chunks",
@@ -602,7 +603,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "a preempted request keeps its freed block lists until it is scheduled again",
             "found by statecore check: a request aborted while re-loading stores from the blocks "
             "of its first allocation (wrong bytes); INV-SRC-VALID",
-            (OffloadingScheduler, "drop_block_lists", _keep_block_lists),
+            (SchedulerEffects, "drop_block_lists", _keep_block_lists),
         ),
         _mutant(
             "failed_loads_forgotten",
@@ -620,7 +621,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "the engine core dies when vLLM's multiprocess executor pickles the step's "
             "connector metadata to the workers (found by `vllm serve` on vLLM's CPU build; the "
             "in-process engines never pickled it)",
-            (scheduler_module, "_NO_KEYS", MappingProxyType({})),
+            (scheduler_core, "_NO_KEYS", MappingProxyType({})),
         ),
     ]
 )

@@ -1,59 +1,92 @@
-"""The scheduler side of an offloading connector.
+"""The scheduler side of an offloading connector: the engine's hooks and every decision.
 
 :class:`OffloadingScheduler` decides what to look up, load and store, tracks every transfer
 job across the workers and protects GPU blocks that get reused while a copy is in flight. It
-follows the hooks of vLLM's offloading connector (``get_num_new_matched_tokens``,
-``update_state_after_alloc``, ``build_connector_meta``, ``update_connector_output``,
-``request_finished``, ...) and adds what upstream lacks:
+follows the hooks of vLLM's offloading connector and adds what upstream lacks (stalled jobs,
+failed loads reported as invalid blocks, a reset that fails no request, typed errors for bad
+input, a manager that raises without stopping the engine).
 
-* every request and job moves through the compiled lifecycles of
-  :mod:`statecore.lifecycle`, whose actions call back into this class (the
-  :class:`~statecore.lifecycle.LifecycleEffects` hooks at the end of the class);
-* a job with no full quorum after ``stall_timeout_s`` is completed with ``success=False``
-  through the one completion path, flushed to the workers, and kept in a ledger that absorbs
-  its late reports (seed 000);
-* worker-reported failures complete jobs with ``success=False``; failed or stalled loads are
-  reported as invalid GPU blocks so the engine recomputes them;
-* ``reset_cache`` flushes every job and makes every earlier report inert (the seed-004 fix),
-  except for loads the workers already run: those are carried over, complete normally and
-  release their requests, so a reset never fails a request (vLLM's default
-  ``kv_load_failure_policy`` aborts a request whose load fails);
+A map for the reader
+--------------------
+
+The package (:mod:`statecore.scheduler`) is this module and four beside it:
+
+* :mod:`~statecore.scheduler.records`: one record per request and per job, each attached to
+  its compiled lifecycle (:mod:`statecore.lifecycle`);
+* :mod:`~statecore.scheduler.jobs`: the job table (live jobs, the stalled ledger, the fence
+  index, the keys being loaded, the quorum count of reports);
+* :mod:`~statecore.scheduler.planning`: pure functions that work out what a lookup hits, what
+  a load fills and what a store offers and takes (every speed trick lives there);
+* :mod:`~statecore.scheduler.effects`: what the lifecycles' actions do (the
+  :class:`~statecore.lifecycle.LifecycleEffects` hooks), private to the package;
+* :mod:`~statecore.scheduler.answers`: the values the engine gets back.
+
+An engine call reaches an effect in three steps, each in one place: the hook here fires an
+event (``REQUEST.fire(rec, RE_PREEMPT)``); the lifecycle's table
+(:mod:`statecore.lifecycle.machines`, the one source of truth) picks the transition and runs
+its actions; each action calls one hook of :class:`~statecore.scheduler.effects.SchedulerEffects`.
+
+The hooks, in the order an engine step calls them, and the decisions (methods of
+:class:`OffloadingScheduler`) each one takes:
+
+* ``on_new_request``: track the request (``_track``: its policy, its transfer limits);
+* ``get_num_new_matched_tokens``: whether the request may look up (its lifecycle), the hit
+  (``_lookup``), whether it waits for another request's load of its chunks
+  (``_waited_for_loaders``);
+* ``update_state_after_alloc``: the allocation (``_note_allocation``), what to load
+  (``_create_load``);
+* ``build_connector_meta``: preemptions (``_apply_preemptions``), the step's entries
+  (``_update_req_states``, ``_admit``, ``_drop_stale_window_blocks``), the fences the step's
+  allocation reaches (``_flush_fenced``), whether and what to store (``_build_store_jobs``,
+  ``_store_chunks``);
+* ``update_connector_output``: quorum (the job table's ``report_target``), when a job stalls
+  (``_check_stalls``);
+* ``request_finished``: finish (the final stores wait for the next step's metadata);
+* ``reset`` / ``reset_cache``: what a reset flushes, discards and carries over
+  (``_reset_manager`` for the manager's part);
+* ``has_pending_push_work``, ``get_stats``, ``take_events``, ``shutdown``: the engine's loop.
+
+Rules every hook keeps:
+
 * bad input never asserts: every hook first runs the pure checks of
   :mod:`statecore.validate` on all of its arguments, then mutates; a malformed argument
   raises a typed :mod:`statecore.errors` error with the state unchanged, and documented
   anomalies (reports for unknown jobs, a live request view turned bad, ...) are absorbed and
-  counted (see :class:`SchedulerCounters`).
+  counted (see :class:`~statecore.scheduler.answers.SchedulerCounters`);
+* a manager that raises does not stop the hook: :meth:`OffloadingScheduler._manager_error`
+  counts the error and keeps it for the next :meth:`~OffloadingScheduler.update_connector_output`;
+* the class is sans-IO: no threads, no files, time only through the injected ``clock``.
 
 Admission: a lookup never changes a request's block lists or store cursors (so calling it
-for a running request is harmless). An allocation (:meth:`update_state_after_alloc`) records
-the request's complete block lists; the request's next :class:`~statecore.views.ScheduledRequest`
+for a running request is harmless). An allocation (``update_state_after_alloc``) records the
+request's complete block lists; the request's next :class:`~statecore.views.ScheduledRequest`
 starts from that fresh allocation, whether it repeats the complete lists (vLLM's new-request
-form) or carries only blocks added since. Its store cursors rewind there only if it was looked
-up since its last admission: a streaming session resumed with its blocks kept is allocated
-and scheduled as a new request without a lookup, and keeps what it stored.
+form) or carries only blocks added since. Its store
+cursors rewind there only if it was looked up since its last admission: a streaming session
+resumed with its blocks kept is allocated and scheduled as a new request without a lookup, and
+keeps what it stored.
 
-The class is sans-IO: no threads, no files, time only through the injected ``clock``.
+Stalled transfers and INV-FENCE: a job with no full quorum after ``stall_timeout_s`` is
+completed with ``success=False`` through the one completion path (seed 000). It may still be
+running on a worker: at the stall it is put in the next step's ``jobs_to_flush``, so every
+worker waits for it (or finds it unknown) before that step writes any GPU block, and before any
+store that reuses its freed CPU slots is submitted. Its fences can therefore be dropped at the
+stall. Its ledger entry absorbs late reports until its remaining worker count reaches 0, and
+expires after another ``stall_timeout_s`` (counted as ``stalled_expired``): reports arriving
+later are absorbed as duplicates.
 
-Stalled transfers and INV-FENCE: a stalled job may still be running on a worker. At the stall
-the job is put in the next step's ``jobs_to_flush``, so every worker waits for it (or finds it
-unknown) before that step writes any GPU block, and before any store that reuses its freed CPU
-slots is submitted. Its fences can therefore be dropped at the stall. Its ledger entry absorbs
-late reports until its remaining worker count reaches 0, and expires after another
-``stall_timeout_s`` (counted as ``stalled_expired``): reports arriving later are absorbed as
-duplicates.
+``reset_cache`` flushes every job and makes every earlier report inert (the seed-004 fix),
+except for loads the workers already run: those are carried over, complete normally and
+release their requests, so a reset never fails a request (vLLM's default
+``kv_load_failure_policy`` aborts a request whose load fails).
 """
 
 from __future__ import annotations
 
-import enum
 import importlib
 import os
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from itertools import chain, compress, repeat
-from operator import attrgetter, is_not, le
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from statecore import kernels, validate
@@ -67,7 +100,6 @@ from statecore.lifecycle import (
     JOB,
     RE_ALLOC_LOAD,
     RE_FINISH,
-    RE_JOB_ENDED,
     RE_LOOKUP,
     RE_PREEMPT,
     RE_RESET,
@@ -82,375 +114,28 @@ from statecore.manager import (
     ReqContext,
     ScheduleEndContext,
 )
-from statecore.views import Request, RequestLike, ScheduledRequest, SchedulerOutput
+from statecore.scheduler import planning
+from statecore.scheduler.answers import (
+    EMPTY_MAPPING,
+    NO_OUTPUT,
+    ConnectorOutputResult,
+    CreatedLoad,
+    ResetResult,
+    ResetStatus,
+    SchedulerCounters,
+)
+from statecore.scheduler.effects import SchedulerEffects
+from statecore.scheduler.jobs import JobTable, StepBatch, count_loaders
+from statecore.scheduler.records import GroupState, JobRecord, RequestRecord
+from statecore.views import Request, RequestLike, SchedulerOutput
 from statecore.wire import ConnectorMetadata, GPULoadStoreSpec, TransferJob, WorkerMetadata
 
-__all__ = [
-    "ConnectorOutputResult",
-    "GroupState",
-    "JobRecord",
-    "OffloadingScheduler",
-    "RequestRecord",
-    "SchedulerCounters",
-]
+__all__ = ["OffloadingScheduler"]
 
 Clock = Callable[[], float]
 
-_BYTES_ONLY = {bytes}
-
-
-class GroupState:
-    """Per request and KV-cache group: offload keys, GPU block ids and the store cursor.
-
-    Attributes:
-        keys: offload key of each whole chunk the request's hashes cover so far.
-        block_ids: the request's GPU block ids in this group (0 = null, skipped or stale).
-        cursor: first chunk not yet considered for storing (INV-CURSOR).
-        skip: chunks loaded at admission, never offered again under the chunk-level policy.
-    """
-
-    __slots__ = ("block_ids", "cursor", "keys", "skip")
-
-    def __init__(self) -> None:
-        self.keys: list[OffloadKey] = []
-        self.block_ids: list[int] = []
-        self.cursor = 0
-        self.skip = 0
-
-
-class RequestRecord:
-    """Scheduler state of one tracked request. ``state`` indexes ``REQUEST.states``."""
-
-    __slots__ = (
-        "_shadow",
-        "_sm",
-        "admitted",
-        "ctx",
-        "deferred_since",
-        "groups",
-        "hashes_ok",
-        "jobs",
-        "looked_up",
-        "max_load_tokens",
-        "max_offload_tokens",
-        "n_hashes",
-        "num_local_computed",
-        "num_scheduled",
-        "owner",
-        "policy",
-        "registered",
-        "req_id",
-        "request",
-        "signalled",
-        "state",
-        "store_cap",
-        "store_floor",
-    )
-
-    state: int  # set by REQUEST.attach
-
-    def __init__(
-        self,
-        owner: OffloadingScheduler,
-        request: RequestLike,
-        ctx: ReqContext,
-        policy: OffloadPolicy,
-        n_groups: int,
-        req_id: str | None = None,
-    ) -> None:
-        self.owner = owner
-        self.req_id = request.request_id if req_id is None else req_id
-        self.request = request
-        self.ctx = ctx
-        self.policy = policy
-        self.registered = False
-        """The manager's ``on_new_request`` took the request (false while it raised: no
-        lookup hits, no stores, no finish notice; retried by the next lookup or store)."""
-        self.groups = [GroupState() for _ in range(n_groups)]
-        self.jobs: set[int] = set()
-        self.max_load_tokens: int | None = None
-        self.max_offload_tokens: int | None = None
-        self.num_local_computed = 0
-        self.num_scheduled = 0
-        self.n_hashes = 0  # block hashes already turned into keys
-        self.deferred_since: float | None = None
-        self.signalled = False
-        # no chunk can become storable below this many offloadable tokens (0: unknown)
-        self.store_floor = 0
-        # offloadable tokens never exceed this (max_offload_tokens, prompt-only)
-        self.store_cap = 1 << 62
-        # complete block lists of the last allocation, until the next scheduling applies them
-        self.admitted: tuple[tuple[int, ...], ...] | None = None
-        # looked up since its last admission: the engine (re)starts it from its prefix, so
-        # that admission rewinds its store cursors; an admission without a lookup (a streaming
-        # session resumed with its blocks kept) keeps them
-        self.looked_up = False
-        self.hashes_ok = 0  # block hashes already validated (a prefix of the view's list)
-        REQUEST.attach(self)
-
-
-class JobRecord:
-    """Scheduler state of one transfer job. ``state`` indexes ``JOB.states``.
-
-    Attributes:
-        keys: the job's offload keys (the manager's completion gets exactly these).
-        blocks: GPU blocks it reads (store) or writes (load).
-        pending: workers that have not reported yet.
-        failed: workers that reported a failure.
-        seen: bit mask of the ranks that reported, for reports that carry ranks.
-        fenced: store sources fenced from creation (sliding-window groups).
-        deferred_fence: store sources fenced once the request finishes (full attention).
-        deferred_registered: whether ``deferred_fence`` is in the fence index.
-        flushed: the job was put in a step's ``jobs_to_flush``: every worker finishes it
-            before that step writes any GPU block or submits any load.
-        sent: the job went out in a step's metadata (loads are created before that).
-        carried: a sent load that outlived a reset: it completes without the manager.
-    """
-
-    __slots__ = (
-        "_shadow",
-        "_sm",
-        "blocks",
-        "carried",
-        "created_at",
-        "deferred_fence",
-        "deferred_registered",
-        "failed",
-        "fenced",
-        "flushed",
-        "is_store",
-        "job_id",
-        "keys",
-        "owner",
-        "pending",
-        "req",
-        "seen",
-        "sent",
-        "stalled_at",
-        "state",
-    )
-
-    state: int  # set by JOB.attach
-
-    def __init__(
-        self,
-        owner: OffloadingScheduler,
-        job_id: int,
-        req: RequestRecord,
-        is_store: bool,
-        keys: tuple[OffloadKey, ...],
-        blocks: tuple[int, ...],
-        pending: int,
-        now: float,
-        fenced: tuple[int, ...] = (),
-        deferred_fence: tuple[int, ...] = (),
-    ) -> None:
-        self.owner = owner
-        self.job_id = job_id
-        self.req = req
-        self.is_store = is_store
-        self.keys = keys
-        self.blocks = blocks
-        self.pending = pending
-        self.failed = 0
-        self.seen = 0  # mask of ranks that reported (when reports carry ranks)
-        self.created_at = now
-        self.stalled_at = 0.0
-        self.fenced = fenced
-        self.deferred_fence = deferred_fence
-        self.deferred_registered = False
-        self.flushed = False
-        self.sent = is_store  # a store is created while its metadata is built
-        self.carried = False
-        JOB.attach(self)
-
-
-@dataclass(slots=True)
-class SchedulerCounters:
-    """Cumulative counters. Every tolerated anomaly has its own counter.
-
-    ``invalid_request_views`` counts request views found malformed while
-    ``build_connector_meta`` read them live (a field turned bad after the hook that validated
-    it): that request's keys and stores are skipped for the step, nothing else changes.
-
-    Job outcomes: ``jobs_created = live + completed + failed + stalled + discarded``.
-    """
-
-    jobs_created: int = 0
-    load_jobs_created: int = 0
-    store_jobs_created: int = 0
-    jobs_completed: int = 0
-    jobs_failed: int = 0
-    jobs_stalled: int = 0
-    jobs_discarded: int = 0
-    loads_carried: int = 0
-    stalled_retired: int = 0
-    stalled_expired: int = 0
-    late_reports: int = 0
-    stale_reports: int = 0
-    duplicate_reports: int = 0
-    unknown_reports: int = 0
-    over_reports: int = 0
-    invalid_report_counts: int = 0
-    lookups: int = 0
-    lookups_deferred: int = 0
-    loader_waits_expired: int = 0
-    lookup_hit_tokens: int = 0
-    allocation_failures: int = 0
-    flushes_requested: int = 0
-    resets: int = 0
-    implicit_new_requests: int = 0
-    untracked_finishes: int = 0
-    unknown_scheduled_requests: int = 0
-    invalid_transfer_params: int = 0
-    invalid_request_views: int = 0
-    manager_errors: int = 0
-    fence_pairs_missing: int = 0
-    load_bytes: int = 0
-    load_seconds: float = 0.0
-    store_bytes: int = 0
-    store_seconds: float = 0.0
-
-    def as_dict(self) -> dict[str, int | float]:
-        """The counters as a plain dict."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectorOutputResult:
-    """What the engine learns from :meth:`OffloadingScheduler.update_connector_output`.
-
-    Attributes:
-        finished_loads: requests whose load job ended (completed, failed, stalled, or
-            discarded by a reset before it was sent); they may resume.
-        invalid_block_ids: GPU blocks of loads that did not complete successfully: their
-            content is not trustworthy and must be recomputed.
-        failed_loads: per request among ``finished_loads`` whose load did not complete
-            successfully (failed, stalled, discarded by a reset, or failed before it started),
-            its blocks among ``invalid_block_ids``; the requests not in it loaded fine.
-            Excluded from the hash (equality compares it).
-    """
-
-    finished_loads: frozenset[str] = frozenset()
-    invalid_block_ids: frozenset[int] = frozenset()
-    failed_loads: Mapping[str, frozenset[int]] = field(
-        default_factory=lambda: _NO_FAILED_LOADS, hash=False
-    )
-
-
-class _EmptyMapping(Mapping[Any, Any]):
-    """An immutable empty mapping that pickles (to the module's one instance).
-
-    ``MappingProxyType`` does not pickle, and what the scheduler answers crosses process
-    boundaries: vLLM's multiprocess executor pickles the step's connector metadata to every
-    worker, and an unpicklable value there kills the engine core.
-    """
-
-    __slots__ = ()
-
-    def __getitem__(self, key: Any) -> Any:
-        raise KeyError(key)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-    def __repr__(self) -> str:
-        return "{}"
-
-    def __reduce__(self) -> str:
-        return "EMPTY_MAPPING"
-
-
-EMPTY_MAPPING: Mapping[Any, Any] = _EmptyMapping()
-"""The shared empty answer (no failed loads, no store keys): immutable, and it pickles."""
-
-_NO_FAILED_LOADS: Mapping[str, frozenset[int]] = EMPTY_MAPPING
-_NO_OUTPUT = ConnectorOutputResult()
 _NO_KEYS: Mapping[int, tuple[OffloadKey, ...]] = EMPTY_MAPPING
-
-
-@dataclass(frozen=True, slots=True)
-class CreatedLoad:
-    """The load job :meth:`OffloadingScheduler.update_state_after_alloc` created.
-
-    The job is in this step's :attr:`~statecore.wire.ConnectorMetadata.load_jobs` under
-    ``job_id``; the request is in ``finished_loads`` of the
-    :meth:`~OffloadingScheduler.update_connector_output` that ends it (and in
-    ``failed_loads``, with ``block_ids``, when it did not complete).
-
-    Attributes:
-        job_id: the load's job id.
-        req_id: the loading request.
-        keys: the offloaded chunks it loads, in order.
-        block_ids: the GPU blocks it fills, group after group (the blocks that are invalid
-            should the load fail).
-    """
-
-    job_id: int
-    req_id: str
-    keys: tuple[OffloadKey, ...]
-    block_ids: tuple[int, ...]
-
-
-class ResetStatus(enum.Enum):
-    """How far :meth:`OffloadingScheduler.reset` got.
-
-    The scheduler's side of a reset is never deferred: it is whole when the call returns.
-    Only the manager's ``reset_cache`` can fail, and is then deferred.
-    """
-
-    DONE = "done"
-    """The scheduler and the manager are reset."""
-    MANAGER_RESET_DEFERRED = "manager_reset_deferred"
-    """The manager's ``reset_cache`` raised (:attr:`ResetResult.reason`): the scheduler is
-    reset, the manager may still hold its chunks. Every ``build_connector_meta`` retries it
-    first (its metadata's ``manager_reset`` says when it took) and no lookup hits until then."""
-
-
-@dataclass(frozen=True, slots=True)
-class ResetResult:
-    """What :meth:`OffloadingScheduler.reset` did.
-
-    True (as a bool) when :attr:`status` is :attr:`ResetStatus.DONE`, so a caller written
-    for :meth:`~OffloadingScheduler.reset_cache`'s bool reads it alike.
-
-    Attributes:
-        status: whether the manager's reset took, or was deferred.
-        reason: why it was deferred (the manager's error, as text); None when done.
-        flushed_jobs: job ids put in the next ``jobs_to_flush`` (every job in flight or
-            stalled).
-        discarded_jobs: jobs dropped without completion: stores, stalled jobs and loads not
-            sent yet (their reports become inert).
-        discarded_loads: requests whose unsent load was dropped: the next
-            :meth:`~OffloadingScheduler.update_connector_output` reports them in
-            ``finished_loads`` and ``failed_loads`` (their blocks are recomputed).
-        carried_loads: loads the workers already run, carried over the reset: they complete
-            as usual.
-    """
-
-    status: ResetStatus
-    reason: str | None = None
-    flushed_jobs: frozenset[int] = frozenset()
-    discarded_jobs: frozenset[int] = frozenset()
-    discarded_loads: frozenset[str] = frozenset()
-    carried_loads: frozenset[int] = frozenset()
-
-    def __bool__(self) -> bool:
-        return self.status is ResetStatus.DONE
-
-
-@dataclass(slots=True)
-class _StepBatch:
-    loads: dict[int, TransferJob] = field(default_factory=dict)
-    flush: set[int] = field(default_factory=set)
-    allocated: set[int] = field(default_factory=set)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+"""The store keys of a step with no store job (it pickles: see ``EMPTY_MAPPING``)."""
 
 
 def _finished_copy(request: RequestLike) -> Request:
@@ -470,76 +155,6 @@ def _finished_copy(request: RequestLike) -> Request:
         request.skip_reading_prefix_cache,
         request.is_aborted,
     )
-
-
-_SEQ = (list, tuple)
-_INT_VALUE: Any = int.__index__
-"""An id as the exact int it equals: raises TypeError for anything that is not an int (or
-an int subclass such as bool), and ignores a subclass's own comparison operators."""
-
-# the fields of a ScheduledRequest, as the tuple _update_req_states iterates (C speed)
-_ENTRY: Callable[[ScheduledRequest], tuple[str, Any, int, bool]] = attrgetter(
-    "req_id", "new_block_ids", "num_scheduled_tokens", "resumed_from_preemption"
-)
-
-
-_native_block_lists: Callable[[Any, int], tuple[tuple[int, ...], ...] | None] | None
-try:  # the accepting half of _admitted_lists in C (optional: built by the install)
-    from statecore._viewcheck import block_lists as _native_block_lists
-except ImportError:  # pragma: no cover - the extension is optional (no compiler at install)
-    _native_block_lists = None
-
-
-def _admitted_lists(
-    block_ids: Any, n_groups: int, num_external_tokens: Any
-) -> tuple[tuple[int, ...], ...] | None:
-    """The block lists of :meth:`OffloadingScheduler.update_state_after_alloc` as tuples, or
-    None when an argument is malformed (the validation layer then diagnoses).
-
-    The C check (``statecore._viewcheck.block_lists``, where built) accepts the plain form
-    (exact lists/tuples of exact ints >= 0); what it declines the Python check below rules
-    on, so what is accepted does not depend on whether the extension is built.
-    """
-    if type(num_external_tokens) is not int or num_external_tokens < 0:
-        return None
-    if _native_block_lists is not None:
-        fast = _native_block_lists(block_ids, n_groups)
-        if fast is not None:
-            return fast
-    if type(block_ids) not in _SEQ or len(block_ids) != n_groups:
-        return None
-    out: list[tuple[int, ...]] = []
-    try:
-        for ids in block_ids:
-            if type(ids) not in _SEQ:
-                return None
-            t = tuple(ids)
-            if t and min(map(_INT_VALUE, t)) < 0:
-                return None
-            out.append(t)
-    except TypeError:
-        return None
-    return tuple(out)
-
-
-def _count_loaders(loading: dict[OffloadKey, int], keys: Sequence[OffloadKey], delta: int) -> None:
-    """Add ``delta`` (1: a load started, -1: it ended) to each key's count of loads in flight;
-    a key whose count reaches 0 leaves ``loading``. A key listed twice counts twice.
-
-    The usual load has distinct keys no other load holds: then at C speed."""
-    if delta == 1 and loading.keys().isdisjoint(keys):
-        if len(keys) == len(set(keys)):
-            loading.update(dict.fromkeys(keys, 1))
-            return
-    elif delta == -1 and set(map(loading.get, keys)) == {1} and len(keys) == len(set(keys)):
-        deque(map(loading.pop, keys), 0)
-        return
-    for k in keys:
-        n = loading.get(k, 0) + delta
-        if n > 0:
-            loading[k] = n
-        else:
-            loading.pop(k, None)
 
 
 def _param(params: Mapping[str, Any] | None, name: str) -> tuple[int | None, bool]:
@@ -577,18 +192,16 @@ class OffloadingScheduler:
         self.clock = clock
         self.counters = SchedulerCounters()
         self._reqs: dict[str, RequestRecord] = {}
-        self._jobs: dict[int, JobRecord] = {}
-        self._stalled: dict[int, JobRecord] = {}
-        self._next_job_id = 0
-        self._stale_threshold = 0
-        self._fence: dict[int, set[int]] = {}
+        # what the request and job lifecycles call (every record's owner)
+        self._effects = SchedulerEffects(self)
+        # live jobs, the stalled ledger, fences, keys being loaded, report epochs
+        self._table = JobTable(
+            config.num_workers, self.counters, config.enable_prefix_caching, clock()
+        )
         # sliding-window block id -> (group state, position) of every tracked request that
         # listed it: when the block is handed out again, those positions are stale
         self._window_blocks: dict[int, list[tuple[GroupState, int]]] = {}
-        self._loading_keys: dict[OffloadKey, int] | None = (
-            {} if config.enable_prefix_caching else None
-        )
-        self._batch = _StepBatch()
+        self._batch = StepBatch()
         self._awaiting_signal: dict[str, RequestRecord] = {}
         # errors a manager raised while a job completed (the completion was applied all the
         # same) or while build_connector_meta offered a store (taken as no room), each with
@@ -605,7 +218,6 @@ class OffloadingScheduler:
         self._dormant: set[str] = set()
         self._finished_loads: set[str] = set()
         self._failed_loads: dict[str, set[int]] = {}  # request -> invalid blocks
-        self._last_stall_check = clock()
         self._stats_mark = SchedulerCounters()
         n = len(config.groups)
         self._n_groups = n
@@ -641,17 +253,17 @@ class OffloadingScheduler:
     @property
     def jobs(self) -> Mapping[int, JobRecord]:
         """Live (in-flight) jobs by id (read-only use)."""
-        return self._jobs
+        return self._table.live
 
     @property
     def stalled_jobs(self) -> Mapping[int, JobRecord]:
         """The stalled-job ledger: id -> record whose ``pending`` is the remaining count."""
-        return self._stalled
+        return self._table.stalled
 
     @property
     def fence_index(self) -> Mapping[int, set[int]]:
         """GPU block id -> ids of store jobs that read it (read-only use)."""
-        return self._fence
+        return self._table.fence
 
     @property
     def window_index(self) -> Mapping[int, list[tuple[GroupState, int]]]:
@@ -662,12 +274,12 @@ class OffloadingScheduler:
     @property
     def loading_keys(self) -> Mapping[OffloadKey, int] | None:
         """Keys of live load jobs with their multiplicity (None without prefix caching)."""
-        return self._loading_keys
+        return self._table.loading
 
     @property
     def stale_threshold(self) -> int:
         """Reports for job ids below this belong to an epoch before the last reset."""
-        return self._stale_threshold
+        return self._table.stale_threshold
 
     @property
     def _invalid_blocks(self) -> set[int]:
@@ -678,7 +290,7 @@ class OffloadingScheduler:
     @property
     def next_job_id(self) -> int:
         """The id the next job will get."""
-        return self._next_job_id
+        return self._table.next_id
 
     def request_state(self, req_id: str) -> str:
         """The lifecycle state name of a tracked request."""
@@ -740,7 +352,9 @@ class OffloadingScheduler:
         ctx = ReqContext(rid, params)
         if self._positions:  # (the manager ranks a request's chunks by position)
             ctx.key_positions = {}
-        rec = RequestRecord(self, request, ctx, OffloadPolicy.CHUNK_LEVEL, self._n_groups, rid)
+        rec = RequestRecord(
+            self._effects, request, ctx, OffloadPolicy.CHUNK_LEVEL, self._n_groups, rid
+        )
         self._register(rec)  # the manager's answer sets the policy
         rec.hashes_ok = len(request.block_hashes)  # the caller validated the view
         rec.max_load_tokens, bad_load = _param(params, "max_load_tokens")
@@ -856,137 +470,86 @@ class OffloadingScheduler:
         return None, False
 
     def _update_keys(self, rec: RequestRecord) -> None:
-        """Turn the request's new block hashes into keys (all groups, or none of them).
+        """Turn the request's new block hashes into keys (all groups, or none of them:
+        :func:`~statecore.scheduler.planning.extend_keys`).
 
         Hooks that take the request validate its view first; ``build_connector_meta`` reads
         the views live, so a ``block_hashes`` turned bad is absorbed there: the keys stay as
         they were and ``invalid_request_views`` counts it.
         """
-        hashes: Any = rec.request.block_hashes
-        if type(hashes) is not list and not validate.is_sequence(hashes):
+        n_hashes = planning.extend_keys(
+            rec.groups,
+            rec.request.block_hashes,
+            rec.n_hashes,
+            self._hpc,
+            self._group_suffix,
+            self._tpc,
+            rec.ctx.key_positions,
+        )
+        if n_hashes is None:
             self.counters.invalid_request_views += 1
-            return
-        n_hashes = len(hashes)
-        if n_hashes == rec.n_hashes:
-            return
-        new: list[tuple[list[OffloadKey], Sequence[Any], int, bool]] = []
-        sliceable = type(hashes) is list or type(hashes) is tuple
-        for g, gs in enumerate(rec.groups):
-            hpc = self._hpc[g]
-            have = len(gs.keys)
-            whole = n_hashes // hpc
-            if have < whole:
-                # each chunk's key is built from its last hash block: every hpc-th hash
-                ends: Sequence[Any]
-                if sliceable:
-                    ends = hashes[have * hpc + hpc - 1 : whole * hpc : hpc]
-                else:
-                    ends = [hashes[idx * hpc + hpc - 1] for idx in range(have, whole)]
-                plain = set(map(type, ends)) == _BYTES_ONLY  # the usual case, at C speed
-                if not plain:
-                    for h in ends:
-                        if type(h) is not bytes and not isinstance(
-                            h, bytes | bytearray | memoryview
-                        ):
-                            self.counters.invalid_request_views += 1
-                            return
-                new.append((gs.keys, ends, g, plain))
-        rec.n_hashes = n_hashes
-        positions = rec.ctx.key_positions
-        for keys, ends, g, plain in new:
-            # make_offload_key without its argument checks (done above): hash + group bytes
-            suffix = self._group_suffix[g]
-            have = len(keys)
-            if plain:  # (the + operator: twice as fast per key as map(bytes.__add__, ...))
-                keys += [h + suffix for h in ends]
-            else:
-                keys.extend([OffloadKey(bytes(h) + suffix) for h in ends])
-            if positions is not None:  # each chunk's end token (vLLM's key position)
-                tpc = self._tpc[g]
-                ends_at = range((have + 1) * tpc, (len(keys) + 1) * tpc, tpc)
-                positions.update(zip(keys[have:], ends_at, strict=True))
+        else:
+            rec.n_hashes = n_hashes
 
     def _lookup(
         self, rec: RequestRecord, num_computed: int, max_num_new_tokens: int | None
     ) -> int | None:
+        """The lookup hit: how many tokens beyond ``num_computed`` are loaded (0: none), or
+        None to defer: a chunk is pending or being located, or another request is loading
+        the hit's chunks (:meth:`_waited_for_loaders` bounds that wait).
+
+        A full hit is allowed (the engine recomputes the last token after the load, as vLLM
+        does); with a sliding-window group the last token must be computed to fill it. An
+        explicit cap on the tokens loaded (``max_num_new_tokens``, the request's
+        ``max_load_tokens``) is met with whole chunks of every group. A manager whose
+        ``lookup_many`` raises answers no hit. The plan itself:
+        :func:`~statecore.scheduler.planning.lookup_hits`.
+        """
         request = rec.request
-        # a full hit is allowed (the engine recomputes the last token after the load, as vLLM
-        # does); with a sliding-window group the last token must be computed to fill it
         max_hit = request.num_tokens - self._any_sliding
-        # an explicit cap on the tokens loaded is met with whole chunks of every group
         limit = 1 << 62
         if max_num_new_tokens is not None:
             limit = num_computed + max_num_new_tokens
         if rec.max_load_tokens is not None:
             limit = min(limit, num_computed + rec.max_load_tokens)
         max_hit = min(max_hit, limit)
-        budget_tokens = self.config.max_recompute_pending_tokens
-        lookup_many = self.manager.lookup_many
-        ctx = rec.ctx
-        defer = False
-        changed = True
-        # a group's kernel answers the same over its own answer's range again (prefix_hits and
-        # window_hits are idempotent under that cut): with one group, one pass is all.
-        # A full-attention group covers the hit with the chunks that hold it, its last one
-        # maybe in part (the load fills the blocks up to the hit's end, as vLLM's connector
-        # does): with groups of different chunk sizes the hit need not end on a boundary
-        # of every group's chunks. Whole chunks only under an explicit cap (`limit`), and
-        # for a sliding-window group, whose window is counted in whole chunks back from the
-        # hit's end.
-        single = len(self._lookup_order) == 1
-        while changed:
-            changed = False
-            for g in self._lookup_order:
-                tpc = self._tpc[g]
-                keys = rec.groups[g].keys
-                cap = min(max_hit, len(keys) * tpc)
-                start = num_computed // tpc
-                window = self._window[g]
-                if window is not None or cap <= num_computed:
-                    end = cap // tpc
-                else:
-                    end = min(-(-cap // tpc), limit // tpc, len(keys))
-                if end <= start:  # (start + 1) * tpc > num_computed: nothing loadable
-                    return 0
-                try:
-                    if window is None:  # (up to and with the first miss)
-                        results = lookup_many(keys[start:end], ctx, True)
-                    else:
-                        results = lookup_many(keys[start:end], ctx)
-                except Exception as exc:  # answered as no hit; raised after the step
-                    self._manager_error(
-                        exc,
-                        f"get_num_new_matched_tokens: the manager's lookup_many for request "
-                        f"{rec.req_id!r}",
-                        "(answered as no hit)",
-                    )
-                    return 0
-                if window is None:
-                    hits = kernels.prefix_hits(results, budget_tokens // tpc)
-                else:
-                    hits = kernels.window_hits(results, window)
-                if hits is None:
-                    defer = True
-                    continue
-                if hits == 0:
-                    return 0
-                new_max = tpc * (start + hits)  # > num_computed: hits >= 1
-                if new_max < max_hit:
-                    max_hit = new_max
-                    changed = not single
-        if defer:
+        try:
+            hits = planning.lookup_hits(
+                rec.groups,
+                self._lookup_order,
+                self._tpc,
+                self._window,
+                num_computed,
+                max_hit,
+                limit,
+                self.config.max_recompute_pending_tokens,
+                self.manager.lookup_many,
+                rec.ctx,
+            )
+        except planning.LookupFailed as failed:  # answered as no hit; raised after the step
+            self._manager_error(
+                failed.error,
+                f"get_num_new_matched_tokens: the manager's lookup_many for request {rec.req_id!r}",
+                "(answered as no hit)",
+            )
+            return 0
+        if not hits:
+            return hits
+        loading = self._table.loading
+        if (
+            loading
+            and not self._waited_for_loaders(rec)
+            and planning.hit_chunks_loading(
+                rec.groups,
+                self._lookup_order,
+                self._tpc,
+                num_computed,
+                num_computed + hits,
+                loading.keys(),
+            )
+        ):
             return None
-        # here max_hit > num_computed: a group whose cap is at most num_computed returned 0
-        # above, and a lowered max_hit is tpc * (start + hits) > num_computed (hits >= 1)
-        loading = self._loading_keys
-        if loading and not self._waited_for_loaders(rec):
-            listed = loading.keys()
-            for g in self._lookup_order:
-                tpc = self._tpc[g]
-                end = _ceil_div(max_hit, tpc)  # (the chunks the load reads, as above)
-                if not listed.isdisjoint(rec.groups[g].keys[num_computed // tpc : end]):
-                    return None
-        return max_hit - num_computed
+        return hits
 
     def _waited_for_loaders(self, rec: RequestRecord) -> bool:
         """Whether ``rec`` has been deferred for ``stall_timeout_s`` already: then it stops
@@ -1036,7 +599,7 @@ class OffloadingScheduler:
         rid = getattr(request, "request_id", None)
         if type(rid) is not str:
             rid = validate.request_id(request, call)
-        admitted = _admitted_lists(block_ids, self._n_groups, num_external_tokens)
+        admitted = planning.admitted_lists(block_ids, self._n_groups, num_external_tokens)
         if admitted is None:
             validate.block_lists(block_ids, self._n_groups, call, "block_ids", self._where, rid)
             validate._fail(
@@ -1058,36 +621,37 @@ class OffloadingScheduler:
             self._note_allocation(rec, admitted)
             return None
         REQUEST.require(rec, RE_ALLOC_LOAD)
+        return self._create_load(rec, block_ids, admitted, num_external_tokens)
+
+    def _create_load(
+        self,
+        rec: RequestRecord,
+        block_ids: Sequence[Sequence[int]],
+        admitted: tuple[tuple[int, ...], ...],
+        num_external_tokens: int,
+    ) -> CreatedLoad | None:
+        """What to load: the chunks from the locally computed prefix up to
+        ``num_external_tokens`` more (:func:`~statecore.scheduler.planning.load_plan`), into
+        the blocks allocated for them. The manager's ``prepare_load`` locates them; should it
+        raise, the load fails before it starts (no job; its blocks are reported invalid).
+        Under the chunk-level policy the loaded chunks are never offered for storing again."""
         num_cached = rec.num_local_computed + num_external_tokens
-        keys: list[OffloadKey] = []
-        dst: list[int] = []
-        sizes: list[int] = []
-        starts: list[int] = []
-        bpc = self._bpc
-        for g, gs in enumerate(rec.groups):
-            blocks = block_ids[g]
-            n_gpu = _ceil_div(num_cached, self._tpb[g])
-            end_chunk = _ceil_div(num_cached, self._tpc[g])
-            if len(blocks) < n_gpu or len(gs.keys) < end_chunk:
-                raise MetadataError(
-                    f"update_state_after_alloc: request {rec.req_id!r} group {g}: "
-                    f"{len(blocks)} blocks and {len(gs.keys)} keys cannot hold "
-                    f"{num_cached} cached tokens"
-                )
-            start = _ceil_div(rec.num_local_computed, self._tpb[g])
-            while start < n_gpu and not blocks[start]:
-                start += 1
-            dst.extend(blocks[start:n_gpu])
-            sizes.append(n_gpu - start)
-            starts.append(start)
-            if n_gpu > start:
-                keys.extend(gs.keys[start // bpc : end_chunk])
+        keys, dst, sizes, starts = planning.load_plan(
+            rec.groups,
+            block_ids,
+            rec.num_local_computed,
+            num_cached,
+            self._tpb,
+            self._tpc,
+            self._bpc,
+            rec.req_id,
+        )
         try:
             src = self.manager.prepare_load(keys, rec.ctx)  # a typed error changes nothing
         except Exception as exc:  # the load fails at once: its blocks are reported invalid
             self._manager_error(
                 exc,
-                f"update_state_after_alloc: the manager's prepare_load for request {rid!r}",
+                f"update_state_after_alloc: the manager's prepare_load for request {rec.req_id!r}",
                 "(the load failed before it started: its blocks are reported invalid)",
             )
             self._note_allocation(rec, admitted)
@@ -1097,12 +661,12 @@ class OffloadingScheduler:
         self._note_allocation(rec, admitted)
         if rec.policy is OffloadPolicy.CHUNK_LEVEL:
             for g, gs in enumerate(rec.groups):
-                gs.skip = max(gs.skip, _ceil_div(num_cached, self._tpc[g]))
-        job = self._new_job(rec, False, tuple(keys), tuple(dst))
+                gs.skip = max(gs.skip, planning.ceil_div(num_cached, self._tpc[g]))
+        job = self._table.create(self._effects, rec, False, tuple(keys), tuple(dst), self.clock())
         REQUEST.fire(rec, RE_ALLOC_LOAD)
-        loading = self._loading_keys
+        loading = self._table.loading
         if loading is not None:
-            _count_loaders(loading, job.keys, 1)
+            count_loaders(loading, job.keys, 1)
         self._batch.loads[job.job_id] = TransferJob(
             rec.req_id, src, GPULoadStoreSpec(job.blocks, tuple(sizes), tuple(starts))
         )
@@ -1116,39 +680,6 @@ class OffloadingScheduler:
         allocated.discard(0)  # the null block is never handed to an owner
         rec.admitted = admitted
         self._dormant.discard(rec.req_id)
-
-    def _new_job(
-        self,
-        rec: RequestRecord,
-        is_store: bool,
-        keys: tuple[OffloadKey, ...],
-        blocks: tuple[int, ...],
-        fenced: tuple[int, ...] = (),
-        deferred_fence: tuple[int, ...] = (),
-    ) -> JobRecord:
-        job_id = self._next_job_id
-        self._next_job_id = job_id + 1
-        job = JobRecord(
-            self,
-            job_id,
-            rec,
-            is_store,
-            keys,
-            blocks,
-            self.config.num_workers,
-            self.clock(),
-            fenced,
-            deferred_fence,
-        )
-        self._jobs[job_id] = job
-        rec.jobs.add(job_id)
-        c = self.counters
-        c.jobs_created += 1
-        if is_store:
-            c.store_jobs_created += 1
-        else:
-            c.load_jobs_created += 1
-        return job
 
     def build_connector_meta(self, output: SchedulerOutput) -> ConnectorMetadata:
         """Build this step's metadata: load jobs, store jobs and jobs to flush.
@@ -1185,16 +716,7 @@ class OffloadingScheduler:
             self._manager_error(
                 exc, "build_connector_meta: the manager's on_schedule_end", "(the step went on)"
             )
-        fence = self._fence
-        if fence and batch.allocated:
-            small, large = (
-                (batch.allocated, fence)
-                if len(batch.allocated) <= len(fence)
-                else (fence, batch.allocated)
-            )
-            for b in small:
-                if b in large:
-                    batch.flush.update(fence[b])
+        self._flush_fenced(batch)
         store_jobs: dict[int, TransferJob] = {}
         for rec in scheduled:
             self._build_store_jobs(rec, store_jobs, finished=False)
@@ -1203,7 +725,7 @@ class OffloadingScheduler:
             REQUEST.fire(rec, RE_SIGNAL_FINISHED)
         self._awaiting_signal.clear()
         self.counters.flushes_requested += len(batch.flush)
-        jobs = self._jobs
+        jobs = self._table.live
         for job_id in batch.loads:
             jobs[job_id].sent = True
         for job_id in batch.flush:
@@ -1217,8 +739,23 @@ class OffloadingScheduler:
             {job_id: jobs[job_id].keys for job_id in store_jobs} if store_jobs else _NO_KEYS,
             manager_reset,
         )
-        self._batch = _StepBatch()
+        self._batch = StepBatch()
         return meta
+
+    def _flush_fenced(self, batch: StepBatch) -> None:
+        """INV-FENCE: every store reading a block handed out since the last metadata (to
+        anyone) goes in this step's flush, so the workers finish it before the block is
+        written. Costs O(the smaller of the step's allocation and the fence index)."""
+        fence = self._table.fence
+        if fence and batch.allocated:
+            small, large = (
+                (batch.allocated, fence)
+                if len(batch.allocated) <= len(fence)
+                else (fence, batch.allocated)
+            )
+            for b in small:
+                if b in large:
+                    batch.flush.update(fence[b])
 
     def _admit(self, rec: RequestRecord, new_ids: Sequence[Sequence[int]]) -> list[Sequence[int]]:
         """The first scheduling after an allocation: start from the allocated lists.
@@ -1268,7 +805,10 @@ class OffloadingScheduler:
 
         A decode entry (no new blocks, under its store floor) costs a record lookup and a few
         comparisons: keys are built when a store or lookup needs them (:meth:`_update_keys`
-        from :meth:`_build_store_jobs`), not each time a block hash appears.
+        from :meth:`_build_store_jobs`), not each time a block hash appears. A request whose
+        store cap is below its store floor is *dormant*: no chunk of it can become storable,
+        and its column entries without new blocks are not even read
+        (:func:`~statecore.scheduler.planning.scheduled_entries`).
         """
         allocated = self._batch.allocated
         scheduled: list[RequestRecord] = []
@@ -1276,34 +816,11 @@ class OffloadingScheduler:
         dormant_add = self._dormant.add
         sliding = self._sliding if self._any_sliding else None
         window_new: list[tuple[int, GroupState, int]] = []
-        entries: Iterable[tuple[str, Any, int, bool]] = map(_ENTRY, output.scheduled)
         cols = output.columns
-        if cols is not None:
-            resumed = cols.resumed_req_ids
-            rids = cols.req_ids
-            blocks = cols.new_block_ids
-            dormant = self._dormant
-            if resumed:
-                dormant.difference_update(resumed)  # (their block lists start over below)
-            col_entries: Iterable[tuple[str, Any, int, bool]] = zip(
-                rids,
-                blocks,
-                cols.num_scheduled_tokens,
-                # (most steps resume nobody: no membership test per entry then)
-                map(resumed.__contains__, rids) if resumed else repeat(False, len(rids)),
-                strict=True,
-            )
-            if dormant:
-                # an entry of a dormant request with no new blocks changes nothing: dropped at
-                # C speed (in a large decode batch, most entries). Kept: not dormant, or with
-                # new blocks; as booleans, dormant <= has blocks (one call an entry fewer than
-                # `not dormant or has blocks`)
-                col_entries = compress(
-                    col_entries,
-                    map(le, map(dormant.__contains__, rids), map(is_not, blocks, repeat(None))),
-                )
-            entries = chain(entries, col_entries)
-        for rid, new_ids, n, resumed_now in entries:
+        if cols is not None and cols.resumed_req_ids:
+            # (their block lists start over below)
+            self._dormant.difference_update(cols.resumed_req_ids)
+        for rid, new_ids, n, resumed_now in planning.scheduled_entries(output, self._dormant):
             rec = get(rid)
             if rec is None:
                 self._untracked_scheduled(new_ids or (), allocated)
@@ -1376,6 +893,13 @@ class OffloadingScheduler:
     def _build_store_jobs(
         self, rec: RequestRecord, store_jobs: dict[int, TransferJob], finished: bool
     ) -> None:
+        """Whether ``rec`` stores this step, and up to which token: a running request up to
+        what this step computes, a finished one up to what it computed (not its last sampled
+        token, which has no KV), an aborted one up to what it computed; never beyond its
+        ``max_offload_tokens`` or, prompt-only, its prompt. Nothing below the store floor,
+        nothing while the request loads or drains (INV-EXCL), nothing while a failed manager
+        reset is pending, nothing for a request the manager does not know. Then the offer
+        (:meth:`_store_chunks`) and the request's next store floor."""
         request = rec.request
         # a running request's view is read live (a finished one's is the copy request_finished
         # made, unless a load was in flight): a field turned bad since the last hook skips this
@@ -1420,48 +944,26 @@ class OffloadingScheduler:
             return  # the manager does not know the request: nothing to offer it yet
         self._update_keys(rec)  # keys of the blocks hashed since they were last needed
         self._store_chunks(rec, n_off, store_jobs, finished)
-        chunk_level = rec.policy is OffloadPolicy.CHUNK_LEVEL
-        groups = rec.groups
-        if len(groups) == 1:  # (no generator for the usual single group)
-            gs = groups[0]
-            rec.store_floor = (
-                (max(gs.cursor, gs.skip) if chunk_level else gs.cursor) + 1
-            ) * self._tpc[0]
-            return
-        rec.store_floor = min(
-            ((max(gs.cursor, gs.skip) if chunk_level else gs.cursor) + 1) * self._tpc[g]
-            for g, gs in enumerate(groups)
+        rec.store_floor = planning.store_floor(
+            rec.groups, self._tpc, rec.policy is OffloadPolicy.CHUNK_LEVEL
         )
 
     def _store_chunks(
         self, rec: RequestRecord, n_off: int, store_jobs: dict[int, TransferJob], finished: bool
     ) -> None:
-        bpc = self._bpc
+        """What to store: the chunks up to ``n_off`` tokens past each group's cursor are
+        offered to the manager's ``prepare_store``
+        (:func:`~statecore.scheduler.planning.store_offer`); the chunks it keeps become one
+        store job (:func:`~statecore.scheduler.planning.accepted_store`), whose
+        sliding-window sources are fenced at once and, for a finished request, whose
+        full-attention sources too (flushed at once if a block was handed out this step).
+
+        The cursors advance past every storable chunk once the manager answered (kept or
+        present); no room (``None``) or a manager error leaves them for the next step."""
         chunk_level = rec.policy is OffloadPolicy.CHUNK_LEVEL
-        storable: list[int] = []
-        # offered chunk indices, per group: a range when none of them has a null block
-        per_group: list[Sequence[int]] = []
-        offer: list[OffloadKey] = []
-        for g, gs in enumerate(rec.groups):
-            block_ids = gs.block_ids
-            n = kernels.storable_chunks(
-                max(n_off, 0), self._tpc[g], len(block_ids), bpc, len(gs.keys)
-            )
-            storable.append(n)
-            first = max(gs.cursor, gs.skip) if chunk_level else gs.cursor
-            # null or stale (zeroed) blocks are never stored (INV-SRC-VALID)
-            head = block_ids[first * bpc : n * bpc]
-            if 0 not in head:  # the usual case: every chunk, its keys one slice (C speed)
-                per_group.append(range(first, n))
-                offer += gs.keys[first:n]
-                continue
-            valid: list[int]
-            if bpc == 1:
-                valid = list(compress(range(first, n), head))
-            else:
-                valid = [c for c in range(first, n) if 0 not in block_ids[c * bpc : (c + 1) * bpc]]
-            per_group.append(valid)
-            offer.extend(map(gs.keys.__getitem__, valid))
+        storable, per_group, offer = planning.store_offer(
+            rec.groups, n_off, self._tpc, self._bpc, chunk_level
+        )
         if not offer:
             self._advance(rec, storable)
             return
@@ -1481,89 +983,36 @@ class OffloadingScheduler:
         if not kept:
             self._advance(rec, storable)
             return
-        kept_t = kept if type(kept) is tuple else tuple(kept)
-        # The manager keeps the offered order. When what it kept is the offer's tail and no
-        # key before the tail is one of them (the present keys all come first: a prompt whose
-        # shared prefix is stored already, or an offer kept whole), the accepted chunks are
-        # the offer's tail, group by group, and the job's keys are what the manager kept: the
-        # chunks the filter by key below would accept, without a pass over every offered one.
-        cut = len(offer) - len(kept_t)
-        accepted: set[OffloadKey] | None = None
-        if cut < 0 or tuple(offer[cut:]) != kept_t:
-            accepted = set(kept_t)
-        elif cut:
-            accepted = set(kept_t)
-            if accepted.isdisjoint(offer[:cut]):
-                accepted = None
-        pos = 0  # the offer's index of the group's first offered chunk
-        src: list[int] = []
-        sizes = [0] * self._n_groups
-        starts = [0] * self._n_groups
-        fenced: list[int] = []
-        deferred: list[int] = []
-        keys: list[OffloadKey] = []
-        for g, offered in enumerate(per_group):
-            gs = rec.groups[g]
-            chunks: Sequence[int]
-            if accepted is None:
-                skip = cut - pos
-                pos += len(offered)
-                chunks = offered[skip:] if skip > 0 else offered
-            else:
-                chunks = list(
-                    compress(offered, map(accepted.__contains__, map(gs.keys.__getitem__, offered)))
-                )
-            if not chunks:
-                continue
-            block_ids = gs.block_ids
-            if isinstance(chunks, range):  # (step 1: consecutive chunks, their blocks a slice)
-                blocks = block_ids[chunks.start * bpc : chunks.stop * bpc]
-            elif bpc == 1:
-                blocks = list(map(block_ids.__getitem__, chunks))
-            else:
-                blocks = [b for c in chunks for b in block_ids[c * bpc : (c + 1) * bpc]]
-            starts[g] = chunks[0] * bpc
-            sizes[g] = len(blocks)
-            src.extend(blocks)
-            (fenced if self._sliding[g] else deferred).extend(blocks)
-            if accepted is not None:
-                keys.extend(map(gs.keys.__getitem__, chunks))
-        # one tuple for the source blocks, shared by the job, its fences and its transfer (each
-        # object of a step's jobs lives until the workers took the metadata: fewer of them,
-        # fewer garbage collections triggered inside the hooks)
-        blocks_t = tuple(src)
-        job = self._new_job(
-            rec,
-            True,
-            kept_t if accepted is None else tuple(keys),
-            blocks_t,
-            blocks_t if len(fenced) == len(blocks_t) else tuple(fenced),
-            blocks_t if len(deferred) == len(blocks_t) else tuple(deferred),
+        keys, blocks, sizes, starts, fenced, deferred = planning.accepted_store(
+            rec.groups,
+            per_group,
+            offer,
+            kept if type(kept) is tuple else tuple(kept),
+            self._bpc,
+            self._sliding,
         )
+        table = self._table
+        job = table.create(self._effects, rec, True, keys, blocks, self.clock(), fenced, deferred)
         if job.fenced:
-            kernels.fence_add(self._fence, job.job_id, job.fenced)
+            kernels.fence_add(table.fence, job.job_id, job.fenced)
         REQUEST.fire(rec, RE_STORE_CREATED)
         if finished:
-            self._register_deferred_fence(job)
+            table.fence_deferred(job)
             allocated = self._batch.allocated
             if any(b in allocated for b in job.deferred_fence):
                 self._batch.flush.add(job.job_id)
         self._advance(rec, storable)
         store_jobs[job.job_id] = TransferJob(
             rec.req_id,
-            GPULoadStoreSpec(blocks_t, tuple(sizes), tuple(starts)),
+            GPULoadStoreSpec(blocks, tuple(sizes), tuple(starts)),
             out.store_spec,
         )
 
     @staticmethod
     def _advance(rec: RequestRecord, storable: list[int]) -> None:
+        """Move each group's store cursor past its storable chunks (never backwards)."""
         for gs, n in zip(rec.groups, storable, strict=True):
             gs.cursor = kernels.advance_cursor(gs.cursor, n)
-
-    def _register_deferred_fence(self, job: JobRecord) -> None:
-        if not job.deferred_registered and job.deferred_fence:
-            kernels.fence_add(self._fence, job.job_id, job.deferred_fence)
-        job.deferred_registered = True
 
     def update_connector_output(self, meta: WorkerMetadata | None) -> ConnectorOutputResult:
         """Apply the workers' aggregated report of one step.
@@ -1622,14 +1071,17 @@ class OffloadingScheduler:
                     if entry is None:
                         entry = reports[job_id] = [0, 0, 0, 0]
                     entry[col] = n  # a map names a job once: the column is still 0 here
+            report_target = self._table.report_target
             for job_id, (ok, bad, ok_mask, bad_mask) in reports.items():
-                self._apply_report(job_id, ok, bad, ok_mask, bad_mask)
+                job = report_target(job_id, ok, bad, ok_mask, bad_mask)
+                if job is not None:  # the job's lifecycle decides whether it completed
+                    JOB.fire(job, JE_WORKER_REPORT)
         self._check_stalls()
         if self._manager_failures:
             self._raise_manager_failures()
         finished = self._finished_loads
         if not finished:
-            return _NO_OUTPUT
+            return NO_OUTPUT
         failed = self._failed_loads
         if failed:
             self._failed_loads = {}
@@ -1675,70 +1127,20 @@ class OffloadingScheduler:
             first.add_note(f"also raised in this call: {type(other).__name__}: {other}")
         raise first
 
-    def _apply_report(self, job_id: int, ok: int, bad: int, ok_mask: int, bad_mask: int) -> None:
-        c = self.counters
-        job = self._jobs.get(job_id)
-        stalled = self._stalled.get(job_id) if job is None else None
-        kind = kernels.classify_report(
-            job_id,
-            self._stale_threshold,
-            self._next_job_id,
-            job is not None,
-            stalled is not None,
-        )
-        if kind is kernels.ReportKind.STALE:
-            c.stale_reports += 1
-            return
-        if kind is kernels.ReportKind.UNKNOWN:
-            c.unknown_reports += 1
-            return
-        if kind is kernels.ReportKind.DUPLICATE:
-            c.duplicate_reports += 1
-            return
-        target = job if job is not None else stalled
-        if target is None:  # not reachable: LIVE and STALLED imply a record
-            c.unknown_reports += 1
-            return
-        if stalled is not None:
-            c.late_reports += 1
-        if ok_mask or bad_mask:  # ranks known: each rank counts once per job
-            seen, ok, bad, duplicates, invalid = kernels.rank_delta(
-                target.seen, ok_mask, bad_mask, self.config.num_workers
-            )
-            target.seen = seen
-            c.duplicate_reports += duplicates
-            c.invalid_report_counts += invalid
-            if not ok and not bad:
-                return
-        elif kernels.over_report(target.pending, ok, bad):
-            c.over_reports += 1  # count-only and more than outstanding: rejected whole
-            return
-        pending, _, acc_bad, excess = kernels.apply_report(target.pending, ok, bad)
-        c.over_reports += int(excess > 0)
-        target.pending = pending
-        target.failed += acc_bad
-        JOB.fire(target, JE_WORKER_REPORT)
-
     def _check_stalls(self) -> None:
+        """When a job stalls: at most once per ``stall_check_interval_s``, every live job
+        older than ``stall_timeout_s`` sees ``stall_timeout`` (its lifecycle completes it as
+        failed and keeps it in the stalled ledger), then ledger entries stalled that long
+        expire."""
         now = self.clock()
         cfg = self.config
-        if now - self._last_stall_check < cfg.stall_check_interval_s:
+        table = self._table
+        if not table.stall_check_due(now, cfg.stall_check_interval_s):
             return
-        self._last_stall_check = now
         timeout = cfg.stall_timeout_s
-        due: list[JobRecord] = []
-        for job in self._jobs.values():  # creation order: stop at the first young job
-            if not kernels.stall_due(now, job.created_at, timeout):
-                break
-            due.append(job)
-        for job in due:
+        for job in table.timed_out(now, timeout):
             JOB.fire(job, JE_STALL_TIMEOUT)
-        expired = [
-            j for j in self._stalled.values() if kernels.stall_due(now, j.stalled_at, timeout)
-        ]
-        for job in expired:
-            del self._stalled[job.job_id]
-            self.counters.stalled_expired += 1
+        table.expire_stalled(now, timeout)
 
     def request_finished(self, request: RequestLike) -> tuple[bool, None]:
         """The request finished (or was aborted); its blocks may be freed at once.
@@ -1783,7 +1185,7 @@ class OffloadingScheduler:
         REQUEST.require(rec, RE_FINISH)
         rec.request = request
         self._update_keys(rec)
-        jobs = self._jobs
+        jobs = self._table.live
         if all(jobs[j].is_store for j in rec.jobs):  # (with a load in flight: read live)
             rec.request = _finished_copy(request)
         REQUEST.fire(rec, RE_FINISH)
@@ -1826,8 +1228,8 @@ class OffloadingScheduler:
         delta["kv_offload_store_bytes"] = delta.pop("store_bytes")
         delta["kv_offload_store_time"] = delta.pop("store_seconds")
         delta["kv_offload_allocation_failure"] = delta["allocation_failures"]
-        delta["live_jobs"] = len(self._jobs)
-        delta["stalled_ledger"] = len(self._stalled)
+        delta["live_jobs"] = len(self._table.live)
+        delta["stalled_ledger"] = len(self._table.stalled)
         delta["tracked_requests"] = len(self._reqs)
         try:
             delta.update(self.manager.get_stats())
@@ -1853,7 +1255,7 @@ class OffloadingScheduler:
         again at the next step), rather than step without end for a manager that keeps
         raising. The error is counted (``manager_errors``) and, when it is untyped or checked
         mode is on, raised by the next :meth:`update_connector_output`."""
-        if self._jobs or self._awaiting_signal or self._batch.flush:
+        if self._table.live or self._awaiting_signal or self._batch.flush:
             return True
         try:
             return bool(self.manager.has_pending_work())
@@ -1907,34 +1309,27 @@ class OffloadingScheduler:
         :meth:`update_connector_output`.
         """
         batch = self._batch
-        flush, threshold = kernels.reset_plan(
-            frozenset(self._jobs),
-            frozenset(self._stalled),
-            self._next_job_id,
-            self._stale_threshold,
-        )
+        table = self._table
+        flush, threshold = table.reset_plan()
         batch.flush.update(flush)
         discarded_loads: set[str] = set()
         for job_id in list(batch.loads):
-            job = self._jobs[job_id]
+            job = table.live[job_id]
             rid = job.req.req_id
             self._finished_loads.add(rid)
             self._failed_loads.setdefault(rid, set()).update(job.blocks)
             discarded_loads.add(rid)
         batch.loads.clear()
-        for job in list(self._jobs.values()):
+        for job in list(table.live.values()):
             JOB.fire(job, JE_RESET)
-        for job in list(self._stalled.values()):
+        for job in list(table.stalled.values()):
             JOB.fire(job, JE_RESET)
-        carried = frozenset(self._jobs)  # the loads the workers run outlive the reset
-        self._stalled.clear()
-        self._fence.clear()  # loads hold no fence; every store is gone
-        if self._loading_keys is not None:
-            self._loading_keys.clear()  # the reset manager knows none of these keys
+        carried = frozenset(table.live)  # the loads the workers run outlive the reset
+        table.after_reset()
         for rec in list(self._reqs.values()):
             REQUEST.fire(rec, RE_RESET)
         self._awaiting_signal.clear()
-        self._stale_threshold = threshold
+        table.stale_threshold = threshold
         self.counters.resets += 1
         reason = self._reset_manager()
         return ResetResult(
@@ -1984,85 +1379,7 @@ class OffloadingScheduler:
             ) from exc
 
     # ----------------------------------------------------------------------------------------
-    # lifecycle effects (called by lifecycle actions only)
-
-    def complete_job(self, job: JobRecord, success: bool) -> None:
-        """The one completion path (seed 000 ``_complete_job``).
-
-        Notifies the manager (``complete_store(success=...)`` or ``complete_load``), updates
-        the chunks-being-loaded index, removes the job's fences, forgets the job and ends it
-        in its request. Never calls ``on_request_finished``.
-        """
-        c = self.counters
-        rec = job.req
-        try:
-            if job.is_store:
-                self.manager.complete_store(job.keys, rec.ctx, success)
-            elif not job.carried:  # a carried load's keys went with the reset
-                self.manager.complete_load(job.keys, rec.ctx)
-        except Exception as exc:  # the completion goes on; raised after the call
-            call = "complete_store" if job.is_store else "complete_load"
-            self._manager_error(
-                exc,
-                f"update_connector_output: job {job.job_id} of request {rec.req_id!r}: "
-                f"the manager's {call}",
-                "(the job was ended)",
-            )
-        if not job.is_store:
-            loading = self._loading_keys
-            if loading is not None and not job.carried:
-                _count_loaders(loading, job.keys, -1)
-            self._finished_loads.add(rec.req_id)
-            if not success:
-                self._failed_loads.setdefault(rec.req_id, set()).update(job.blocks)
-        if job.fenced:
-            c.fence_pairs_missing += kernels.fence_remove(self._fence, job.job_id, job.fenced)
-        if job.deferred_registered and job.deferred_fence:
-            c.fence_pairs_missing += kernels.fence_remove(
-                self._fence, job.job_id, job.deferred_fence
-            )
-        del self._jobs[job.job_id]
-        if success:
-            c.jobs_completed += 1
-        elif job.pending == 0:
-            c.jobs_failed += 1
-        rec.jobs.discard(job.job_id)
-        REQUEST.fire(rec, RE_JOB_ENDED)
-
-    def stall_job(self, job: JobRecord) -> None:
-        """Complete a timed-out job with ``success=False``, flush it, keep it in the ledger."""
-        self.complete_job(job, False)
-        job.stalled_at = self.clock()
-        self._stalled[job.job_id] = job
-        self._batch.flush.add(job.job_id)
-        self.counters.jobs_stalled += 1
-
-    def forget_stalled(self, job: JobRecord) -> None:
-        """A stalled job's late reports all arrived: drop it from the ledger."""
-        del self._stalled[job.job_id]
-        self.counters.stalled_retired += 1
-
-    def discard_job(self, job: JobRecord) -> None:
-        """A reset drops the job: forget it (its request forgets it too); no completion."""
-        del self._jobs[job.job_id]
-        job.req.jobs.discard(job.job_id)
-        self.counters.jobs_discarded += 1
-
-    def carry_load(self, job: JobRecord) -> None:
-        """A reset carries the sent load over (it is in the reset's flush)."""
-        job.carried = True
-        self.counters.loads_carried += 1
-
-    def flush_request(self, req: RequestRecord) -> None:
-        """Flush every in-flight job of a preempted request."""
-        self._batch.flush.update(req.jobs)
-
-    def drop_block_lists(self, req: RequestRecord) -> None:
-        """A preempted request's blocks are freed: its block lists and store cursors start
-        over (INV-CURSOR), so no store (a final one after an abort, say) can read a block
-        that the engine has handed to another owner since. The next scheduling brings the
-        new lists."""
-        self._clear_block_lists(req)
+    # block lists (the lifecycle effects of statecore.scheduler.effects use these too)
 
     def _clear_block_lists(self, req: RequestRecord) -> None:
         self._unindex_window_positions(req)
@@ -2089,43 +1406,6 @@ class OffloadingScheduler:
                     held[:] = [e for e in held if e[0] is not gs]
                     if not held:
                         del index[b]
-
-    def on_finish(self, req: RequestRecord) -> None:
-        """Fence the full-attention sources of the finished request's in-flight stores."""
-        for job_id in req.jobs:
-            job = self._jobs[job_id]
-            if job.is_store:
-                self._register_deferred_fence(job)
-
-    def notify_finished(self, req: RequestRecord) -> None:
-        """Send ``on_request_finished`` to the manager, exactly once (INV-ORDER); what it
-        raises is counted and raised after the call (the request is released all the same)."""
-        req.signalled = True
-        if not req.registered:
-            return  # the manager never took the request: nothing to finish there
-        try:
-            self.manager.on_request_finished(req.ctx)
-        except Exception as exc:
-            self._manager_error(
-                exc,
-                f"the manager's on_request_finished for request {req.req_id!r}",
-                "(taken as delivered; the request was released)",
-            )
-
-    def release_request(self, req: RequestRecord) -> None:
-        """Forget the request (and its sliding-window block positions)."""
-        self._reqs.pop(req.req_id, None)
-        self._awaiting_signal.pop(req.req_id, None)
-        self._unindex_window_positions(req)
-        self._dormant.discard(req.req_id)
-
-    def rewind_request(self, req: RequestRecord) -> None:
-        """After a reset: rewind the request's store cursors (its carried load stays)."""
-        req.store_floor = 0
-        self._dormant.discard(req.req_id)
-        for gs in req.groups:
-            gs.cursor = 0
-            gs.skip = 0
 
     # ----------------------------------------------------------------------------------------
     # checked mode
