@@ -82,6 +82,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CORE_MODULES: tuple[str, ...] = (
     "statecore/scheduler/core.py",
+    "statecore/scheduler/state.py",
     "statecore/scheduler/jobs.py",
     "statecore/scheduler/planning.py",
     "statecore/scheduler/effects.py",
@@ -161,7 +162,7 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "self.stale_threshold = -1",
     ): "a negative job id is classified unknown before the threshold is read: -1 acts as 0",
     (
-        "statecore/scheduler/core.py",
+        "statecore/scheduler/state.py",
         "core/NumberReplacer",
         "key=lambda g: -(self._window[g] or 0),",
     ): "only sliding groups are sorted and their window is never None: the fallback never runs",
@@ -335,7 +336,7 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "rec.store_floor = -1",
     ): "the store floor is a lower bound that only enables the decode shortcut; -1 behaves as 0",
     (
-        "statecore/scheduler/core.py",
+        "statecore/scheduler/state.py",
         "core/NumberReplacer",
         "req.store_floor = 0",
         "req.store_floor = -1",

@@ -254,15 +254,17 @@ def _is_scheduler(node: ast.expr) -> bool:
 
 
 def scheduler_graph() -> SchedulerGraph:
-    """Read :class:`~statecore.OffloadingScheduler`'s source, and that of its lifecycle effects
-    (:class:`~statecore.scheduler.effects.SchedulerEffects`), into a :class:`SchedulerGraph`."""
+    """Read :class:`~statecore.OffloadingScheduler`'s source (with its base's,
+    :class:`~statecore.scheduler.state.SchedulerState`) and that of its lifecycle effects
+    (:class:`~statecore.scheduler.effects.SchedulerEffects`) into a :class:`SchedulerGraph`."""
     from statecore.scheduler import OffloadingScheduler
     from statecore.scheduler.effects import SchedulerEffects
+    from statecore.scheduler.state import SchedulerState
 
     bodies: list[ast.FunctionDef] = []
     methods: dict[str, _Method] = {}
     properties: set[str] = set()
-    for owner in (OffloadingScheduler, SchedulerEffects):
+    for owner in (SchedulerState, OffloadingScheduler, SchedulerEffects):
         tree = ast.parse(textwrap.dedent(inspect.getsource(owner)))
         cls = tree.body[0]
         if not isinstance(cls, ast.ClassDef):  # pragma: no cover - getsource returns the class

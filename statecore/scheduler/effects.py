@@ -43,7 +43,7 @@ from statecore.scheduler.jobs import count_loaders
 from statecore.scheduler.records import JobRecord, RequestRecord
 
 if TYPE_CHECKING:
-    from statecore.scheduler.core import OffloadingScheduler
+    from statecore.scheduler.state import SchedulerState
 
 __all__ = ["SchedulerEffects"]
 
@@ -54,7 +54,7 @@ class SchedulerEffects:
 
     __slots__ = ("sched",)
 
-    def __init__(self, sched: OffloadingScheduler) -> None:
+    def __init__(self, sched: SchedulerState) -> None:
         self.sched = sched
 
     # ----------------------------------------------------------------------------------------

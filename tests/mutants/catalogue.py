@@ -49,6 +49,7 @@ from statecore.managers.tiering import TieringOffloadingManager
 from statecore.scheduler import OffloadingScheduler, ResetResult
 from statecore.scheduler import core as scheduler_core
 from statecore.scheduler.effects import SchedulerEffects
+from statecore.scheduler.state import SchedulerState
 from statecore.wire import ConnectorMetadata
 
 __all__ = [
@@ -279,7 +280,7 @@ def _keep_block_lists(self: SchedulerEffects, req: Any) -> None:
     return None  # the preempted request keeps the block lists the engine just freed
 
 
-_real_manager_error = OffloadingScheduler._manager_error
+_real_manager_error = SchedulerState._manager_error
 
 
 def _escaping(*calls: str) -> Any:
@@ -392,13 +393,13 @@ MUTANTS: dict[str, Mutant] = dict(
             "once: the job stays in flight with its fences, an untyped error escapes untyped",
             "INV-MGR-ERROR: one manager error hangs a request (fixed in 95eb2e7; no verifier "
             "injected manager errors before)",
-            (OffloadingScheduler, "_manager_error", _completion_error_midway),
+            (SchedulerState, "_manager_error", _completion_error_midway),
         ),
         _mutant(
             "manager_errors_swallowed",
             "every manager error a hook catches is silently dropped: not counted, never raised",
             "INV-MGR-ERROR: a tolerated error that nothing counts (a manager's bug goes unseen)",
-            (OffloadingScheduler, "_manager_error", _manager_error_ignored),
+            (SchedulerState, "_manager_error", _manager_error_ignored),
         ),
         _mutant(
             "prepare_store_error_escapes",
@@ -406,7 +407,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "once: the step's metadata is lost, the error goes into the engine",
             "INV-MGR-ERROR: one manager error in one request's store offer fails the engine "
             "step (vLLM: the engine)",
-            (OffloadingScheduler, "_manager_error", _escaping("prepare_store")),
+            (SchedulerState, "_manager_error", _escaping("prepare_store")),
         ),
         _mutant(
             "lookup_and_signal_errors_escape",
@@ -416,7 +417,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "notice fails the engine (before the fix every manager call but the "
             "completions could)",
             (
-                OffloadingScheduler,
+                SchedulerState,
                 "_manager_error",
                 _escaping("lookup_many", "on_schedule_end", "on_request_finished"),
             ),
@@ -426,7 +427,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "an error the manager raises from prepare_load leaves update_state_after_alloc "
             "into the engine, which has allocated the load's blocks",
             "INV-MGR-ERROR: one manager error while a load is set up fails the engine",
-            (OffloadingScheduler, "_manager_error", _escaping("prepare_load")),
+            (SchedulerState, "_manager_error", _escaping("prepare_load")),
         ),
         _mutant(
             "failed_reset_not_retried",
@@ -441,14 +442,14 @@ MUTANTS: dict[str, Mutant] = dict(
             "an error the manager raises from on_new_request leaves the hook that tracks the "
             "request (on_new_request, a lookup, an untracked finish) into the engine",
             "INV-MGR-ERROR: one manager error on a request's arrival fails the engine",
-            (OffloadingScheduler, "_manager_error", _escaping("on_new_request")),
+            (SchedulerState, "_manager_error", _escaping("on_new_request")),
         ),
         _mutant(
             "get_stats_error_escapes",
             "an error the manager raises from get_stats leaves the scheduler's get_stats into "
             "the engine, which takes the stats after every step",
             "INV-MGR-ERROR: one manager error while metrics are taken fails the engine's step",
-            (OffloadingScheduler, "_manager_error", _escaping("get_stats")),
+            (SchedulerState, "_manager_error", _escaping("get_stats")),
         ),
         _mutant(
             "pending_work_error_escapes",
@@ -456,7 +457,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "has_pending_push_work into the engine, which asks before every step (vLLM's "
             "has_requests)",
             "INV-MGR-ERROR: one manager error while the engine asks whether to step kills its loop",
-            (OffloadingScheduler, "_manager_error", _escaping("has_pending_work")),
+            (SchedulerState, "_manager_error", _escaping("has_pending_work")),
         ),
         _mutant(
             "shutdown_error_escapes",
@@ -471,14 +472,14 @@ MUTANTS: dict[str, Mutant] = dict(
             "an error the manager raises from take_events leaves the scheduler's take_events "
             "into the engine, which takes the events after every step",
             "INV-MGR-ERROR: one manager error while events are taken fails the engine's step",
-            (OffloadingScheduler, "_manager_error", _escaping("take_events")),
+            (SchedulerState, "_manager_error", _escaping("take_events")),
         ),
         _mutant(
             "reset_error_escapes",
             "an error the manager raises from reset_cache leaves the scheduler's reset_cache "
             "into the engine (before this was mended, the stale threshold had not moved yet)",
             "INV-MGR-ERROR: one manager error during an operator's reset fails the engine",
-            (OffloadingScheduler, "_manager_error", _escaping("reset_cache")),
+            (SchedulerState, "_manager_error", _escaping("reset_cache")),
         ),
         _mutant(
             "quorum_of_one",
@@ -518,7 +519,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "in the owner's store sources",
             "wrong bytes: stale sliding-window blocks stored; INV-OWN",
             (
-                OffloadingScheduler,
+                SchedulerState,
                 "_drop_stale_window_blocks",
                 _drop_stale_window_blocks_scheduled_only,
             ),
@@ -530,7 +531,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "leak: per-request window-index entries outlive their positions; INV-REF, "
             "simulator leak check",
             (
-                OffloadingScheduler,
+                SchedulerState,
                 "_clear_block_lists",
                 _clear_block_lists_keeping_window_positions,
             ),
