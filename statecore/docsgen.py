@@ -469,7 +469,8 @@ def render_lifecycle_page(life: Lifecycle, graph: SchedulerGraph | None = None) 
     out += [
         "## Events",
         "",
-        "Where each event is fired in `OffloadingScheduler`, and from which engine calls it "
+        "Where each event is fired in the scheduler (`OffloadingScheduler`, or the lifecycle "
+        "effects of `statecore.scheduler.effects`), and from which engine calls it "
         "can be reached (directly, or through the actions of other lifecycle events).",
         "",
         "| event | fired in | reached from engine calls |",
