@@ -20,6 +20,8 @@ What it holds, and the rule each part keeps:
 ``next_id``               the id of the next job (ids are never reused).
 ``stale_threshold``       INV-EPOCH: reports for job ids below it come from before the last
                           reset and are inert (a carried load excepted: it stays live).
+``last_stall_check``      when the scheduler last looked for stalled jobs (it looks at most
+                          once per ``stall_check_interval_s``).
 ========================  =====================================================================
 
 Quorum counting (:meth:`JobTable.report_target`): a report's counts go to the job they name
@@ -228,13 +230,6 @@ class JobTable:
         target.pending = pending
         target.failed += acc_bad
         return target
-
-    def stall_check_due(self, now: float, interval: float) -> bool:
-        """Whether the stall check runs now (at most once per ``interval``)."""
-        if now - self.last_stall_check < interval:
-            return False
-        self.last_stall_check = now
-        return True
 
     def timed_out(self, now: float, timeout: float) -> list[JobRecord]:
         """The live jobs older than ``timeout``: the oldest ones, in creation order."""
