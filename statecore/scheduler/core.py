@@ -9,8 +9,11 @@ input, a manager that raises without stopping the engine).
 A map for the reader
 --------------------
 
-The package (:mod:`statecore.scheduler`) is this module and four beside it:
+The package (:mod:`statecore.scheduler`) is this module and the ones beside it:
 
+* :mod:`~statecore.scheduler.state`: what the scheduler holds (:class:`SchedulerState`, this
+  class's base: every field, the read-only views, manager errors held for the next report,
+  the block lists and the sliding-window index, checked mode);
 * :mod:`~statecore.scheduler.records`: one record per request and per job, each attached to
   its compiled lifecycle (:mod:`statecore.lifecycle`);
 * :mod:`~statecore.scheduler.jobs`: the job table (live jobs, the stalled ledger, the fence
@@ -61,10 +64,9 @@ Admission: a lookup never changes a request's block lists or store cursors (so c
 for a running request is harmless). An allocation (``update_state_after_alloc``) records the
 request's complete block lists; the request's next :class:`~statecore.views.ScheduledRequest`
 starts from that fresh allocation, whether it repeats the complete lists (vLLM's new-request
-form) or carries only blocks added since. Its store
-cursors rewind there only if it was looked up since its last admission: a streaming session
-resumed with its blocks kept is allocated and scheduled as a new request without a lookup, and
-keeps what it stored.
+form) or carries only blocks added since. Its store cursors rewind there only if it was looked
+up since its last admission: a streaming session resumed with its blocks kept is allocated and
+scheduled as a new request without a lookup, and keeps what it stored.
 
 Stalled transfers and INV-FENCE: a job with no full quorum after ``stall_timeout_s`` is
 completed with ``success=False`` through the one completion path (seed 000). It may still be

@@ -50,10 +50,8 @@ Clock = Callable[[], float]
 
 
 class SchedulerState:
-    """The scheduler's fields (see the module docstring) and read-only views of them.
-
-    Args: as :class:`~statecore.scheduler.OffloadingScheduler`'s.
-    """
+    """The scheduler's fields (see the module docstring) and read-only views of them; its
+    arguments are :class:`~statecore.scheduler.OffloadingScheduler`'s."""
 
     def __init__(
         self,
