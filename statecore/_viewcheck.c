@@ -12,7 +12,7 @@
  * path rules on the input and names the fault with the typed error.  So what is accepted
  * never depends on whether this module is built; it only decides how fast a well-formed
  * step is accepted.  block_lists does the same for the block lists the scheduler's
- * update_state_after_alloc is given (statecore/scheduler.py, _admitted_lists), with the
+ * update_state_after_alloc is given (statecore/scheduler/planning.py, admitted_lists), with the
  * entries' own normalisation: it returns the groups as a tuple of tuples, or None to decline.
  *
  * Safety: no Python code is called while a value is checked (only exact built-in types are

@@ -240,38 +240,51 @@ def _fired_event(call: ast.Call) -> tuple[str, str] | None:
     return table.entity, table.events[index]
 
 
-def scheduler_graph() -> SchedulerGraph:
-    """Read :class:`~statecore.OffloadingScheduler`'s source into a :class:`SchedulerGraph`."""
-    from statecore.scheduler import OffloadingScheduler
+def _is_scheduler(node: ast.expr) -> bool:
+    """``self``, or the scheduler as the lifecycle effects name it (``sched``,
+    ``self.sched``)."""
+    if isinstance(node, ast.Name):
+        return node.id in ("self", "sched")
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "sched"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    )
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(OffloadingScheduler)))
-    cls = tree.body[0]
-    if not isinstance(cls, ast.ClassDef):  # pragma: no cover - getsource returns the class
-        raise TypeError("expected the OffloadingScheduler class")
+
+def scheduler_graph() -> SchedulerGraph:
+    """Read :class:`~statecore.OffloadingScheduler`'s source (with its base's,
+    :class:`~statecore.scheduler.state.SchedulerState`) and that of its lifecycle effects
+    (:class:`~statecore.scheduler.effects.SchedulerEffects`) into a :class:`SchedulerGraph`."""
+    from statecore.scheduler import OffloadingScheduler
+    from statecore.scheduler.effects import SchedulerEffects
+    from statecore.scheduler.state import SchedulerState
+
+    bodies: list[ast.FunctionDef] = []
     methods: dict[str, _Method] = {}
     properties: set[str] = set()
-    for item in cls.body:
-        if isinstance(item, ast.FunctionDef):
-            methods[item.name] = _Method()
-            if any(isinstance(d, ast.Name) and d.id == "property" for d in item.decorator_list):
-                properties.add(item.name)
-    for item in cls.body:
-        if not isinstance(item, ast.FunctionDef):
-            continue
+    for owner in (SchedulerState, OffloadingScheduler, SchedulerEffects):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(owner)))
+        cls = tree.body[0]
+        if not isinstance(cls, ast.ClassDef):  # pragma: no cover - getsource returns the class
+            raise TypeError(f"expected the {owner.__name__} class")
+        for item in cls.body:
+            if isinstance(item, ast.FunctionDef) and item.name != "__init__":
+                bodies.append(item)
+                methods[item.name] = _Method()
+                if any(isinstance(d, ast.Name) and d.id == "property" for d in item.decorator_list):
+                    properties.add(item.name)
+    for item in bodies:
         info = methods[item.name]
         for node in ast.walk(item):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
                 inner = node.value
-                if (
-                    isinstance(inner.value, ast.Name)
-                    and inner.value.id == "self"
-                    and inner.attr == "manager"
-                ):
+                if _is_scheduler(inner.value) and inner.attr == "manager":
                     info.manager.add(node.attr)
-            elif (
+            if (
                 isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id == "self"
+                and _is_scheduler(node.value)
                 and node.attr in methods
                 and node.attr not in properties
                 and node.attr != item.name
@@ -456,7 +469,8 @@ def render_lifecycle_page(life: Lifecycle, graph: SchedulerGraph | None = None) 
     out += [
         "## Events",
         "",
-        "Where each event is fired in `OffloadingScheduler`, and from which engine calls it "
+        "Where each event is fired in the scheduler (`OffloadingScheduler`, or the lifecycle "
+        "effects of `statecore.scheduler.effects`), and from which engine calls it "
         "can be reached (directly, or through the actions of other lifecycle events).",
         "",
         "| event | fired in | reached from engine calls |",
@@ -497,12 +511,12 @@ def render_lifecycle_page(life: Lifecycle, graph: SchedulerGraph | None = None) 
     for name, g in guards.items():
         out.append(f"| `{name}` | {_cell(_rst_to_md(_first_line(g)))} |")
     out += ["", "## Actions", "", "| action | does | scheduler hook |", "| --- | --- | --- |"]
-    from statecore.scheduler import OffloadingScheduler
+    from statecore.scheduler.effects import SchedulerEffects
 
     for name, a in actions_seen.items():
         hooks = _action_hooks(a)
         hook_doc = "; ".join(
-            f"`{h}`: {_rst_to_md(_first_line(getattr(OffloadingScheduler, h)))}" for h in hooks
+            f"`{h}`: {_rst_to_md(_first_line(getattr(SchedulerEffects, h)))}" for h in hooks
         )
         out.append(f"| `{name}` | {_cell(_rst_to_md(_first_line(a)))} | {_cell(hook_doc)} |")
     return "\n".join(out) + "\n"

@@ -52,13 +52,13 @@ def view_checks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     built); ``"python"``: its functions switched off, so that every view (and the block lists
     of ``update_state_after_alloc``) is checked by the pure-Python path alone (the fallback
     where the extension cannot be compiled)."""
-    import statecore.scheduler as scheduler
+    import statecore.scheduler.planning as planning
     import statecore.views as views
 
     if request.param == "python":
         for name in ("_native_request", "_native_columns", "_native_output"):
             monkeypatch.setattr(views, name, None)
-        monkeypatch.setattr(scheduler, "_native_block_lists", None)
+        monkeypatch.setattr(planning, "_native_block_lists", None)
     elif views.view_checks_impl() != "native":
         pytest.skip("statecore._viewcheck is not built (no C compiler at install)")
     return str(request.param)

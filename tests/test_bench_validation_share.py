@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import statecore.bench.scheduler as bench
-import statecore.scheduler as sched_mod
+import statecore.scheduler.planning as planning
 import statecore.validate as validate
 import statecore.wire as wire
 from statecore.bench.validation_share import stubbed_validation
@@ -25,7 +25,7 @@ def _patched_names() -> list[object]:
         validate.scheduler_output,
         validate.worker_metadata,
         validate.offload_keys,
-        sched_mod._admitted_lists,
+        planning.admitted_lists,
         ScheduledRequest.__post_init__,
         ScheduledColumns.__post_init__,
         SchedulerOutput.__post_init__,

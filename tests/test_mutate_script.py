@@ -77,7 +77,7 @@ def _line_of(module: str, text: str) -> tuple[int, int]:
 def test_a_mutant_in_a_method_body_is_applied_by_swapping_that_method_code() -> None:
     import statecore.scheduler
 
-    module = "statecore/scheduler.py"
+    module = "statecore/scheduler/core.py"
     pos = _line_of(module, "self.counters.resets += 1")
     qual = mutate._enclosing(module, pos, {})
     assert qual == "OffloadingScheduler.reset"

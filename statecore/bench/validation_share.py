@@ -25,8 +25,8 @@ What B replaces: the :mod:`statecore.validate` functions the hooks and the manag
 (``request_id``, ``request_view``, ``scheduler_output``, ``worker_metadata`` (also as
 :meth:`~statecore.wire.WorkerMetadata.aggregate` calls it), the key, slot,
 context and flag checks), the scheduler's argument check of ``update_state_after_alloc``
-(``_admitted_lists``, reduced to its tuple conversion) and the views' ``__post_init__``
-checks (:class:`~statecore.views.ScheduledRequest`, the columnar
+(``statecore.scheduler.planning.admitted_lists``, reduced to its tuple conversion) and the
+views' ``__post_init__`` checks (:class:`~statecore.views.ScheduledRequest`, the columnar
 :class:`~statecore.views.ScheduledColumns` the vLLM adapter builds for running requests,
 :class:`~statecore.views.SchedulerOutput`; their C accepting checks,
 ``statecore._viewcheck``, are called from those ``__post_init__`` and are stubbed with them).
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import statecore.bench.scheduler as bench
-import statecore.scheduler as sched_mod
+import statecore.scheduler.planning as planning
 import statecore.validate as validate
 import statecore.wire as wire
 from statecore.views import ScheduledColumns, ScheduledRequest, SchedulerOutput
@@ -84,7 +84,7 @@ _STUBS: tuple[tuple[Any, str, Any], ...] = (
     (validate, "flag", _nothing),
     (validate, "connector_metadata", _nothing),
     (validate, "id_collection", _nothing),
-    (sched_mod, "_admitted_lists", _admitted_lists),
+    (planning, "admitted_lists", _admitted_lists),
     (ScheduledRequest, "__post_init__", _nothing),
     (ScheduledColumns, "__post_init__", _nothing),
     (SchedulerOutput, "__post_init__", _nothing),

@@ -1372,7 +1372,7 @@ class World:
             tuple(s._awaiting_signal),
             tuple(sorted(s._finished_loads)),
             tuple(sorted(s._invalid_blocks)),
-            now > s._last_stall_check,
+            now > s._table.last_stall_check,
             s._manager_reset_pending,
             # errors caught and not yet raised, injected and not yet judged (INV-MGR-ERROR)
             tuple([type(exc).__name__ for exc, _ in s._manager_failures]),

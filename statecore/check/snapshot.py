@@ -29,7 +29,8 @@ from statecore.manager import (
     TierMatcher,
 )
 from statecore.managers.redistier import RedisTierConfig, TierLayout
-from statecore.scheduler import SchedulerCounters, _StepBatch
+from statecore.scheduler import SchedulerCounters
+from statecore.scheduler.jobs import StepBatch
 from statecore.views import Request
 from statecore.wire import (
     DirectionStats,
@@ -121,7 +122,7 @@ _SHARED_TYPES: tuple[type, ...] = (
 # plain (not frozen) slotted dataclasses: rebuilt by their generated __init__
 _CONSTRUCTED_TYPES: tuple[type, ...] = (
     SchedulerCounters,
-    _StepBatch,
+    StepBatch,
     Request,
     ReqContext,
     DirectionStats,

@@ -285,7 +285,7 @@ def _lifecycle(s: OffloadingScheduler) -> Iterator[str]:
 
 
 def _live(s: OffloadingScheduler) -> Iterator[str]:
-    last = s._last_stall_check
+    last = s._table.last_stall_check
     timeout = s.config.stall_timeout_s
     for jid, job in s.jobs.items():
         if kernels.stall_due(last, job.created_at, timeout):

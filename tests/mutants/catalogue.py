@@ -36,7 +36,6 @@ from types import MappingProxyType
 from typing import Any
 
 from statecore import kernels
-from statecore import scheduler as scheduler_module
 from statecore.adapters import vllm_metrics
 from statecore.adapters.vllm_metrics import TransferSizes
 from statecore.errors import ManagerError
@@ -47,6 +46,9 @@ from statecore.managers.cpu import CPUOffloadingManager
 from statecore.managers.policies import ARCCachePolicy, LRUCachePolicy
 from statecore.managers.tiering import TieringOffloadingManager
 from statecore.scheduler import OffloadingScheduler, ResetResult
+from statecore.scheduler import core as scheduler_core
+from statecore.scheduler.effects import SchedulerEffects
+from statecore.scheduler.state import SchedulerState
 from statecore.wire import ConnectorMetadata
 
 __all__ = [
@@ -103,9 +105,9 @@ class Mutant:
 # -- the mutations ------------------------------------------------------------------------------
 
 
-def _discard_keeping_request_set(self: OffloadingScheduler, job: Any) -> None:
-    del self._jobs[job.job_id]  # seed 004: the request's in-flight set keeps the job
-    self.counters.jobs_discarded += 1
+def _discard_keeping_request_set(self: SchedulerEffects, job: Any) -> None:
+    del self.sched._table.live[job.job_id]  # seed 004: the request's in-flight set keeps the job
+    self.sched.counters.jobs_discarded += 1
 
 
 _real_reset = OffloadingScheduler.reset
@@ -218,9 +220,9 @@ def _clear_block_lists_keeping_window_positions(self: OffloadingScheduler, req: 
         gs.cursor = 0
 
 
-def _release_keeping_window_positions(self: OffloadingScheduler, req: Any) -> None:
-    self._reqs.pop(req.req_id, None)  # forgotten, but its window-index entries stay
-    self._awaiting_signal.pop(req.req_id, None)
+def _release_keeping_window_positions(self: SchedulerEffects, req: Any) -> None:
+    self.sched._reqs.pop(req.req_id, None)  # forgotten, but its window-index entries stay
+    self.sched._awaiting_signal.pop(req.req_id, None)
 
 
 _real_alloc = OffloadingScheduler.update_state_after_alloc
@@ -269,7 +271,7 @@ def _pending_without_unsent_flush(self: OffloadingScheduler) -> bool:
         batch.flush = unsent
 
 
-def _flush_request_noop(self: OffloadingScheduler, req: Any) -> None:
+def _flush_request_noop(self: SchedulerEffects, req: Any) -> None:
     return None  # a preempted request's in-flight jobs are not flushed
 
 
@@ -285,11 +287,11 @@ def _arc_evict_unprotected(self: ARCCachePolicy, n: int, protected: Any) -> Any:
     return _real_arc_evict(self, n, frozenset())
 
 
-def _keep_block_lists(self: OffloadingScheduler, req: Any) -> None:
+def _keep_block_lists(self: SchedulerEffects, req: Any) -> None:
     return None  # the preempted request keeps the block lists the engine just freed
 
 
-_real_manager_error = OffloadingScheduler._manager_error
+_real_manager_error = SchedulerState._manager_error
 
 
 def _escaping(*calls: str) -> Any:
@@ -349,8 +351,8 @@ def _update_then_preempt(self: OffloadingScheduler, output: Any) -> Any:
     return scheduled
 
 
-def _rewind_keeping_cursors(self: OffloadingScheduler, req: Any) -> None:
-    self._dormant.discard(req.req_id)  # the store position stays where it was: what the reset
+def _rewind_keeping_cursors(self: SchedulerEffects, req: Any) -> None:
+    self.sched._dormant.discard(req.req_id)  # the store position stays where it was: what the reset
     # dropped is never offered again, later chunks are stored behind a hole
 
 
@@ -381,7 +383,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "reset_keeps_request_job_sets",
             "reset_cache discards jobs but keeps them in each request's in-flight job set",
             "seed 004: reset leaves requests waiting on discarded jobs",
-            (OffloadingScheduler, "discard_job", _discard_keeping_request_set),
+            (SchedulerEffects, "discard_job", _discard_keeping_request_set),
         ),
         _mutant(
             "reset_invalidates_sent_loads",
@@ -402,13 +404,13 @@ MUTANTS: dict[str, Mutant] = dict(
             "once: the job stays in flight with its fences, an untyped error escapes untyped",
             "INV-MGR-ERROR: one manager error hangs a request (fixed in 95eb2e7; no verifier "
             "injected manager errors before)",
-            (OffloadingScheduler, "_manager_error", _completion_error_midway),
+            (SchedulerState, "_manager_error", _completion_error_midway),
         ),
         _mutant(
             "manager_errors_swallowed",
             "every manager error a hook catches is silently dropped: not counted, never raised",
             "INV-MGR-ERROR: a tolerated error that nothing counts (a manager's bug goes unseen)",
-            (OffloadingScheduler, "_manager_error", _manager_error_ignored),
+            (SchedulerState, "_manager_error", _manager_error_ignored),
         ),
         _mutant(
             "prepare_store_error_escapes",
@@ -416,7 +418,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "once: the step's metadata is lost, the error goes into the engine",
             "INV-MGR-ERROR: one manager error in one request's store offer fails the engine "
             "step (vLLM: the engine)",
-            (OffloadingScheduler, "_manager_error", _escaping("prepare_store")),
+            (SchedulerState, "_manager_error", _escaping("prepare_store")),
         ),
         _mutant(
             "lookup_and_signal_errors_escape",
@@ -426,7 +428,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "notice fails the engine (before the fix every manager call but the "
             "completions could)",
             (
-                OffloadingScheduler,
+                SchedulerState,
                 "_manager_error",
                 _escaping("lookup_many", "on_schedule_end", "on_request_finished"),
             ),
@@ -436,7 +438,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "an error the manager raises from prepare_load leaves update_state_after_alloc "
             "into the engine, which has allocated the load's blocks",
             "INV-MGR-ERROR: one manager error while a load is set up fails the engine",
-            (OffloadingScheduler, "_manager_error", _escaping("prepare_load")),
+            (SchedulerState, "_manager_error", _escaping("prepare_load")),
         ),
         _mutant(
             "failed_reset_not_retried",
@@ -451,14 +453,14 @@ MUTANTS: dict[str, Mutant] = dict(
             "an error the manager raises from on_new_request leaves the hook that tracks the "
             "request (on_new_request, a lookup, an untracked finish) into the engine",
             "INV-MGR-ERROR: one manager error on a request's arrival fails the engine",
-            (OffloadingScheduler, "_manager_error", _escaping("on_new_request")),
+            (SchedulerState, "_manager_error", _escaping("on_new_request")),
         ),
         _mutant(
             "get_stats_error_escapes",
             "an error the manager raises from get_stats leaves the scheduler's get_stats into "
             "the engine, which takes the stats after every step",
             "INV-MGR-ERROR: one manager error while metrics are taken fails the engine's step",
-            (OffloadingScheduler, "_manager_error", _escaping("get_stats")),
+            (SchedulerState, "_manager_error", _escaping("get_stats")),
         ),
         _mutant(
             "pending_work_error_escapes",
@@ -466,7 +468,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "has_pending_push_work into the engine, which asks before every step (vLLM's "
             "has_requests)",
             "INV-MGR-ERROR: one manager error while the engine asks whether to step kills its loop",
-            (OffloadingScheduler, "_manager_error", _escaping("has_pending_work")),
+            (SchedulerState, "_manager_error", _escaping("has_pending_work")),
         ),
         _mutant(
             "shutdown_error_escapes",
@@ -481,14 +483,14 @@ MUTANTS: dict[str, Mutant] = dict(
             "an error the manager raises from take_events leaves the scheduler's take_events "
             "into the engine, which takes the events after every step",
             "INV-MGR-ERROR: one manager error while events are taken fails the engine's step",
-            (OffloadingScheduler, "_manager_error", _escaping("take_events")),
+            (SchedulerState, "_manager_error", _escaping("take_events")),
         ),
         _mutant(
             "reset_error_escapes",
             "an error the manager raises from reset_cache leaves the scheduler's reset_cache "
             "into the engine (before this was mended, the stale threshold had not moved yet)",
             "INV-MGR-ERROR: one manager error during an operator's reset fails the engine",
-            (OffloadingScheduler, "_manager_error", _escaping("reset_cache")),
+            (SchedulerState, "_manager_error", _escaping("reset_cache")),
         ),
         _mutant(
             "quorum_of_one",
@@ -528,7 +530,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "in the owner's store sources",
             "wrong bytes: stale sliding-window blocks stored; INV-OWN",
             (
-                OffloadingScheduler,
+                SchedulerState,
                 "_drop_stale_window_blocks",
                 _drop_stale_window_blocks_scheduled_only,
             ),
@@ -540,7 +542,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "leak: per-request window-index entries outlive their positions; INV-REF, "
             "simulator leak check",
             (
-                OffloadingScheduler,
+                SchedulerState,
                 "_clear_block_lists",
                 _clear_block_lists_keeping_window_positions,
             ),
@@ -550,7 +552,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "a released request's sliding-window index entries are kept",
             "leak: per-request window-index entries outlive their request; INV-REF, "
             "simulator leak check",
-            (OffloadingScheduler, "release_request", _release_keeping_window_positions),
+            (SchedulerEffects, "release_request", _release_keeping_window_positions),
         ),
         _mutant(
             "untracked_allocation_not_fenced",
@@ -589,7 +591,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "preempt_without_flush",
             "a preempted request's in-flight jobs are not flushed",
             "preemption does not flush a request's stores; INV-FLUSH-PREEMPT",
-            (OffloadingScheduler, "flush_request", _flush_request_noop),
+            (SchedulerEffects, "flush_request", _flush_request_noop),
         ),
         _mutant(
             "reset_keeps_store_cursors",
@@ -597,7 +599,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "a blind spot of every whole-stack checker: chunks a reset dropped are never "
             "offered again (later chunks stored behind a hole no prefix gets past; bytes "
             "fine); INV-STORE-COMPLETE",
-            (OffloadingScheduler, "rewind_request", _rewind_keeping_cursors),
+            (SchedulerEffects, "rewind_request", _rewind_keeping_cursors),
         ),
         _mutant(
             "window_loads_pending_chunks",
@@ -613,7 +615,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "a preempted request keeps its freed block lists until it is scheduled again",
             "found by statecore check: a request aborted while re-loading stores from the blocks "
             "of its first allocation (wrong bytes); INV-SRC-VALID",
-            (OffloadingScheduler, "drop_block_lists", _keep_block_lists),
+            (SchedulerEffects, "drop_block_lists", _keep_block_lists),
         ),
         _mutant(
             "failed_loads_forgotten",
@@ -631,7 +633,7 @@ MUTANTS: dict[str, Mutant] = dict(
             "the engine core dies when vLLM's multiprocess executor pickles the step's "
             "connector metadata to the workers (found by `vllm serve` on vLLM's CPU build; the "
             "in-process engines never pickled it)",
-            (scheduler_module, "_NO_KEYS", MappingProxyType({})),
+            (scheduler_core, "_NO_KEYS", MappingProxyType({})),
         ),
         _mutant(
             "unsent_flush_not_pending",

@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from native_build import can_build_extensions
 
-import statecore.scheduler as scheduler
+import statecore.scheduler.planning as planning
 import statecore.views as views
 from statecore import InvalidMetadataError
 from statecore.views import ScheduledColumns, ScheduledRequest, SchedulerOutput
@@ -264,16 +264,16 @@ def python_only() -> Iterator[None]:
     """The views checked by the pure-Python path alone."""
     names = ("_native_request", "_native_columns", "_native_output")
     saved = [getattr(views, n) for n in names]
-    saved_lists = scheduler._native_block_lists
+    saved_lists = planning._native_block_lists
     for n in names:
         setattr(views, n, None)
-    scheduler._native_block_lists = None
+    planning._native_block_lists = None
     try:
         yield
     finally:
         for n, v in zip(names, saved, strict=True):
             setattr(views, n, v)
-        scheduler._native_block_lists = saved_lists
+        planning._native_block_lists = saved_lists
 
 
 def outcome(build: Callable[[], Any]) -> tuple[str, Any]:
@@ -473,8 +473,8 @@ def test_admitted_block_lists_both_paths_agree(ids: Any, n_groups: Any, external
     """``update_state_after_alloc``'s block lists: the C check and the Python one accept the
     same lists and return the same tuples; what C declines it declines without a trace."""
     with python_only():
-        want = scheduler._admitted_lists(ids, n_groups, external)
-    got = scheduler._admitted_lists(ids, n_groups, external)
+        want = planning.admitted_lists(ids, n_groups, external)
+    got = planning.admitted_lists(ids, n_groups, external)
     assert (got is None) == (want is None), (got, want)
     if got is not None:
         assert same(got, want), (got, want)
@@ -482,7 +482,7 @@ def test_admitted_block_lists_both_paths_agree(ids: Any, n_groups: Any, external
     if fast is not None:
         assert want is not None or not (type(external) is int and external >= 0)
         with python_only():
-            ref = scheduler._admitted_lists(ids, n_groups, 0)
+            ref = planning.admitted_lists(ids, n_groups, 0)
         assert ref is not None and same(fast, ref)
 
 
@@ -510,8 +510,8 @@ def test_admitted_block_lists_edges() -> None:
     ]:
         assert native.block_lists(bad, n) is None, (bad, n)
     # the Python path takes the int subclasses (as the ints they equal), not the negative
-    assert scheduler._admitted_lists([[True, IntSub(2)]], 1, 0) == ((True, 2),)
-    assert scheduler._admitted_lists([[1, NegPoser(-2)]], 1, 0) is None
+    assert planning.admitted_lists([[True, IntSub(2)]], 1, 0) == ((True, 2),)
+    assert planning.admitted_lists([[1, NegPoser(-2)]], 1, 0) is None
     with pytest.raises(TypeError, match="2 positional"):
         native.block_lists([[1]])
 
@@ -711,4 +711,4 @@ def test_installation_with_a_compiler_built_the_native_view_checks() -> None:
     """Where the extension can be built it must have been: a silent fallback to the Python
     checks would hide a broken build (CI has gcc and the headers, so this always runs there)."""
     assert views.view_checks_impl() == "native"
-    assert scheduler._native_block_lists is not None
+    assert planning._native_block_lists is not None
