@@ -88,10 +88,12 @@ def test_the_views_import_their_diagnosis_at_module_level() -> None:
 
 
 def test_no_top_level_module_starts_a_process() -> None:
-    """The sans-IO core's modules (statecore's top level: the scheduler, the worker, the wire
-    types, the commands' entry points) import nothing that starts a process."""
+    """The sans-IO core's modules (statecore's top level: the worker, the wire types, the
+    commands' entry points; and the scheduler package) import nothing that starts a process."""
     top = sorted(p.stem for p in ROOT.glob("*.py"))
-    assert "scheduler" in top and "redisserver" not in top
+    assert "worker" in top and "redisserver" not in top
+    top += sorted(f"scheduler/{p.stem}" for p in (ROOT / "scheduler").glob("*.py"))
+    assert "scheduler/core" in top
     found = {
         module: name
         for module in top
