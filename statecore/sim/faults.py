@@ -264,10 +264,6 @@ class ReportChannel:
         out.stats = out.stats.merged(stats)
         return out
 
-    def pending(self) -> int:
-        """Entries queued for a later step."""
-        return sum(len(v) for v in self._queue.values())
-
     def forget(self, job_id: int) -> None:
         """Stop tracking ``job_id`` for duplicates (e.g. its reports were lost)."""
         self._jobs.pop(job_id, None)

@@ -170,10 +170,6 @@ class RankStackImpl:
         """Land the copies due at ``step``."""
         self.delayed.advance(step)
 
-    def pending_copies(self) -> int:
-        """Copies submitted and not yet landed, plus stores deferred to the next step."""
-        return self.delayed.pending() + len(self.worker.deferred)
-
 
 def _make_backend(
     kv: KVCache, rank: int, pool: CPUPool, regions: range, bpc: int, copy_impl: str = "auto"

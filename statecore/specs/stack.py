@@ -152,10 +152,6 @@ class ManualChannel:
         """Never anything: reports are delivered by rules."""
         return None
 
-    def pending(self) -> int:
-        """Nothing queued here."""
-        return 0
-
 
 class StackHarness:
     """The whole stack plus the operations the fuzzers apply to it (one method per event).
