@@ -46,6 +46,7 @@ from statecore.managers.cpu import CPUOffloadingManager
 from statecore.scheduler import OffloadingScheduler
 from statecore.sim.blocks import BlockPool
 from statecore.sim.hashing import extend_block_hashes
+from statecore.sim.step import has_requests
 from statecore.views import Request, ScheduledColumns, ScheduledRequest, SchedulerOutput
 from statecore.wire import TransferJob, WorkerMetadata
 from statecore.worker import OffloadingWorker, TransferResult
@@ -644,7 +645,9 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
         t0 = time.perf_counter()
         step = 0
         while True:
-            if step >= sc.steps and not live and not sched.has_pending_push_work():
+            if step >= sc.steps and not has_requests(
+                bool(live), bool(finished_ids), sched.has_pending_push_work
+            ):
                 break
             if step > 10 * sc.steps + 1000:
                 raise RuntimeError("standalone engine did not drain")
@@ -787,7 +790,8 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
             report = WorkerMetadata()
             for w in workers:
                 report = report.aggregate(w.build_worker_metadata())
-            result = sched.update_connector_output(report)
+            # vLLM's update_from_output: the step's outputs (finished requests) first, then
+            # the workers' report (statecore.sim.step)
             # compute: advance tokens, sample, cache full blocks
             done: list[_Req] = []
             for r, n in scheduled:
@@ -812,16 +816,6 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
                     extend_block_hashes(v.block_hashes, r.tokens, BLOCK)
                     if v.num_tokens - v.num_prompt_tokens >= r.max_out:
                         done.append(r)
-            for rid in result.finished_loads:
-                lr = live.get(rid)
-                if lr is None:
-                    continue
-                lr.loading = False
-                lr.view.num_computed_tokens = min(
-                    lr.view.num_computed_tokens, lr.view.num_tokens - 1
-                )
-                if result.invalid_block_ids:
-                    lr.view.num_computed_tokens = 0
             if done:  # one pass, not a remove per request (O(N) a step at soak sizes)
                 ended = set(map(id, done))
                 running = [r for r in running if id(r) not in ended]
@@ -832,6 +826,17 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
                 finished_ids.add(r.view.request_id)
                 res.outputs[r.view.request_id] = r.view.num_tokens - r.view.num_prompt_tokens
                 wl.finished(list(r.tokens))
+            result = sched.update_connector_output(report)
+            for rid in result.finished_loads:
+                lr = live.get(rid)
+                if lr is None:
+                    continue
+                lr.loading = False
+                lr.view.num_computed_tokens = min(
+                    lr.view.num_computed_tokens, lr.view.num_tokens - 1
+                )
+                if result.invalid_block_ids:
+                    lr.view.num_computed_tokens = 0
             timer.end_step(sum(n for _, n in scheduled))
             step += 1
             clock[0] += 1

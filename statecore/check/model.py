@@ -87,9 +87,11 @@ from statecore.managers.filetier import InlineExecutor
 from statecore.managers.redistier import RedisTier, RedisTierConfig, TierLayout
 from statecore.managers.tiering import TieringOffloadingManager
 from statecore.scheduler import OffloadingScheduler
+from statecore.sim import step as vllm_step
 from statecore.sim.engine import (
     ObservedManager,
     ResetAnswer,
+    SimClock,
     as_sent,
     output_answer_errors,
     reraise,
@@ -115,6 +117,9 @@ __all__ = [
 
 Action = tuple[Any, ...]
 """One move of the environment, e.g. ``("step",)`` or ``("ok", 0, 3)``."""
+
+_Pass = vllm_step.StepPass["EngineRequest", tuple[tuple[int, ...], ...]]
+"""What one engine step has scheduled so far."""
 
 GARBAGE = b"garbage"
 """The label a failed copy leaves behind."""
@@ -240,16 +245,8 @@ _STEP_CALLS = (
 _COMPLETIONS = frozenset({"complete_store", "complete_load"})
 
 
-class Clock:
-    """The injected clock; only :meth:`World.jump` moves it."""
-
-    __slots__ = ("now",)
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+Clock = SimClock
+"""The injected clock, the simulator's (only :meth:`World.jump` moves it)."""
 
 
 JUMP_S = 11.0
@@ -366,11 +363,6 @@ def _guarded(world: World, call: str, fn: Callable[..., Any], *args: Any) -> Any
 
 class World:
     """The whole stack of one scope, in one state (see the module docstring)."""
-
-    step_order = "vllm"
-    """The engine step's order: ``"vllm"`` (vLLM 0.33's: running requests, then waiting
-    ones when none was preempted) or ``"waiting-first"`` (the order this model used before,
-    kept to compare state spaces)."""
 
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
@@ -996,39 +988,35 @@ class World:
         been sent) stays there, and the liveness check finds it if nothing else would ever
         send it.
         """
-        if self.finished_since or self.preempted_next:
-            return True
-        if any(r.status in (WAITING, LOADING, RUNNING) for r in self.reqs):
-            return True
-        return bool(_guarded(self, "has_pending_push_work", self.sched.has_pending_push_work))
+        return vllm_step.has_requests(
+            any(r.status in (WAITING, LOADING, RUNNING) for r in self.reqs),
+            bool(self.finished_since or self.preempted_next),
+            lambda: bool(_guarded(self, "has_pending_push_work", self.sched.has_pending_push_work)),
+        )
 
     def step(self) -> None:
-        """One engine step in vLLM 0.33's order (see the module docstring): the running
-        requests, then (when none was preempted) the waiting ones; with
-        :attr:`step_order` ``"waiting-first"``, the earlier order (waiting, then those that were
-        running when the step began)."""
+        """One engine step in vLLM 0.33's order (:mod:`statecore.sim.step`): the running
+        requests, then (when none was preempted) the waiting ones."""
         sched = self.sched
         self.observed.refused.clear()
-        budget = self.scope.max_batched_tokens
-        scheduled: list[tuple[EngineRequest, int, tuple[tuple[int, ...], ...], bool]] = []
-        new_ids: set[str] = set()
-        preempted: set[int] = set()
-        running_before = list(self.running)
-        if self.step_order == "waiting-first":
-            budget = self._step_waiting(budget, scheduled, new_ids, preempted)
-            budget = self._step_running(running_before, budget, scheduled, preempted)
-        else:
-            budget = self._step_running(running_before, budget, scheduled, preempted)
-            if not preempted:
-                budget = self._step_waiting(budget, scheduled, new_ids, preempted)
+        pass_: _Pass = vllm_step.StepPass(self.scope.max_batched_tokens)
+        running = [self.reqs[i] for i in self.running]
+        vllm_step.schedule(
+            pass_,
+            lambda p: vllm_step.schedule_running(running, p, self),
+            self._step_waiting,
+        )
+        scheduled = pass_.scheduled
+        reqs = self.reqs
         output = SchedulerOutput(
             scheduled=tuple(
                 ScheduledRequest(r.req.request_id, nb, n, res) for r, n, nb, res in scheduled
             ),
-            new_req_ids=frozenset(new_ids),
-            finished_req_ids=frozenset(self.reqs[i].req.request_id for i in self.finished_since),
+            new_req_ids=frozenset(r.req.request_id for r in pass_.new),
+            finished_req_ids=frozenset(reqs[i].req.request_id for i in self.finished_since),
             preempted_req_ids=frozenset(
-                self.reqs[i].req.request_id for i in preempted | self.preempted_next
+                [r.req.request_id for r in pass_.preempted]
+                + [reqs[i].req.request_id for i in self.preempted_next]
             ),
         )
         self.finished_since = set()
@@ -1058,17 +1046,12 @@ class World:
                 self._after_compute(r, n)
         self.feed(None)
 
-    def _step_waiting(
-        self,
-        budget: int,
-        scheduled: list[tuple[EngineRequest, int, tuple[tuple[int, ...], ...], bool]],
-        new_ids: set[str],
-        preempted: set[int],
-    ) -> int:
-        """Admit waiting requests into the step; returns the token budget left."""
+    def _step_waiting(self, pass_: _Pass) -> None:
+        """Admit waiting requests into the step (step 1b of :mod:`statecore.sim.step`)."""
         sched = self.sched
         for idx in list(self.waiting):
             r = self.reqs[idx]
+            budget = pass_.budget
             if budget <= 0:
                 break
             if r.status == LOADING or idx in self.preempted_next:
@@ -1122,7 +1105,7 @@ class World:
                     break
                 self._free_blocks(victim)
                 victim.req.num_computed_tokens = 0
-                preempted.add(victim.idx)
+                pass_.preempted.add(victim)
             if sum(map(len, need)) > len(self.free):
                 break
             self._allocate(r, need)
@@ -1140,59 +1123,44 @@ class World:
             self.running.append(idx)
             r.status = RUNNING
             if not r.scheduled_once:
-                new_ids.add(r.req.request_id)
-            scheduled.append(
+                pass_.new.add(r)
+            pass_.scheduled.append(
                 (r, n, tuple(tuple(b) for b in r.blocks), r.resumed and r.scheduled_once)
             )
             r.scheduled_once = True
             r.resumed = False
-            budget -= n
-        return budget
+            pass_.budget -= n
 
-    def _step_running(
-        self,
-        running_before: list[int],
-        budget: int,
-        scheduled: list[tuple[EngineRequest, int, tuple[tuple[int, ...], ...], bool]],
-        preempted: set[int],
-    ) -> int:
-        """Schedule the running requests of ``running_before`` (chunked prefill, then
-        decode), preempting the newest not yet scheduled when blocks run out; returns the
-        token budget left."""
-        done: set[int] = set()
-        vllm_order = self.step_order != "waiting-first"
-        for idx in running_before:
-            r = self.reqs[idx]
-            if r.status != RUNNING or budget <= 0:
-                continue
-            computed = r.req.num_computed_tokens
-            n = min(r.req.num_tokens - computed, budget)
-            if n <= 0:
-                continue
-            self._drop_skipped(r)
-            need = self._need(r, computed + n, computed)
-            while sum(map(len, need)) > len(self.free):
-                victim = next(
-                    (
-                        self.reqs[v]
-                        for v in reversed(running_before)
-                        if self.reqs[v].status == RUNNING and v not in done and v != idx
-                    ),
-                    r,
-                )
-                self._preempt(victim)
-                preempted.add(victim.idx)
-                if victim is r:
-                    break
-            if r.status != RUNNING:
-                if vllm_order:
-                    break  # vLLM stops scheduling running requests there
-                continue
-            new = self._allocate(r, need)
-            scheduled.append((r, n, tuple(tuple(b) for b in new), False))
-            done.add(idx)
-            budget -= n
-        return budget
+    # -- the running requests, as statecore.sim.step.schedule_running asks -------------------
+
+    def is_running(self, r: EngineRequest) -> bool:
+        """Whether ``r`` is running (:class:`~statecore.sim.step.RunningModel`)."""
+        return r.status == RUNNING
+
+    def token_counts(self, r: EngineRequest) -> tuple[int, int]:
+        """``r``'s computed tokens and its tokens so far."""
+        return r.req.num_computed_tokens, r.req.num_tokens
+
+    def free_out_of_window(self, r: EngineRequest) -> None:
+        """Free ``r``'s sliding-window blocks no future token attends to."""
+        self._drop_skipped(r)
+
+    def blocks_needed(self, r: EngineRequest, upto: int, computed: int) -> int:
+        """Fresh blocks ``r`` needs for ``upto`` tokens, every group together."""
+        return sum(map(len, self._need(r, upto, computed)))
+
+    def num_free_blocks(self) -> int:
+        """Blocks on the free list."""
+        return len(self.free)
+
+    def preempt_now(self, r: EngineRequest) -> None:
+        """Preempt ``r`` inside the step (its blocks freed, back at the head of the queue)."""
+        self._preempt(r)
+
+    def allocate(self, r: EngineRequest, upto: int, computed: int) -> tuple[tuple[int, ...], ...]:
+        """Give ``r`` the blocks for ``upto`` tokens; returns the new ids per group."""
+        new = self._allocate(r, self._need(r, upto, computed))
+        return tuple(tuple(b) for b in new)
 
     def _compute(self, r: EngineRequest, n: int) -> None:
         start = r.req.num_computed_tokens

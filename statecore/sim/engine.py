@@ -1,8 +1,7 @@
 """The simulated engine: an LLM serving loop that drives the real statecore stack.
 
-Per step, in vLLM 0.33's order (its ``Scheduler.schedule()``, the workers, then its
-``update_from_output``); :attr:`SimConfig.step_order` ``"waiting-first"`` keeps this engine's
-earlier order (phases 2 and 1 swapped, and 6 before 5) to show the two step alike:
+Per step, in vLLM 0.33's order, which :mod:`statecore.sim.step` defines once for both engine
+models (its ``Scheduler.schedule()``, the workers, then its ``update_from_output``):
 
 1. running requests, in running order: chunked prefill, then one decode token per step; when
    blocks run out, the newest running request is preempted (blocks freed, listed in
@@ -85,11 +84,13 @@ from statecore.config import GroupConfig
 from statecore.errors import InvariantViolation, ManagerError, StatecoreError
 from statecore.keys import OffloadKey
 from statecore.manager import Medium, OffloadingEvent
+from statecore.sim import step as vllm_step
 from statecore.sim.blocks import BlockPool
 from statecore.sim.faults import ReportChannel, SimFaults
 from statecore.sim.hashing import ROOT_HASH, extend_block_hashes
 from statecore.sim.kv import KVCache
 from statecore.sim.presets import GROUP_PRESETS
+from statecore.sim.step import StepPass
 from statecore.sim.workload import Turn, Workload, WorkloadConfig
 from statecore.specs import invariants as oracles
 from statecore.views import Request, ScheduledRequest, SchedulerOutput
@@ -169,10 +170,6 @@ class SimConfig:
         copy_impl: the torch adapter's copy mode on the CPU tensors: ``"auto"`` (direct
             copies) or ``"staging"`` (the CUDA staging path's code: queued jobs, bounce
             buffers, the host scatter of a store when it completes).
-        step_order: ``"vllm"`` (the step of the module docstring, vLLM 0.33's) or
-            ``"waiting-first"`` (the order this engine used before: waiting requests
-            scheduled before running ones, and the workers' report applied before the
-            step's finished requests; kept to show the two step alike for fixed seeds).
         vllm_window: a sliding-window group frees its blocks as vLLM 0.33 does (the next
             token attends to the last ``window`` tokens: ``computed - window + 1`` skipped),
             one token earlier than this engine's earlier rule (``computed - window``, kept
@@ -206,7 +203,6 @@ class SimConfig:
     reuse_freed_first: bool = False
     checked: bool = False
     copy_impl: str = "auto"
-    step_order: str = "vllm"
     vllm_window: bool = True
 
     def kv_groups(self) -> tuple[GroupConfig, ...]:
@@ -677,14 +673,8 @@ class ObservedManager:
         self.known.clear()
 
 
-@dataclass(slots=True)
-class _SchedulePass:
-    """What one step's scheduling has decided so far."""
-
-    budget: int
-    scheduled: list[tuple[SimRequest, int, list[list[int]], bool]] = field(default_factory=list)
-    new_ids: set[str] = field(default_factory=set)
-    preempted: set[str] = field(default_factory=set)
+_SchedulePass = StepPass[SimRequest, list[list[int]]]
+"""What one step's scheduling has decided so far (:class:`~statecore.sim.step.StepPass`)."""
 
 
 def as_sent(meta: ConnectorMetadata) -> ConnectorMetadata:
@@ -848,7 +838,7 @@ class SimEngine:
             cfg.num_gpu_blocks,
             on_evict=kv.dont_care,
             reuse_freed_first=cfg.reuse_freed_first,
-            uncached_first=cfg.step_order != "waiting-first",
+            uncached_first=True,
         )
         self.tpb = self.tph
         self.waiting: list[SimRequest] = []
@@ -875,10 +865,10 @@ class SimEngine:
         self._job_req: dict[int, str] = {}
         self._completeness: list[tuple[str, list[OffloadKey], int]] = []
         self._n_foreign = 0
-        self._vllm_window = cfg.vllm_window and cfg.step_order != "waiting-first"
+        self._vllm_window = cfg.vllm_window
         self._inflight: dict[str, SimRequest] = {}
         """vLLM's in-flight prefills: requests loading, or admitted with prompt tokens not yet
-        scheduled (with :attr:`SimConfig.step_order` ``"vllm"``)."""
+        scheduled."""
 
     @property
     def admitted_prompt_tokens(self) -> int:
@@ -915,18 +905,18 @@ class SimEngine:
         self.stats.drain_steps = n
 
     def _work_pending(self) -> bool:
-        """Whether the engine steps again: vLLM 0.33's ``Scheduler.has_requests``.
-
-        Requests not done, finishes not yet sent to the workers, or the connector's
-        ``has_pending_push_work`` (and :attr:`extra_pending`, the stack's own clocks: the
-        stalled-job ledger's expiry, secondary-tier executors). What the workers still hold
-        (copies in flight, reports not yet delivered) is not asked: vLLM's engine cannot see
-        it, so work the connector fails to declare stays behind when the engine idles, and
-        the drain's leak check finds it.
-        """
-        if self.by_id or self.foreign or self.finished_since_last or self.extra_pending():
-            return True
-        return bool(self._guard("has_pending_push_work", self.conn.has_pending_push_work))
+        """Whether the engine steps again: :func:`statecore.sim.step.has_requests` (requests
+        not done, foreign ones included, finishes not yet sent to the workers, or the
+        connector's ``has_pending_push_work``), and :attr:`extra_pending`, the stack's own
+        clocks (the stalled-job ledger's expiry, secondary-tier executors)."""
+        return vllm_step.has_requests(
+            bool(self.by_id or self.foreign),
+            bool(self.finished_since_last),
+            lambda: (
+                self.extra_pending()
+                or bool(self._guard("has_pending_push_work", self.conn.has_pending_push_work))
+            ),
+        )
 
     def reset_cache(self) -> None:
         """``reset_cache`` between steps (every request's epoch moves on; what the reset drops
@@ -974,18 +964,16 @@ class SimEngine:
         else:
             self._note_progress(k)
         foreign = self._schedule_foreign(admit)
-        listed = scheduled
-        if cfg.step_order != "waiting-first":
-            # as vLLM 0.33's SchedulerOutput lists them: new requests, then resumed ones (as
-            # new ones too: whole block lists, no resumed flag), then running ones
-            listed = [
-                (r, n, blocks, False)
-                for r, n, blocks, resumed in sorted(
-                    scheduled,
-                    key=lambda e: 0 if e[0].turn.req_id in new_ids else 1 if e[3] else 2,
-                )
-            ]
-            new_ids = new_ids | {r.turn.req_id for r, _, _, resumed in scheduled if resumed}
+        # as vLLM 0.33's SchedulerOutput lists them: new requests, then resumed ones (as new
+        # ones too: whole block lists, no resumed flag), then running ones
+        listed = [
+            (r, n, blocks, False)
+            for r, n, blocks, resumed in sorted(
+                scheduled,
+                key=lambda e: 0 if e[0].turn.req_id in new_ids else 1 if e[3] else 2,
+            )
+        ]
+        new_ids = new_ids | {r.turn.req_id for r, _, _, resumed in scheduled if resumed}
         output = SchedulerOutput(
             scheduled=tuple(
                 ScheduledRequest(r.turn.req_id, tuple(tuple(b) for b in blocks), n, resumed)
@@ -1025,14 +1013,10 @@ class SimEngine:
         for rank, s in enumerate(self.stacks):
             s.end_step(sent)
             self.channel.submit(rank, s.report(), k)
-        if self.cfg.step_order == "waiting-first":
-            self.feed(self.channel.deliver(k))
-            self._take_events()
-            self._after_compute(k, scheduled)
-        else:  # vLLM's update_from_output: the finished requests, then the workers' report
-            self._after_compute(k, scheduled)
-            self.feed(self.channel.deliver(k))
-            self._take_events()
+        # vLLM's update_from_output: the finished requests, then the workers' report
+        self._after_compute(k, scheduled)
+        self.feed(self.channel.deliver(k))
+        self._take_events()
         if self.check_each_step:
             self._check(k)
         self.step_no += 1
@@ -1484,23 +1468,23 @@ class SimEngine:
     def _schedule(
         self, k: int
     ) -> tuple[list[tuple[SimRequest, int, list[list[int]], bool]], set[str], set[str]]:
-        """Step 1 of the module docstring, in the configured order (:attr:`SimConfig.step_order`):
-        ``"vllm"`` (vLLM 0.33's ``Scheduler.schedule()``): the running requests first, then,
-        only when none was preempted in this step, the waiting ones; ``"waiting-first"``: the
-        waiting requests first, then those that were running when the step began."""
-        pass_ = _SchedulePass(self.cfg.max_batched_tokens)
-        if self.cfg.step_order == "waiting-first":
-            running_before = list(self.running)
-            self._schedule_waiting(k, pass_)
-            self._schedule_running(running_before, pass_)
-        else:
-            self._schedule_running(self.running, pass_)
-            if not pass_.preempted:
-                self._schedule_waiting(k, pass_)
-            for r, n, _, _ in pass_.scheduled:
-                if r.req.num_computed_tokens + n >= r.req.num_tokens:
-                    self._inflight.pop(r.turn.req_id, None)  # its prefill is scheduled
-        return pass_.scheduled, pass_.new_ids, pass_.preempted
+        """Step 1 of the module docstring (:func:`statecore.sim.step.schedule`): the running
+        requests, then, only when none was preempted in this step, the waiting ones; returns
+        what was scheduled, the new requests' ids and the preempted ones'."""
+        pass_: _SchedulePass = StepPass(self.cfg.max_batched_tokens)
+        vllm_step.schedule(
+            pass_,
+            lambda p: vllm_step.schedule_running(self.running, p, self),
+            lambda p: self._schedule_waiting(k, p),
+        )
+        for r, n, _, _ in pass_.scheduled:
+            if r.req.num_computed_tokens + n >= r.req.num_tokens:
+                self._inflight.pop(r.turn.req_id, None)  # its prefill is scheduled
+        return (
+            pass_.scheduled,
+            {r.turn.req_id for r in pass_.new},
+            {r.turn.req_id for r in pass_.preempted},
+        )
 
     def _inflight_reserved(self) -> int:
         """Blocks the prefills in flight (admitted or loading, not yet fully scheduled) still
@@ -1513,7 +1497,7 @@ class SimEngine:
     def _schedule_waiting(self, k: int, pass_: _SchedulePass) -> None:
         """Admit waiting requests (lookups, allocation, asynchronous loads) into ``pass_``."""
         cfg = self.cfg
-        scheduled, new_ids = pass_.scheduled, pass_.new_ids
+        scheduled = pass_.scheduled
         for r in self._waiting_order():
             if pass_.budget <= 0 or len(self.running) >= cfg.max_running:
                 break
@@ -1553,11 +1537,10 @@ class SimEngine:
                     r.blocks = [list(x) for x in local]
                     need = sum(self._need(r, total, total))
                     room = self._room(local)
-                    if cfg.step_order != "waiting-first":
-                        # vLLM: the whole sequence must fit, and the loaded prefix beside
-                        # what the prefills in flight still need
-                        full = sum(self._need(r, r.req.num_tokens, total))
-                        need = max(need + self._inflight_reserved(), full)
+                    # vLLM: the whole sequence must fit, and the loaded prefix beside what
+                    # the prefills in flight still need
+                    full = sum(self._need(r, r.req.num_tokens, total))
+                    need = max(need + self._inflight_reserved(), full)
                     if room - need < cfg.watermark_blocks:
                         r.blocks = [[] for _ in range(self.n_groups)]
                         break
@@ -1571,8 +1554,7 @@ class SimEngine:
                         ext,
                     )
                     r.status = Status.LOADING
-                    if cfg.step_order != "waiting-first":
-                        self._inflight[r.turn.req_id] = r
+                    self._inflight[r.turn.req_id] = r
                     r.load = (n_local, ext)
                     r.covered = max(r.covered, total)
                     r.load_since = k
@@ -1587,17 +1569,15 @@ class SimEngine:
                 computed = r.req.num_computed_tokens
             n = min(r.req.num_tokens - computed, pass_.budget)
             need = sum(self._need(r, computed + n, computed))
-            if cfg.step_order != "waiting-first":  # vLLM: the whole sequence must fit
-                need = max(need, sum(self._need(r, r.req.num_tokens, computed)))
+            need = max(need, sum(self._need(r, r.req.num_tokens, computed)))  # vLLM: all of it
             if self._room(local) - need < cfg.watermark_blocks:
                 if any(local):
                     r.blocks = [[] for _ in range(self.n_groups)]
                 break
             self._share(r.turn.req_id, [b for x in local for b in x])
             self._extend(r, computed + n, computed)
-            if cfg.step_order != "waiting-first":
-                # vLLM caches the blocks the step's tokens fill when it allocates them
-                self._cache_blocks(r, computed, computed + n)
+            # vLLM caches the blocks the step's tokens fill when it allocates them
+            self._cache_blocks(r, computed, computed + n)
             self._guard(
                 "update_state_after_alloc",
                 self.conn.update_state_after_alloc,
@@ -1607,59 +1587,51 @@ class SimEngine:
             )
             if fresh_lookup:
                 self._count_hits(r, computed, 0)
-            if cfg.step_order != "waiting-first" and computed + n < r.req.num_tokens:
+            if computed + n < r.req.num_tokens:
                 self._inflight[r.turn.req_id] = r
             r.req.num_computed_tokens = computed
             self.waiting.remove(r)
             self.running.append(r)
             r.status = Status.RUNNING
             if not r.scheduled_once:
-                new_ids.add(r.turn.req_id)
+                pass_.new.add(r)
             scheduled.append((r, n, [list(x) for x in r.blocks], r.resumed and r.scheduled_once))
             r.scheduled_once = True
             r.resumed = False
             pass_.budget -= n
 
-    def _schedule_running(self, order: Sequence[SimRequest], pass_: _SchedulePass) -> None:
-        """Schedule the running requests of ``order`` (chunked prefill, then decode) into
-        ``pass_``; when blocks run out, the newest running request not yet scheduled in this
-        step is preempted (the request itself last)."""
-        scheduled, preempted = pass_.scheduled, pass_.preempted
-        vllm_order = self.cfg.step_order != "waiting-first"
-        running_before = list(order)
-        done: set[int] = set()
-        for r in running_before:
-            if r.status is not Status.RUNNING or pass_.budget <= 0:
-                continue
-            computed = r.req.num_computed_tokens
-            n = min(r.req.num_tokens - computed, pass_.budget)
-            if n <= 0:
-                continue
-            self._slide(r)
-            need = sum(self._need(r, computed + n, computed))
-            while need > self.pool.num_free:
-                victim = next(
-                    (
-                        v
-                        for v in reversed(running_before)
-                        if v.status is Status.RUNNING and id(v) not in done and v is not r
-                    ),
-                    r,
-                )
-                self._preempt(victim)
-                preempted.add(victim.turn.req_id)
-                if victim is r:
-                    break
-            if r in self.waiting:  # preempted itself: nothing left to preempt
-                if vllm_order:
-                    break  # vLLM stops scheduling running requests there
-                continue
-            fresh = self._extend(r, computed + n, computed)
-            if vllm_order:
-                self._cache_blocks(r, computed, computed + n)
-            scheduled.append((r, n, fresh, False))
-            done.add(id(r))
-            pass_.budget -= n
+    # -- the running requests, as statecore.sim.step.schedule_running asks -------------------
+
+    def is_running(self, r: SimRequest) -> bool:
+        """Whether ``r`` is running (:class:`~statecore.sim.step.RunningModel`)."""
+        return r.status is Status.RUNNING
+
+    def token_counts(self, r: SimRequest) -> tuple[int, int]:
+        """``r``'s computed tokens and its tokens so far."""
+        return r.req.num_computed_tokens, r.req.num_tokens
+
+    def free_out_of_window(self, r: SimRequest) -> None:
+        """Free ``r``'s sliding-window blocks that left its window (:meth:`_slide`)."""
+        self._slide(r)
+
+    def blocks_needed(self, r: SimRequest, upto: int, computed: int) -> int:
+        """Fresh blocks ``r`` needs for ``upto`` tokens, every group together."""
+        return sum(self._need(r, upto, computed))
+
+    def num_free_blocks(self) -> int:
+        """Blocks the pool can hand out now."""
+        return self.pool.num_free
+
+    def preempt_now(self, r: SimRequest) -> None:
+        """Preempt ``r`` inside the step (its blocks freed, back at the head of the queue)."""
+        self._preempt(r)
+
+    def allocate(self, r: SimRequest, upto: int, computed: int) -> list[list[int]]:
+        """Give ``r`` the blocks for ``upto`` tokens; the blocks the step's tokens fill are
+        cached when they are allocated, as vLLM does. Returns the new ids per group."""
+        fresh = self._extend(r, upto, computed)
+        self._cache_blocks(r, computed, upto)
+        return fresh
 
     def _schedule_foreign(self, admit: bool) -> tuple[ScheduledRequest, ...]:
         """Foreign requests: new ones take blocks (any group), old ones end."""

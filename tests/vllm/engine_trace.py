@@ -207,13 +207,8 @@ def first_divergence(a: Trace, b: Trace) -> str | None:
 # -- the engine model ------------------------------------------------------------------------
 
 
-def run_engine_model(
-    shape: Shape, arrivals: Sequence[Arrival], order: str | None = None, max_steps: int = 400
-) -> Trace:
-    """The workload through :class:`~statecore.sim.engine.SimEngine` (``order``: its step
-    order, when it has a choice)."""
-    import dataclasses
-
+def run_engine_model(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 400) -> Trace:
+    """The workload through :class:`~statecore.sim.engine.SimEngine`."""
     from statecore.sim.engine import SimConfig
     from statecore.sim.faults import SimFaults
     from statecore.sim.run import build_stack
@@ -241,8 +236,6 @@ def run_engine_model(
         # only ones, on both sides
         workload=WorkloadConfig(abort_during_load_prob=0.0),
     )
-    if order is not None:
-        cfg = dataclasses.replace(cfg, step_order=order)
     stack, eng = build_stack(cfg)
     trace = Trace()
     record(stack.scheduler, trace)

@@ -72,20 +72,3 @@ def test_the_workload_preempts_loads_stores_and_aborts(groups: str) -> None:
     assert counts.get("store_jobs", 0) > 0, counts
     aborted = sum(1 for seed in SEEDS for a in load(groups, seed) if a.abort_at is not None)
     assert aborted > 0
-
-
-def test_the_waiting_first_order_is_not_vllms() -> None:
-    """The engine's earlier order (waiting requests scheduled before running ones, the
-    workers' report applied before the step's finished requests) makes other calls than
-    vLLM's engine on these workloads."""
-    diverged = [
-        (groups, seed)
-        for groups in SHAPES
-        for seed in SEEDS
-        if first_divergence(
-            vllm_trace(groups, seed),
-            run_engine_model(SHAPES[groups], load(groups, seed), order="waiting-first"),
-        )
-        is not None
-    ]
-    assert diverged
