@@ -23,10 +23,13 @@ store specs travel as the manager returned them (:class:`ManagerSpec`; statecore
 need CPU slots, vLLM's worker hands any spec to the spec's worker), and the scheduler side needs
 no CPU capacity (``num_cpu_chunks``) since the spec's manager owns it.
 
-A few vLLM-internal attributes the fixture or the tests read are exposed as read-only views of
-statecore's equivalents (:data:`VIEWS`); any other private attribute is refused with an
-``AttributeError`` that says it is vLLM-internal, and so is assigning one (tests that replace
-vLLM's private lookup or configuration cannot steer statecore).
+The vLLM-internal attributes the fixture or the tests read are name shims: read-only views of
+statecore's equivalents (:data:`VIEWS`, the request states, the configuration, the events
+tracker) or calls into statecore's own lookup (``_lookup``, ``_maximal_prefix_lookup``), each
+recorded per test (:mod:`shims`) so that the table shows which tests pass through which shim.
+Any other private attribute is refused with an ``AttributeError`` that says it is
+vLLM-internal, and so is assigning one (tests that replace vLLM's private lookup or
+configuration cannot steer statecore).
 """
 
 from __future__ import annotations

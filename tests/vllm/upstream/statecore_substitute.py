@@ -130,6 +130,15 @@ class StatecoreCPUManager(vb.OffloadingManager):
         spec = self.statecore.prepare_load(list(keys), self._ctx(req_context))
         return CPULoadStoreSpec(list(spec.slots))
 
+    def _prepare_load(self, keys: Any, req_context: Any, *, record_access: bool) -> Any:
+        """vLLM's private pin of its CPU manager (vLLM's CPU primary tier pins for a cascade
+        read with ``record_access=False``): statecore's ``prepare_load`` (a request's access)
+        or ``prepare_read`` (a pin only, the request's recency untouched)."""
+        used("_prepare_load")
+        ctx = self._ctx(req_context)
+        pin = self.statecore.prepare_load if record_access else self.statecore.prepare_read
+        return CPULoadStoreSpec(list(pin(list(keys), ctx).slots))
+
     def touch(self, keys: Any, req_context: Any) -> None:
         self.statecore.touch(list(keys), self._ctx(req_context))
 
