@@ -2,7 +2,9 @@
 # vLLM 0.33's own offloading tests, unchanged, once against vLLM and once with statecore
 # substituted (tests/vllm/upstream/statecore_substitute.py, a pytest plugin; no test body is
 # edited); prints every test that passes on vLLM and fails on statecore, with its reason and
-# class (tests/vllm/upstream/table.py).
+# class, and every test that passes on statecore only through a name shim (statecore's
+# equivalent of a vLLM-internal name the test reads), with its shims
+# (tests/vllm/upstream/table.py).
 #
 #   bash scripts/vllm-upstream-tests.sh [--substitute cpu|scheduler] [--semantics vllm|access]
 #        [pytest args...]

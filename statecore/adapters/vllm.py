@@ -80,7 +80,7 @@ from statecore.adapters.vllm_version import check_vllm_version
 from statecore.config import GroupConfig, SchedulerConfig
 from statecore.errors import ConfigError
 from statecore.keys import OffloadKey, key_group, key_hash
-from statecore.manager import Medium, OffloadingEvent, OffloadingManager
+from statecore.manager import LookupResult, Medium, OffloadingEvent, OffloadingManager
 from statecore.managers.cpu import CPUOffloadingManager
 from statecore.managers.redistier import TierLayout
 from statecore.managers.tiering import TieringOffloadingManager
@@ -297,6 +297,18 @@ class EventPayloads:
                 None if lora is None else lora.adapter_id,
                 None if lora is None else lora.name,
             )
+
+    def record_lookup(self, request: Any, keys: Sequence[OffloadKey]) -> None:
+        """Snapshot the payload of each chunk of ``request`` that a lookup found offloaded
+        (ready or write-pending) and that has no payload yet, as vLLM's connector does: a
+        chunk stored by another request before a reset, by a promotion from a secondary tier
+        or by another engine sharing the tier then gets its payload in the events of its
+        promotion and removal, instead of the placeholder."""
+        if not self.enabled:
+            return
+        fresh = [k for k in keys if k not in self._payloads or k in self._stale]
+        if fresh:
+            self.record_store(request, fresh)
 
     def reset(self) -> None:
         """A cache reset: every recorded payload is stale. They are dropped after the next
@@ -805,8 +817,25 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
                     for sp in specs
                 ],
             )
+            if self.events.enabled:
+                self.scheduler.lookup_observer = self._record_lookup_hits
 
     # -- plumbing ---------------------------------------------------------------------------
+
+    def _record_lookup_hits(
+        self, req_id: str, keys: Sequence[OffloadKey], results: Sequence[LookupResult]
+    ) -> None:
+        """A lookup's hits (ready or write-pending) get the request's KV-event payload, when
+        they have none yet (:meth:`EventPayloads.record_lookup`)."""
+        request = self._requests.get(req_id)
+        if request is None or self.events is None:
+            return
+        hits = [
+            k
+            for k, r in zip(keys, results, strict=False)
+            if r is LookupResult.HIT or r is LookupResult.HIT_PENDING
+        ]
+        self.events.record_lookup(request, hits)
 
     def _sched(self) -> OffloadingScheduler:
         if self.scheduler is None:

@@ -108,6 +108,7 @@ from statecore.lifecycle import (
     REQUEST,
 )
 from statecore.manager import (
+    LookupResult,
     OffloadingEvent,
     OffloadingManager,
     OffloadPolicy,
@@ -377,6 +378,18 @@ class OffloadingScheduler(SchedulerState):
         if rec.max_load_tokens is not None:
             limit = min(limit, num_computed + rec.max_load_tokens)
         max_hit = min(max_hit, limit)
+        lookup_many = self.manager.lookup_many
+        observe = self.lookup_observer
+        if observe is not None:
+            inner = lookup_many
+
+            def lookup_many(
+                keys: Sequence[OffloadKey], ctx: ReqContext, until_miss: bool = False
+            ) -> list[LookupResult]:
+                results = inner(keys, ctx, until_miss)
+                observe(rec.req_id, keys, results)
+                return results
+
         try:
             hits = planning.lookup_hits(
                 rec.groups,
@@ -387,7 +400,7 @@ class OffloadingScheduler(SchedulerState):
                 max_hit,
                 limit,
                 self.config.max_recompute_pending_tokens,
-                self.manager.lookup_many,
+                lookup_many,
                 rec.ctx,
             )
         except planning.LookupFailed as failed:  # answered as no hit; raised after the step

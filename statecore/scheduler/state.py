@@ -30,22 +30,24 @@ field                       what it holds
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from statecore.config import SchedulerConfig
 from statecore.errors import ManagerError, UnknownRequestError
 from statecore.keys import OffloadKey, make_offload_key
 from statecore.lifecycle import REQUEST
-from statecore.manager import OffloadingManager
+from statecore.manager import LookupResult, OffloadingManager
 from statecore.scheduler.answers import SchedulerCounters
 from statecore.scheduler.effects import SchedulerEffects
 from statecore.scheduler.jobs import JobTable, StepBatch
 from statecore.scheduler.records import GroupState, JobRecord, RequestRecord
 
-__all__ = ["Clock", "SchedulerState"]
+__all__ = ["Clock", "LookupObserver", "SchedulerState"]
 
 Clock = Callable[[], float]
+LookupObserver = Callable[[str, Sequence[OffloadKey], Sequence[LookupResult]], None]
+"""What a lookup's observer hears: the request id, the keys asked, the manager's answers."""
 
 
 class SchedulerState:
@@ -91,6 +93,9 @@ class SchedulerState:
         self._finished_loads: set[str] = set()
         self._failed_loads: dict[str, set[int]] = {}  # request -> invalid blocks
         self._stats_mark = SchedulerCounters()
+        self.lookup_observer: LookupObserver | None = None
+        """Called after each ``lookup_many`` of a lookup with the request id, the keys asked
+        and the manager's answers (the vLLM adapter records the KV-event payloads of hits)."""
         n = len(config.groups)
         self._n_groups = n
         self._bpc = config.blocks_per_chunk

@@ -463,3 +463,23 @@ def test_on_schedule_end_comes_where_the_manager_asks(last: bool) -> None:
         assert names[-1] == "on_schedule_end"
     else:
         assert names.index("on_schedule_end") < names.index("prepare_store")
+
+
+def test_lookup_observer_sees_every_answer_of_a_lookup(kind: str) -> None:
+    """The scheduler's ``lookup_observer`` hears each request's keys and the manager's
+    answers as a lookup asks them (the vLLM adapter records KV-event payloads of hits)."""
+    h = Harness(make_manager(kind), config())
+    h.add("a", list(range(17)))
+    (store_id,) = prefill(h, "a")
+    h.report([store_id])
+    heard: list[tuple[str, list[bytes], list[LookupResult]]] = []
+    h.sched.lookup_observer = lambda rid, keys, results: heard.append(
+        (rid, list(keys), [LookupResult(r) for r in results])
+    )
+    h.add("b", list(range(8)) + [99] * 9)
+    hits, _ = h.admit("b")
+    assert hits == 8
+    (rid, keys, results) = heard[0]
+    assert rid == "b" and keys[:2] == keys_of(h, "b")[:2]
+    assert results[:2] == [LookupResult.HIT, LookupResult.HIT]
+    assert LookupResult.MISS in results

@@ -447,3 +447,24 @@ def test_a_sliding_window_counts_the_tokens_its_group_retains_beyond_it(
     extra = {"num_cpu_chunks": 16, "blocks_per_chunk": blocks_per_chunk}
     cfg = scheduler_config_from_vllm(_vllm_config(extra), kcc)
     assert cfg.window_chunks(1) == get_sliding_window_size_in_chunks(swa, 4 * blocks_per_chunk)
+
+
+def test_a_chunk_a_lookup_hit_gets_the_requests_payload_for_its_promotion_event() -> None:
+    """vLLM's connector records a KV-event payload for a chunk its lookup finds offloaded;
+    statecore's did so only for chunks its requests stored, so the promotion of a chunk stored
+    before a reset (or by another engine sharing the tier) was announced with a placeholder."""
+    from types import SimpleNamespace
+
+    from statecore.adapters.vllm import EventPayloads
+    from statecore.keys import make_offload_key
+    from statecore.manager import Medium, OffloadingEvent
+
+    hashes = [bytes([i]) * 16 for i in range(1, 3)]
+    request = SimpleNamespace(block_hashes=hashes, all_token_ids=list(range(8)), lora_request=None)
+    payloads = EventPayloads(True, [4], [4], 4, [True], [("full_attention", None)])
+    key = make_offload_key(hashes[1], 0)
+    payloads.record_lookup(request, [key])
+    [stored] = payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, False)])
+    assert (stored.token_ids, stored.block_size) == ([4, 5, 6, 7], 4)
+    [removed] = payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, True)])
+    assert len(removed.block_hashes) == 1 and removed.group_idx == 0

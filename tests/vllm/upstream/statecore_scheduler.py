@@ -23,35 +23,45 @@ store specs travel as the manager returned them (:class:`ManagerSpec`; statecore
 need CPU slots, vLLM's worker hands any spec to the spec's worker), and the scheduler side needs
 no CPU capacity (``num_cpu_chunks``) since the spec's manager owns it.
 
-A few vLLM-internal attributes the fixture or the tests read are exposed as read-only views of
-statecore's equivalents (:data:`VIEWS`); any other private attribute is refused with an
-``AttributeError`` that says it is vLLM-internal, and so is assigning one (tests that replace
-vLLM's private lookup or configuration cannot steer statecore).
+The vLLM-internal attributes the fixture or the tests read are name shims: read-only views of
+statecore's equivalents (:data:`VIEWS`, the request states, the configuration, the events
+tracker) or calls into statecore's own lookup (``_lookup``, ``_maximal_prefix_lookup``), each
+recorded per test (:mod:`shims`) so that the table shows which tests pass through which shim.
+Any other private attribute is refused with an ``AttributeError`` that says it is
+vLLM-internal, and so is assigning one (tests that replace vLLM's private lookup or
+configuration cannot steer statecore).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
+from shims import used
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector as vllm_connector
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading import common as vllm_common
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler as vllm_sched
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import TransferJobStatus
 from vllm.v1.kv_offload import base as vb
 from vllm.v1.kv_offload.cpu import common as vllm_cpu
 
+from statecore import kernels
 from statecore.adapters import vllm as sc_vllm
 from statecore.adapters import vllm_spec
+from statecore.errors import ConfigError
 from statecore.keys import OffloadKey, key_group
 from statecore.manager import (
     CPULoadStoreSpec,
     LoadStoreSpec,
     LookupResult,
+    OffloadPolicy,
     PrepareStoreOutput,
     ReqContext,
 )
+from statecore.scheduler import planning
+from statecore.scheduler.records import GroupState
 from statecore.wire import (
     DirectionStats,
     GPULoadStoreSpec,
@@ -173,37 +183,74 @@ def to_statecore_report(meta: Any) -> sc_vllm.StatecoreWorkerMetadata | None:
 # ---------------------------------------------------------------------------------------------
 
 
-class GroupView(NamedTuple):
-    """One KV-cache group of statecore's configuration, under vLLM's field names."""
+class FieldView:
+    """A configuration under vLLM's field names, read-only. A field statecore has a counterpart
+    for reads statecore's value; a field it has none for (EAGLE groups, the sliding-window
+    store horizon's alignment and retention, the KV bytes per token) reads vLLM's own value for
+    the same engine configuration (vLLM's ``SchedulerOffloadConfig.from_spec``), which
+    statecore does not act on: the shim lets the test go on to what it asserts about
+    behaviour. ``_replace`` gives vLLM's configuration with the change (assigning it back is
+    the scheduler's affair: :meth:`StatecoreConnectorScheduler.__setattr__`)."""
 
-    group_idx: int
-    tokens_per_block: int
-    tokens_per_chunk: int
-    sliding_window_size_in_chunks: int | None
+    __slots__ = ("_fields", "_label", "_vllm")
+
+    def __init__(self, label: str, fields: Mapping[str, Any], vllm: Any) -> None:
+        object.__setattr__(self, "_label", label)
+        object.__setattr__(self, "_fields", dict(fields))
+        object.__setattr__(self, "_vllm", vllm)
+
+    def __getattr__(self, name: str) -> Any:
+        label = object.__getattribute__(self, "_label")
+        fields = object.__getattribute__(self, "_fields")
+        if name in fields:
+            used(f"{label}.{name}")
+            return fields[name]
+        vllm = object.__getattribute__(self, "_vllm")
+        if not name.startswith("__") and hasattr(vllm, name):
+            used(f"{label}.{name} (vLLM's value)")
+            return getattr(vllm, name)
+        raise AttributeError(
+            f"{name!r}: a vLLM-internal name of vLLM's scheduler configuration that statecore's "
+            "configuration does not expose"
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{name!r}: vLLM's configuration is read-only here")
+
+    def __repr__(self) -> str:
+        label = object.__getattribute__(self, "_label")
+        return f"FieldView({label}, {object.__getattribute__(self, '_fields')!r})"
 
 
-class ConfigView(NamedTuple):
-    """statecore's scheduler configuration, under vLLM's field names."""
-
-    kv_group_configs: tuple[GroupView, ...]
-    blocks_per_chunk: int
-    tokens_per_hash: int
-    num_workers: int
-    offload_prompt_only: bool
-
-
-def _config_view(sched: Any) -> ConfigView:
+def _config_view(sched: Any, vllm_config: Any) -> FieldView:
+    """statecore's scheduler configuration under vLLM's field names (``vllm_config``: vLLM's
+    ``SchedulerOffloadConfig`` for the same engine configuration, for the fields statecore has
+    no counterpart for)."""
     cfg = sched.config
     groups = tuple(
-        GroupView(i, g.tokens_per_block, cfg.tokens_per_chunk(i), cfg.window_chunks(i))
+        FieldView(
+            f"config.kv_group_configs[{i}]",
+            {
+                "group_idx": i,
+                "tokens_per_block": g.tokens_per_block,
+                "tokens_per_chunk": cfg.tokens_per_chunk(i),
+                "hashes_per_chunk": cfg.hashes_per_chunk(i),
+                "sliding_window_size_in_chunks": cfg.window_chunks(i),
+            },
+            vllm_config.kv_group_configs[i],
+        )
         for i, g in enumerate(cfg.groups)
     )
-    return ConfigView(
-        groups,
-        cfg.blocks_per_chunk,
-        cfg.hash_tokens,
-        cfg.num_workers,
-        cfg.offload_prompt_only,
+    return FieldView(
+        "config",
+        {
+            "kv_group_configs": groups,
+            "blocks_per_chunk": cfg.blocks_per_chunk,
+            "tokens_per_hash": cfg.hash_tokens,
+            "num_workers": cfg.num_workers,
+            "offload_prompt_only": cfg.offload_prompt_only,
+        },
+        vllm_config,
     )
 
 
@@ -256,14 +303,16 @@ class ReadOnlyView:
     any other name, read or assigned, is refused with an ``AttributeError`` that says it is
     vLLM-internal."""
 
-    __slots__ = ("_fields",)
+    __slots__ = ("_fields", "_label")
 
-    def __init__(self, **fields: Callable[[], Any]) -> None:
+    def __init__(self, label: str, **fields: Callable[[], Any]) -> None:
+        object.__setattr__(self, "_label", label)
         object.__setattr__(self, "_fields", fields)
 
     def __getattr__(self, name: str) -> Any:
         fields = object.__getattribute__(self, "_fields")
         if name in fields:
+            used(f"{object.__getattribute__(self, '_label')}.{name}")
             return fields[name]()
         raise AttributeError(
             f"{name!r}: a vLLM-internal name of vLLM's request state that statecore's "
@@ -287,9 +336,15 @@ class ReadOnlyList(tuple[Any, ...]):
         )
 
 
-def _group_view(gs: Any) -> ReadOnlyView:
+def _group_view(gs: Any, chunk_level: Callable[[], bool]) -> ReadOnlyView:
+    """One group of a tracked request. ``next_stored_chunk_idx`` is vLLM's next chunk to
+    offer for storing: statecore's store cursor, or, under the chunk-level policy (whose
+    loaded chunks are never offered again), the chunks loaded at admission if more."""
     return ReadOnlyView(
-        offload_keys=lambda: ReadOnlyList(gs.keys), block_ids=lambda: ReadOnlyList(gs.block_ids)
+        "_req_status[].group_states[]",
+        offload_keys=lambda: ReadOnlyList(gs.keys),
+        block_ids=lambda: ReadOnlyList(gs.block_ids),
+        next_stored_chunk_idx=lambda: max(gs.cursor, gs.skip) if chunk_level() else gs.cursor,
     )
 
 
@@ -306,9 +361,16 @@ def _request_view(owner: StatecoreConnectorScheduler, rec: Any) -> ReadOnlyView:
             return manager._ctx(rec.ctx)
         return rec.ctx
 
-    groups = tuple(_group_view(gs) for gs in rec.groups)
+    def update_offload_keys() -> Callable[[], None]:
+        # vLLM's name for turning the request's new block hashes into keys: statecore's own
+        return lambda: owner.scheduler._update_keys(rec)
+
+    chunk_level = lambda: rec.policy is OffloadPolicy.CHUNK_LEVEL  # noqa: E731
+    groups = tuple(_group_view(gs, chunk_level) for gs in rec.groups)
     return ReadOnlyView(
+        "_req_status[]",
         req=lambda: owner.vllm_requests.get(rec.req_id),
+        update_offload_keys=update_offload_keys,
         req_context=ctx,
         group_states=lambda: groups,
         transfer_jobs=lambda: frozenset(rec.jobs),
@@ -323,9 +385,11 @@ class RequestStates(Mapping[str, ReadOnlyView]):
         self._owner = owner
 
     def __getitem__(self, req_id: str) -> ReadOnlyView:
+        used("_req_status")
         return _request_view(self._owner, self._owner.scheduler.requests[req_id])
 
     def __iter__(self) -> Iterator[str]:
+        used("_req_status")
         return iter(list(self._owner.scheduler.requests))
 
     def __len__(self) -> int:
@@ -344,8 +408,94 @@ VIEWS: Mapping[str, Callable[[Any], Any]] = {
     "_chunks_being_loaded": lambda s: None if s.loading_keys is None else set(s.loading_keys),
     "_job_counter": lambda s: s.next_job_id,
     "_stale_job_threshold": lambda s: s.stale_threshold,
+    "_current_batch_jobs_to_flush": lambda s: set(s._batch.flush),
+    # statecore takes the manager's lock for each manager call and holds no region across a
+    # step: vLLM's step-scoped region is never open between the connector's calls
+    "_step_region": lambda s: None,
 }
 """vLLM's private name -> statecore's equivalent, converted (read-only)."""
+
+
+class EventsTrackerView:
+    """vLLM's KV-event tracker under its private names, over statecore's
+    :class:`~statecore.adapters.vllm.EventPayloads` (what the self-describing events carry
+    for each offloaded chunk): ``_pending_event_metadata`` is the chunks statecore holds a
+    payload for, ``reset`` forgets them as a cache reset does."""
+
+    def __init__(self, payloads: sc_vllm.EventPayloads | None) -> None:
+        self._payloads = payloads
+
+    @property
+    def _pending_event_metadata(self) -> Mapping[OffloadKey, Any]:
+        used("_events_tracker._pending_event_metadata")
+        return {} if self._payloads is None else dict(self._payloads._payloads)
+
+    def reset(self) -> None:
+        """vLLM's tracker reset: statecore's payload reset (the next events drop them)."""
+        used("_events_tracker.reset")
+        if self._payloads is not None:
+            self._payloads.reset()
+            self._payloads.to_kv_events(())
+
+
+def _lookup_view(owner: StatecoreConnectorScheduler) -> Callable[..., int | None]:
+    """vLLM's ``_lookup(req_status[, max_num_new_tokens])`` (the complete-chunk lookup of a
+    request state the test built itself, keys given per group) through statecore's lookup
+    plan (:func:`statecore.scheduler.planning.lookup_hits`) with the scheduler's own group
+    order, chunk sizes, windows and manager: how many tokens beyond the locally computed ones
+    load (0: none), or None to defer."""
+
+    def lookup(req_status: Any, max_num_new_tokens: int | None = None) -> int | None:
+        sched = owner.scheduler
+        groups = []
+        for vgs in req_status.group_states:
+            gs = GroupState()
+            gs.keys = list(vgs.offload_keys)
+            groups.append(gs)
+        num_computed = int(req_status.num_locally_computed_tokens)
+        limit = 1 << 62
+        if max_num_new_tokens is not None:
+            limit = num_computed + max_num_new_tokens
+        if req_status.max_load_tokens is not None:
+            limit = min(limit, num_computed + req_status.max_load_tokens)
+        max_hit = min(int(req_status.req.num_tokens) - sched._any_sliding, limit)
+        ctx = ReqContext(req_status.req_context.req_id, req_status.req.kv_transfer_params)
+        return planning.lookup_hits(
+            groups,
+            sched._lookup_order,
+            sched._tpc,
+            sched._window,
+            num_computed,
+            max_hit,
+            limit,
+            sched.config.max_recompute_pending_tokens,
+            sched.manager.lookup_many,
+            ctx,
+        )
+
+    return lookup
+
+
+def _prefix_lookup_view(owner: StatecoreConnectorScheduler) -> Callable[..., int | None]:
+    """vLLM's ``_maximal_prefix_lookup(keys, req_context, req, group_config, start)`` called
+    by a test: statecore's manager asked for ``keys`` up to the first miss, decided by
+    statecore's maximal-prefix kernel (:func:`statecore.kernels.prefix_hits`), the hits'
+    KV-event payloads recorded from ``req`` as the adapter's lookup observer records them."""
+
+    def prefix_lookup(keys: Any, req_context: Any, req: Any, *_: Any) -> int | None:
+        sched = owner.scheduler
+        keys = list(keys)
+        rec = sched.requests.get(req_context.req_id)
+        ctx = rec.ctx if rec is not None else ReqContext(req_context.req_id)
+        results = sched.manager.lookup_many(keys, ctx, True)
+        events = owner.statecore.events
+        if events is not None:
+            hit = (LookupResult.HIT, LookupResult.HIT_PENDING)
+            events.record_lookup(req, [k for k, r in zip(keys, results, strict=False) if r in hit])
+        return kernels.prefix_hits(results, sched.config.max_recompute_pending_tokens)
+
+    return prefix_lookup
+
 
 SPIES = frozenset(
     {
@@ -379,20 +529,32 @@ class StatecoreConnectorScheduler:
             manager = manager.manager  # the spec's own (the test's mock)
         else:  # (vLLM's registered specs: statecore builds its own tiers)
             manager = ManagerView(manager)
+        vllm_config_view = vllm_sched.SchedulerOffloadConfig.from_spec(
+            spec, vllm_config, kv_cache_config
+        )
         self.__dict__.update(
             statecore=connector,
             scheduler=sched,
             manager=manager,
-            config=_config_view(sched),
+            config=_config_view(sched, vllm_config_view),
             vllm_requests={},
         )
 
     def __getattr__(self, name: str) -> Any:
         view = VIEWS.get(name)
         if view is not None:
+            used(name)
             return view(self.__dict__["scheduler"])
         if name == "_req_status":
             return RequestStates(self)
+        if name == "_events_tracker":
+            return EventsTrackerView(self.__dict__["statecore"].events)
+        if name == "_lookup":
+            used(name)
+            return _lookup_view(self)
+        if name == "_maximal_prefix_lookup":
+            used(name)
+            return _prefix_lookup_view(self)
         raise AttributeError(
             f"{name!r}: a vLLM-internal name of OffloadingConnectorScheduler that statecore's "
             "scheduler does not expose"
@@ -411,6 +573,13 @@ class StatecoreConnectorScheduler:
         if name == "manager" and isinstance(self.scheduler.manager, PassThroughSpecManager):
             self._replace_manager(value)
             return
+        if name == "config" and getattr(value, "sync_load_budget_bytes", 0):
+            # the configuration statecore refuses at start-up, refused the same way here
+            raise ConfigError(
+                "statecore connector: kv_connector_extra_config 'sync_load_budget_bytes': "
+                "synchronous in-step loads are not implemented by statecore (it loads "
+                "asynchronously); set sync_load_budget_bytes to 0"
+            )
         raise AttributeError(
             f"{name!r}: a vLLM-internal name of OffloadingConnectorScheduler; assigning it "
             "cannot steer statecore's scheduler"
@@ -429,7 +598,7 @@ class StatecoreConnectorScheduler:
         """
         sched = self.scheduler
         manager: PassThroughSpecManager = sched.manager
-        config: ConfigView = self.config
+        config: Any = self.config
 
         def prefix_hits(keys: Sequence[OffloadKey], ctx: ReqContext) -> int | None:
             group = key_group(keys[0])

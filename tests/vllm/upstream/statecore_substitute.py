@@ -27,6 +27,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+from shims import SHIMS_USED, used
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -102,6 +104,13 @@ class StatecoreCPUManager(vb.OffloadingManager):
         self.store_threshold = store_threshold
         self._info = info.as_config_info() if info is not None else {}
 
+    @property
+    def _num_chunks(self) -> int:
+        """vLLM's private capacity field (vLLM's CPU primary tier, a subclass of its CPU
+        manager, reads it): statecore's capacity in chunks."""
+        used("_num_chunks")
+        return int(self.statecore.capacity)
+
     def _ctx(self, vctx: Any) -> ReqContext:
         got = vctx.get_state(_Context)
         if got is None:
@@ -120,6 +129,15 @@ class StatecoreCPUManager(vb.OffloadingManager):
     def prepare_load(self, keys: Any, req_context: Any) -> Any:
         spec = self.statecore.prepare_load(list(keys), self._ctx(req_context))
         return CPULoadStoreSpec(list(spec.slots))
+
+    def _prepare_load(self, keys: Any, req_context: Any, *, record_access: bool) -> Any:
+        """vLLM's private pin of its CPU manager (vLLM's CPU primary tier pins for a cascade
+        read with ``record_access=False``): statecore's ``prepare_load`` (a request's access)
+        or ``prepare_read`` (a pin only, the request's recency untouched)."""
+        used("_prepare_load")
+        ctx = self._ctx(req_context)
+        pin = self.statecore.prepare_load if record_access else self.statecore.prepare_read
+        return CPULoadStoreSpec(list(pin(list(keys), ctx).slots))
 
     def touch(self, keys: Any, req_context: Any) -> None:
         self.statecore.touch(list(keys), self._ctx(req_context))
@@ -170,6 +188,19 @@ class StatecoreCPUManager(vb.OffloadingManager):
         if self.store_threshold >= 2:
             stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, got["stores_skipped"])
         return stats
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: Any) -> None:
+    """Start the test's record of the name shims it goes through."""
+    SHIMS_USED.clear()
+
+
+def pytest_runtest_teardown(item: Any) -> None:
+    """Report the name shims the test went through as its ``statecore_shims`` property
+    (written into the JUnit report, where the table reads it)."""
+    if SHIMS_USED:
+        item.user_properties.append(("statecore_shims", ",".join(sorted(SHIMS_USED))))
 
 
 def pytest_configure(config: Any) -> None:
