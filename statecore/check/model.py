@@ -961,8 +961,12 @@ class World:
             )
         return out
 
-    def _allocate(self, r: EngineRequest, need: list[list[int]]) -> list[list[int]]:
+    def _allocate(self, r: EngineRequest, need: list[list[int]], upto: int) -> list[list[int]]:
+        """Hand ``r`` a fresh block at each position of ``need``; every group's list then
+        reaches ``upto`` tokens, the positions out of the window holding the null block 0 (as
+        vLLM's block lists do). Returns the new ids per group."""
         new: list[list[int]] = []
+        n = -(-upto // self.tpb)
         for g, positions in enumerate(need):
             blocks = r.blocks[g]
             got: list[int] = []
@@ -974,6 +978,8 @@ class World:
                 self.handed_now.add(b)
                 blocks[i] = b
                 got.append(b)
+            while len(blocks) < n:
+                blocks.append(0)
             new.append(got)
         return new
 
@@ -1089,7 +1095,7 @@ class World:
                     )
                     if blocks > len(self.free):
                         break
-                    self._allocate(r, need)
+                    self._allocate(r, need, ext)
                     created = _guarded(
                         self,
                         "update_state_after_alloc",
@@ -1131,7 +1137,7 @@ class World:
                 pass_.preempted.add(victim)
             if blocks > len(self.free):
                 break
-            self._allocate(r, need)
+            self._allocate(r, need, computed + n)
             if not r.foreign:
                 _guarded(
                     self,
@@ -1195,7 +1201,7 @@ class World:
 
     def allocate(self, r: EngineRequest, upto: int, computed: int) -> tuple[tuple[int, ...], ...]:
         """Give ``r`` the blocks for ``upto`` tokens; returns the new ids per group."""
-        new = self._allocate(r, self._need(r, upto, computed))
+        new = self._allocate(r, self._need(r, upto, computed), upto)
         return tuple(tuple(b) for b in new)
 
     def _compute(self, r: EngineRequest, n: int) -> None:
