@@ -163,6 +163,11 @@ class Scope:
             a store offer, lookup or schedule end before changing anything, or from a finish,
             typed or untyped (``("okerr", rank, job, typed)`` and ``("steperr", call,
             typed)``, faults; INV-MGR-ERROR).
+        prefix_caching_hint: the scheduler is told that the engine has a GPU prefix cache
+            (``SchedulerConfig.enable_prefix_caching``), so it defers a request whose hit
+            chunks another request is loading. The world's engine has no prefix cache; the
+            hint is on by default so that the deferral is explored, and off where the world
+            is compared with vLLM run without its prefix cache.
         description: one line for the docs.
     """
 
@@ -183,6 +188,7 @@ class Scope:
     redis: bool = False
     redis_known_keys: int | None = None
     manager_errors: bool = False
+    prefix_caching_hint: bool = True
     description: str = ""
 
     @property
@@ -202,6 +208,7 @@ class Scope:
             num_workers=self.workers,
             stall_timeout_s=10.0,
             stall_check_interval_s=1.0,
+            enable_prefix_caching=self.prefix_caching_hint,
         )
 
 
@@ -488,8 +495,11 @@ class World:
         return b"partial:" + make_offload_key(part, g)
 
     def _skippable(self, g: int, i: int, computed: int) -> bool:
+        """Whether block ``i`` of group ``g`` is out of the window once ``computed`` tokens
+        are computed: the next token attends to the last ``window`` tokens, so vLLM 0.33
+        skips ``computed - window + 1`` of them (its ``remove_skipped_blocks``)."""
         w = self.window
-        return g == 1 and w is not None and (i + 1) * self.tpb <= computed - w
+        return g == 1 and w is not None and (i + 1) * self.tpb <= computed - w + 1
 
     def _verify(self, r: EngineRequest, computed: int, what: str) -> None:
         tpb = self.tpb
@@ -951,8 +961,12 @@ class World:
             )
         return out
 
-    def _allocate(self, r: EngineRequest, need: list[list[int]]) -> list[list[int]]:
+    def _allocate(self, r: EngineRequest, need: list[list[int]], upto: int) -> list[list[int]]:
+        """Hand ``r`` a fresh block at each position of ``need``; every group's list then
+        reaches ``upto`` tokens, the positions out of the window holding the null block 0 (as
+        vLLM's block lists do). Returns the new ids per group."""
         new: list[list[int]] = []
+        n = -(-upto // self.tpb)
         for g, positions in enumerate(need):
             blocks = r.blocks[g]
             got: list[int] = []
@@ -964,6 +978,8 @@ class World:
                 self.handed_now.add(b)
                 blocks[i] = b
                 got.append(b)
+            while len(blocks) < n:
+                blocks.append(0)
             new.append(got)
         return new
 
@@ -1010,9 +1026,13 @@ class World:
         reqs = self.reqs
         output = SchedulerOutput(
             scheduled=tuple(
-                ScheduledRequest(r.req.request_id, nb, n, res) for r, n, nb, res in scheduled
+                ScheduledRequest(r.req.request_id, nb, n, False)
+                for r, n, nb, _ in vllm_step.listed(pass_)
             ),
-            new_req_ids=frozenset(r.req.request_id for r in pass_.new),
+            new_req_ids=frozenset(
+                [r.req.request_id for r in pass_.new]
+                + [r.req.request_id for r, _, _, resumed in scheduled if resumed]
+            ),
             finished_req_ids=frozenset(reqs[i].req.request_id for i in self.finished_since),
             preempted_req_ids=frozenset(
                 [r.req.request_id for r in pass_.preempted]
@@ -1049,8 +1069,9 @@ class World:
     def _step_waiting(self, pass_: _Pass) -> None:
         """Admit waiting requests into the step (step 1b of :mod:`statecore.sim.step`)."""
         sched = self.sched
-        for idx in list(self.waiting):
-            r = self.reqs[idx]
+        reqs = self.reqs
+        for idx in vllm_step.waiting_order(self.waiting, lambda i: any(reqs[i].blocks)):
+            r = reqs[idx]
             budget = pass_.budget
             if budget <= 0:
                 break
@@ -1067,9 +1088,14 @@ class World:
                 ext, is_async = res
                 if ext > 0 and is_async:
                     need = self._need(r, ext, ext)
-                    if sum(map(len, need)) > len(self.free):
+                    blocks = vllm_step.admission_blocks(
+                        sum(map(len, need)),
+                        sum(map(len, self._need(r, r.req.num_tokens, ext))),
+                        self._inflight_reserved(),
+                    )
+                    if blocks > len(self.free):
                         break
-                    self._allocate(r, need)
+                    self._allocate(r, need, ext)
                     created = _guarded(
                         self,
                         "update_state_after_alloc",
@@ -1090,7 +1116,10 @@ class World:
                 computed = r.req.num_computed_tokens
             n = min(r.req.num_tokens - computed, budget)
             need = self._need(r, computed + n, computed)
-            while sum(map(len, need)) > len(self.free) and not self.running:
+            blocks = vllm_step.admission_blocks(
+                sum(map(len, need)), sum(map(len, self._need(r, r.req.num_tokens, computed)))
+            )
+            while blocks > len(self.free) and not self.running:
                 # nothing runs that could free blocks: requests that hold blocks but wait
                 # (their load ended) give them back and start over, newest first
                 victim = next(
@@ -1106,9 +1135,9 @@ class World:
                 self._free_blocks(victim)
                 victim.req.num_computed_tokens = 0
                 pass_.preempted.add(victim)
-            if sum(map(len, need)) > len(self.free):
+            if blocks > len(self.free):
                 break
-            self._allocate(r, need)
+            self._allocate(r, need, computed + n)
             if not r.foreign:
                 _guarded(
                     self,
@@ -1130,6 +1159,19 @@ class World:
             r.scheduled_once = True
             r.resumed = False
             pass_.budget -= n
+
+    def _inflight_reserved(self) -> int:
+        """Blocks the prefills in flight still need for their whole sequence (what vLLM
+        keeps free when it admits a load): requests loading, and running ones whose prefill
+        is not yet wholly scheduled."""
+        out = 0
+        for r in self.reqs:
+            st = r.status
+            if st == LOADING or (
+                st == RUNNING and r.req.num_computed_tokens < r.req.num_tokens - 1
+            ):
+                out += sum(map(len, self._need(r, r.req.num_tokens, r.req.num_computed_tokens)))
+        return out
 
     # -- the running requests, as statecore.sim.step.schedule_running asks -------------------
 
@@ -1159,7 +1201,7 @@ class World:
 
     def allocate(self, r: EngineRequest, upto: int, computed: int) -> tuple[tuple[int, ...], ...]:
         """Give ``r`` the blocks for ``upto`` tokens; returns the new ids per group."""
-        new = self._allocate(r, self._need(r, upto, computed))
+        new = self._allocate(r, self._need(r, upto, computed), upto)
         return tuple(tuple(b) for b in new)
 
     def _compute(self, r: EngineRequest, n: int) -> None:

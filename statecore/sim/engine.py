@@ -958,21 +958,17 @@ class SimEngine:
 
         if self.observed is not None:
             self.observed.refused.clear()
-        scheduled, new_ids, preempted = self._schedule(k)
+        pass_ = self._schedule(k)
+        scheduled = pass_.scheduled
+        new_ids = {r.turn.req_id for r in pass_.new}
+        preempted = {r.turn.req_id for r in pass_.preempted}
         if scheduled or self.running or not self.waiting:
             self._stuck_since = None
         else:
             self._note_progress(k)
         foreign = self._schedule_foreign(admit)
-        # as vLLM 0.33's SchedulerOutput lists them: new requests, then resumed ones (as new
-        # ones too: whole block lists, no resumed flag), then running ones
-        listed = [
-            (r, n, blocks, False)
-            for r, n, blocks, resumed in sorted(
-                scheduled,
-                key=lambda e: 0 if e[0].turn.req_id in new_ids else 1 if e[3] else 2,
-            )
-        ]
+        # as vLLM 0.33's SchedulerOutput lists them: new, then resumed (as new), then running
+        listed = vllm_step.listed(pass_)
         new_ids = new_ids | {r.turn.req_id for r, _, _, resumed in scheduled if resumed}
         output = SchedulerOutput(
             scheduled=tuple(
@@ -1454,23 +1450,13 @@ class SimEngine:
     # -- scheduling ----------------------------------------------------------------------------
 
     def _waiting_order(self) -> list[SimRequest]:
-        """The order step 1 tries the waiting requests in: those holding KV blocks (a load
-        ended, failed or not; they only need their remaining blocks) first, then the others,
-        each in queue order, as vLLM 0.33 drains its ``kv_holding_waiting`` queue before
-        ``waiting``. (In queue order alone, a first request too large for the free blocks
-        keeps them waiting behind it, with nothing running to free any: a jam.)"""
-        waiting = self.waiting
-        holding = [r for r in waiting if r.has_blocks()]
-        if not holding:
-            return list(waiting)
-        return holding + [r for r in waiting if not r.has_blocks()]
+        """The order step 1b tries the waiting requests in
+        (:func:`statecore.sim.step.waiting_order`)."""
+        return vllm_step.waiting_order(self.waiting, lambda r: r.has_blocks())
 
-    def _schedule(
-        self, k: int
-    ) -> tuple[list[tuple[SimRequest, int, list[list[int]], bool]], set[str], set[str]]:
+    def _schedule(self, k: int) -> _SchedulePass:
         """Step 1 of the module docstring (:func:`statecore.sim.step.schedule`): the running
-        requests, then, only when none was preempted in this step, the waiting ones; returns
-        what was scheduled, the new requests' ids and the preempted ones'."""
+        requests, then, only when none was preempted in this step, the waiting ones."""
         pass_: _SchedulePass = StepPass(self.cfg.max_batched_tokens)
         vllm_step.schedule(
             pass_,
@@ -1480,11 +1466,7 @@ class SimEngine:
         for r, n, _, _ in pass_.scheduled:
             if r.req.num_computed_tokens + n >= r.req.num_tokens:
                 self._inflight.pop(r.turn.req_id, None)  # its prefill is scheduled
-        return (
-            pass_.scheduled,
-            {r.turn.req_id for r in pass_.new},
-            {r.turn.req_id for r in pass_.preempted},
-        )
+        return pass_
 
     def _inflight_reserved(self) -> int:
         """Blocks the prefills in flight (admitted or loading, not yet fully scheduled) still
@@ -1540,7 +1522,7 @@ class SimEngine:
                     # vLLM: the whole sequence must fit, and the loaded prefix beside what
                     # the prefills in flight still need
                     full = sum(self._need(r, r.req.num_tokens, total))
-                    need = max(need + self._inflight_reserved(), full)
+                    need = vllm_step.admission_blocks(need, full, self._inflight_reserved())
                     if room - need < cfg.watermark_blocks:
                         r.blocks = [[] for _ in range(self.n_groups)]
                         break
@@ -1569,7 +1551,7 @@ class SimEngine:
                 computed = r.req.num_computed_tokens
             n = min(r.req.num_tokens - computed, pass_.budget)
             need = sum(self._need(r, computed + n, computed))
-            need = max(need, sum(self._need(r, r.req.num_tokens, computed)))  # vLLM: all of it
+            need = vllm_step.admission_blocks(need, sum(self._need(r, r.req.num_tokens, computed)))
             if self._room(local) - need < cfg.watermark_blocks:
                 if any(local):
                     r.blocks = [[] for _ in range(self.n_groups)]

@@ -5,9 +5,10 @@ simulator's :class:`~statecore.sim.engine.SimEngine` (which the stateful fuzzer,
 :mod:`statecore.specs.stack`, drives too) and the model checker's
 :class:`~statecore.check.model.World`. Each keeps its own representation of requests and
 blocks (the simulator real bytes and a prefix cache, the checker labels and a state designed
-to be hashed), and both take the order and the running requests' preemption rule from this
-module. ``tests/vllm/test_engine_differential.py`` runs seeded workloads through the
-simulator's engine and through vLLM's real ``Scheduler`` and asserts the same connector calls
+to be hashed), and both take from this module the order, the running requests' preemption
+rule, the waiting requests' order, the admission rule, the output's listing order and
+``has_requests``. ``tests/vllm/test_engine_differential.py`` runs seeded workloads through
+each engine model and through vLLM's real ``Scheduler`` and asserts the same connector calls
 step by step.
 
 Between steps the engine takes arrivals (``on_new_request``) and aborts (``request_finished``;
@@ -42,7 +43,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-__all__ = ["RunningModel", "StepPass", "has_requests", "schedule", "schedule_running"]
+__all__ = [
+    "RunningModel",
+    "StepPass",
+    "admission_blocks",
+    "has_requests",
+    "listed",
+    "schedule",
+    "schedule_running",
+    "waiting_order",
+]
 
 R = TypeVar("R")
 """An engine model's request."""
@@ -166,3 +176,35 @@ def schedule_running(
         pass_.scheduled.append((r, n, model.allocate(r, computed + n, computed), False))
         done.add(id(r))
         pass_.budget -= n
+
+
+def admission_blocks(step: int, whole: int, in_flight: int = 0) -> int:
+    """Free blocks an admission needs (step 1b): vLLM 0.33 admits a request only when the
+    free blocks hold its whole sequence (``whole``), not only the ``step`` blocks this step's
+    tokens fill; an asynchronous load also leaves free what the prefills in flight still
+    need (``in_flight``), beside the loaded prefix (its ``step``)."""
+    return max(step + in_flight, whole)
+
+
+def listed(pass_: StepPass[R, B]) -> list[tuple[R, int, B, bool]]:
+    """The step's scheduled requests as vLLM 0.33's ``SchedulerOutput`` lists them (step
+    1c): new requests, then resumed ones (as new ones too: their whole block lists, no
+    resumed flag), then the running ones, each in scheduling order."""
+    new = pass_.new
+
+    def rank(e: tuple[R, int, B, bool]) -> int:
+        return 0 if e[0] in new else 1 if e[3] else 2
+
+    return [(r, n, blocks, False) for r, n, blocks, _ in sorted(pass_.scheduled, key=rank)]
+
+
+def waiting_order(waiting: Sequence[R], holds_blocks: Callable[[R], bool]) -> list[R]:
+    """The order step 1b tries the waiting requests in: those holding KV blocks (a load
+    ended, failed or not; they only need their remaining blocks) first, then the others,
+    each in queue order, as vLLM 0.33 drains its ``kv_holding_waiting`` queue before
+    ``waiting``. (In queue order alone, a first request too large for the free blocks keeps
+    them waiting behind it, with nothing running to free any: a jam.)"""
+    holding = [r for r in waiting if holds_blocks(r)]
+    if not holding:
+        return list(waiting)
+    return holding + [r for r in waiting if not holds_blocks(r)]

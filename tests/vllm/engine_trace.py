@@ -49,6 +49,10 @@ class Shape:
     blocks_per_chunk: int = 1
     max_batched_tokens: int = 128
     max_running: int = 8
+    prefix_caching: bool = True  # vLLM's local prefix cache (the checker's engine has none)
+    counted_tokens: bool = False  # generated tokens 100, 101, ... (the checker's) not random
+    stall_timeout_s: float = 20.0  # the scheduler's (the simulator's default; the checker's: 10)
+    stall_check_interval_s: float = 2.0
 
 
 def workload(
@@ -96,6 +100,20 @@ class Trace:
 
     def steps(self) -> list[int]:
         return sorted(self.calls)
+
+    def merge_outputs(self) -> None:
+        """One ``output`` call per step, the union of the step's (an engine that delivers
+        each worker report on its own makes several where vLLM's makes one)."""
+        for step, calls in self.calls.items():
+            outs = [c for c in calls if c[0] == "output"]
+            if len(outs) < 2:
+                continue
+            merged = ("output",) + tuple(
+                tuple(sorted({x for c in outs for x in c[i]})) for i in (1, 2, 3)
+            )
+            first = calls.index(outs[0])
+            rest = [c for c in calls if c[0] != "output"]
+            self.calls[step] = rest[:first] + [merged] + rest[first:]
 
 
 def _blocks(lists: Any) -> tuple[tuple[int, ...], ...]:
@@ -266,6 +284,78 @@ def run_engine_model(shape: Shape, arrivals: Sequence[Arrival], max_steps: int =
     return trace
 
 
+# -- the model checker's engine ---------------------------------------------------------------
+
+
+def checker_scope(shape: Shape, arrivals: Sequence[Arrival]) -> Any:
+    """The model checker's :class:`~statecore.check.model.Scope` for ``shape`` and the
+    workload's prompts (request ``i`` of the world is the ``i``-th arrival): one worker, the
+    world's default free order (``"lifo"``: the blocks a request frees are handed out next,
+    its last block first, as vLLM's free-block queue does with blocks that hold no cached
+    hash; vLLM runs without its prefix cache, which the world does not model), every request
+    generating the same number of tokens (the world's ``max_output``)."""
+    from statecore.check.model import Scope
+
+    outputs = {a.max_tokens for a in arrivals}
+    if len(outputs) != 1:
+        raise ValueError(f"the checker's engine generates one length for all: {outputs}")
+    window = None
+    if shape.groups == "hybrid":
+        from statecore.sim.engine import kv_groups
+
+        window = next(g.sliding_window for g in kv_groups("hybrid", BLOCK) if g.sliding_window)
+    return Scope(
+        name="differential",
+        prompts=tuple(a.prompt for a in arrivals),
+        workers=1,
+        sliding_window=window,
+        gpu_blocks=shape.num_gpu_blocks - 1,
+        cpu_slots=shape.num_cpu_chunks,
+        tokens_per_block=BLOCK,
+        max_output=outputs.pop(),
+        max_batched_tokens=shape.max_batched_tokens,
+        free_order="lifo",
+        prefix_caching_hint=shape.prefix_caching,
+    )
+
+
+def run_checker_model(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 400) -> Trace:
+    """The workload through the model checker's engine (:class:`~statecore.check.model.World`):
+    arrivals and aborts before their step, one ``("step",)``, then every copy the step
+    submitted delivered (``("ok", 0, job)``), as vLLM's side completes them in the step."""
+    from statecore.check.model import World
+
+    world = World(checker_scope(shape, arrivals))
+    trace = Trace()
+    record(world.sched, trace)
+    index = {a.req_id: i for i, a in enumerate(arrivals)}
+    last = max(a.step for a in arrivals)
+    for k in range(max_steps):
+        trace.step = k
+        world.clock.now = k * STEP_SECONDS  # as vLLM's side: arrivals, aborts, then the step
+        for a in arrivals:
+            if a.step == k:
+                world.apply(("arrive", index[a.req_id]))
+        for a in arrivals:
+            if a.abort_at == k:
+                r = world.reqs[index[a.req_id]]
+                if r.status not in (0, 4) and not r.aborted:  # arrived, not done
+                    world.apply(("abort", r.idx))
+        if k > last and not world.engine_has_work():
+            break
+        world.clock.now = (k + 1) * STEP_SECONDS
+        world.apply(("step",))
+        while True:
+            ready = [a for a in world.actions() if a[0] == "ok"]
+            if not ready:
+                break
+            world.apply(ready[0])
+        if world.errors:
+            raise AssertionError(f"the checker's engine went wrong: {world.errors[:3]}")
+    trace.merge_outputs()
+    return trace
+
+
 # -- vLLM's engine ---------------------------------------------------------------------------
 
 
@@ -311,9 +401,8 @@ def run_vllm_engine(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 
         "blocks_per_chunk": shape.blocks_per_chunk,
         "offload_prompt_only": False,  # as the simulator's stack: generated blocks too
         "num_cpu_chunks": shape.num_cpu_chunks,
-        # the engine model's (SimConfig's defaults)
-        "stall_timeout_s": 20.0,
-        "stall_check_interval_s": 2.0,
+        "stall_timeout_s": shape.stall_timeout_s,
+        "stall_check_interval_s": shape.stall_check_interval_s,
     }
     ktc = vcfg.KVTransferConfig(
         kv_connector="StatecoreOffloadingConnector",
@@ -324,7 +413,10 @@ def run_vllm_engine(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 
     )
     model = _model_dir()
     cache_config = vcfg.CacheConfig(
-        block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True
+        block_size=BLOCK,
+        gpu_memory_utilization=0.9,
+        cache_dtype="auto",
+        enable_prefix_caching=shape.prefix_caching,
     )
     vc = vcfg.VllmConfig(
         model_config=vcfg.ModelConfig(
@@ -407,7 +499,12 @@ def run_vllm_engine(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 
         for rid in ids:
             r = engine.requests[rid]
             done = r.num_computed_tokens >= r.num_tokens
-            sampled.append([token_rng.randrange(3, 50000)] if done else [])
+            if not done:
+                sampled.append([])
+            elif shape.counted_tokens:
+                sampled.append([100 + r.num_output_tokens])
+            else:
+                sampled.append([token_rng.randrange(3, 50000)])
         meta = so.kv_connector_metadata
         worker.handle_preemptions(meta)
         worker.bind_connector_metadata(meta)

@@ -1,7 +1,11 @@
-"""The engine model against vLLM 0.33's real ``Scheduler``: the same seeded workload (shared
-prefixes, a device cache small enough to preempt, aborts) through both, each over statecore's
-scheduler, must make the same connector calls step by step (hook, request ids, block ids,
-token counts), for a full-attention and a hybrid (sliding window + full) configuration.
+"""statecore's engine models against vLLM 0.33's real ``Scheduler``: the same seeded workload
+(shared prefixes, a device cache small enough to preempt, aborts) through both, each over
+statecore's scheduler, must make the same connector calls step by step (hook, request ids,
+block ids, token counts), for a full-attention and a hybrid (sliding window + full)
+configuration. Both engine models are compared: the simulator's (which the fuzzer drives too)
+and the model checker's (run as the checker runs it, but along one seeded trace: every copy
+delivered in its step; vLLM then runs without its GPU prefix cache, which the checker's engine
+does not model).
 
 Run with ``scripts/vllm-integration.sh`` (vLLM 0.33 on CPU torch); the traces are built by
 :mod:`engine_trace` beside this file.
@@ -17,11 +21,14 @@ pytest.importorskip(
     "vllm.config", reason="vLLM 0.33 is not installed (build it: scripts/vllm-integration.sh)"
 )
 
+import dataclasses
+
 from engine_trace import (
     Arrival,
     Shape,
     Trace,
     first_divergence,
+    run_checker_model,
     run_engine_model,
     run_vllm_engine,
     summary,
@@ -71,4 +78,57 @@ def test_the_workload_preempts_loads_stores_and_aborts(groups: str) -> None:
     assert counts.get("load_jobs", 0) > 0, counts
     assert counts.get("store_jobs", 0) > 0, counts
     aborted = sum(1 for seed in SEEDS for a in load(groups, seed) if a.abort_at is not None)
+    assert aborted > 0
+
+
+CHECKER_SHAPES = {
+    groups: dataclasses.replace(
+        shape,
+        max_running=64,  # the checker's engine has no cap on running requests
+        prefix_caching=False,
+        counted_tokens=True,
+        stall_timeout_s=10.0,  # the checker's scheduler configuration
+        stall_check_interval_s=1.0,
+    )
+    for groups, shape in SHAPES.items()
+}
+CHECKER_OUTPUT_LEN = 24
+"""The checker's engine generates one length for every request."""
+
+
+def checker_load(groups: str, seed: int) -> list[Arrival]:
+    n, steps = REQUESTS[groups]
+    out = CHECKER_OUTPUT_LEN
+    return [
+        dataclasses.replace(a, req_id=f"r{i}")  # the checker's request ids
+        for i, a in enumerate(workload(seed, n=n, steps=steps, output_len=(out, out)))
+    ]
+
+
+@functools.cache
+def vllm_trace_without_prefix_cache(groups: str, seed: int) -> Trace:
+    trace = run_vllm_engine(CHECKER_SHAPES[groups], checker_load(groups, seed))
+    trace.merge_outputs()
+    return trace
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("groups", sorted(SHAPES))
+def test_the_model_checkers_engine_makes_vllms_connector_calls(groups: str, seed: int) -> None:
+    upstream = vllm_trace_without_prefix_cache(groups, seed)
+    ours = run_checker_model(CHECKER_SHAPES[groups], checker_load(groups, seed))
+    assert first_divergence(upstream, ours) is None
+    assert upstream.calls == ours.calls
+
+
+@pytest.mark.parametrize("groups", sorted(SHAPES))
+def test_the_checkers_workload_preempts_loads_stores_and_aborts(groups: str) -> None:
+    counts: dict[str, int] = {}
+    for seed in SEEDS:
+        for k, v in summary(vllm_trace_without_prefix_cache(groups, seed)).items():
+            counts[k] = counts.get(k, 0) + v
+    assert counts.get("preempted", 0) > 0, counts
+    assert counts.get("load_jobs", 0) > 0, counts
+    assert counts.get("store_jobs", 0) > 0, counts
+    aborted = sum(1 for seed in SEEDS for a in checker_load(groups, seed) if a.abort_at is not None)
     assert aborted > 0
