@@ -116,6 +116,7 @@ from statecore.manager import (
 )
 from statecore.scheduler import planning
 from statecore.scheduler.answers import (
+    COUNTER_NAMES,
     EMPTY_MAPPING,
     NO_OUTPUT,
     ConnectorOutputResult,
@@ -1034,10 +1035,11 @@ class OffloadingScheduler(SchedulerState):
         Transfer metrics use upstream's names (``kv_offload_load_bytes``, ...); statecore's
         own counters keep their :class:`SchedulerCounters` names.
         """
-        now = self.counters.as_dict()
-        before = self._stats_mark.as_dict()
-        delta: dict[str, Any] = {k: now[k] - before[k] for k in now}
-        self._stats_mark = SchedulerCounters(**now)  # type: ignore[arg-type]
+        now = self.counters.values()
+        delta: dict[str, Any] = {
+            k: a - b for k, a, b in zip(COUNTER_NAMES, now, self._stats_mark.values(), strict=True)
+        }
+        self._stats_mark = SchedulerCounters(*now)  # type: ignore[arg-type]
         delta["kv_offload_load_bytes"] = delta.pop("load_bytes")
         delta["kv_offload_load_time"] = delta.pop("load_seconds")
         delta["kv_offload_store_bytes"] = delta.pop("store_bytes")
