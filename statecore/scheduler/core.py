@@ -166,6 +166,22 @@ def _param(params: Mapping[str, Any] | None, name: str) -> tuple[int | None, boo
     return None, True
 
 
+def _upstream_names(delta: dict[str, Any]) -> dict[str, Any]:
+    """The transfer counters of a stats delta under upstream's metric names."""
+    delta["kv_offload_load_bytes"] = delta.pop("load_bytes")
+    delta["kv_offload_load_time"] = delta.pop("load_seconds")
+    delta["kv_offload_store_bytes"] = delta.pop("store_bytes")
+    delta["kv_offload_store_time"] = delta.pop("store_seconds")
+    delta["kv_offload_allocation_failure"] = delta["allocation_failures"]
+    return delta
+
+
+_NO_COUNTS = _upstream_names(
+    {k: v - v for k, v in zip(COUNTER_NAMES, SchedulerCounters().values(), strict=True)}
+)
+"""The counters' part of :meth:`OffloadingScheduler.get_stats` when nothing was counted."""
+
+
 class OffloadingScheduler(SchedulerState):
     """Scheduler side of a KV-offloading connector.
 
@@ -1036,15 +1052,14 @@ class OffloadingScheduler(SchedulerState):
         own counters keep their :class:`SchedulerCounters` names.
         """
         now = self.counters.values()
-        delta: dict[str, Any] = {
-            k: a - b for k, a, b in zip(COUNTER_NAMES, now, self._stats_mark.values(), strict=True)
-        }
-        self._stats_mark = SchedulerCounters(*now)  # type: ignore[arg-type]
-        delta["kv_offload_load_bytes"] = delta.pop("load_bytes")
-        delta["kv_offload_load_time"] = delta.pop("load_seconds")
-        delta["kv_offload_store_bytes"] = delta.pop("store_bytes")
-        delta["kv_offload_store_time"] = delta.pop("store_seconds")
-        delta["kv_offload_allocation_failure"] = delta["allocation_failures"]
+        before = self._stats_mark.values()
+        if now == before:  # nothing counted since the last call (an engine asks every step)
+            delta: dict[str, Any] = dict(_NO_COUNTS)
+        else:
+            delta = _upstream_names(
+                {k: a - b for k, a, b in zip(COUNTER_NAMES, now, before, strict=True)}
+            )
+            self._stats_mark = SchedulerCounters(*now)  # type: ignore[arg-type]
         delta["live_jobs"] = len(self._table.live)
         delta["stalled_ledger"] = len(self._table.stalled)
         delta["tracked_requests"] = len(self._reqs)
