@@ -257,6 +257,7 @@ def explore(
                         progress(res)
                     continue
                 if not fresh:
+                    w.release()
                     w = _loads(blob)
                 fresh = False
                 w.apply(action)
@@ -284,6 +285,7 @@ def explore(
                     limited = True
                 if time_limit is not None and time.perf_counter() - t0 > time_limit:
                     limited = True
+            w.release()
             if limited:
                 break
         res.levels.append(res.states - before)

@@ -441,6 +441,13 @@ class World:
         self.shut = False
         """The engine shut the connector down (``shutdown``/``shuterr``): nothing follows."""
 
+    def release(self) -> None:
+        """Break the reference cycles of this state (the scheduler's records and effects
+        point back at the scheduler), so that it is freed as soon as it is dropped rather than
+        by the cyclic garbage collector. The world is unusable afterwards: the explorer calls
+        this on each restored state it is done with."""
+        vars(self.sched).clear()
+
     def _shared_tier(self, scope: Scope) -> LabelPool:
         """The tiering manager, the RedisTier and its server double (scope ``redis``)."""
         if scope.workers != 1:
