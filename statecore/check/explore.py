@@ -105,10 +105,6 @@ class Result:
         )
 
 
-_dumps = snapshot.dumps
-_loads = snapshot.loads
-
-
 def _drain_action(w: World) -> Action:
     """The next move of the fault-free continuation."""
     for rank, be in enumerate(w.backends):
@@ -127,11 +123,14 @@ def _drain_bound(scope: Scope) -> int:
     return 4 * (tokens + 3 * len(scope.prompts) + 8)
 
 
-def continuation(w: World, good: set[int] | None = None) -> tuple[str | None, list[Action]]:
+def continuation(
+    w: World, good: set[int] | None = None, first: list[tuple[Action, int]] | None = None
+) -> tuple[str | None, list[Action]]:
     """Run the fault-free continuation from ``w`` (mutated); return (what is left, moves).
 
     ``None`` means quiescence was reached (or a state known to reach it, when ``good`` is
-    given: the states passed are then added to it).
+    given: the states passed are then added to it). With ``first``, the first move and the
+    key hash of the state it reached are appended to it (when it raised nothing).
     """
     path: list[int] = []
     moves: list[Action] = []
@@ -148,6 +147,8 @@ def continuation(w: World, good: set[int] | None = None) -> tuple[str | None, li
             return w.errors[0], moves
         if good is not None:
             k = hash(w.key())
+            if first is not None and not path:
+                first.append((action, k))
             if k in good:
                 good.update(path)
                 return None, moves
@@ -173,6 +174,8 @@ def explore(
     c0 = time.process_time()
     res = Result(scope)
     root = World(scope)
+    codec = snapshot.Snapshots(root)
+    _dumps, _loads = codec.dumps, codec.loads
     k0 = hash(root.key())
     parents: dict[int, tuple[int, Action] | None] = {k0: None}
     good: set[int] = set()
@@ -204,11 +207,25 @@ def explore(
     # that may not be shortest: keep it and search on until no shorter one can exist
     candidate: Counterexample | None = None
 
-    def continue_from(trace: list[Action], w: World) -> Counterexample | None:
+    # the first move of a state's continuation is also one of its actions: the key hash it
+    # reached is kept (for the states still to be expanded) so that the expansion need not
+    # restore and apply it again when that state is already known
+    firsts: dict[int, tuple[Action, int]] = {}
+    first: list[tuple[Action, int]] = []
+
+    def continue_from(
+        trace: list[Action], w: World, k: int | None = None, expand: bool = False
+    ) -> Counterexample | None:
         nonlocal candidate
         res.liveness_checks += 1
-        left, moves = continuation(w, good)
+        left, moves = continuation(w, good, first if expand else None)
+        if first:
+            if k is not None:
+                firsts[k] = first[0]
+            first.clear()
         if left is None:
+            if k is not None:
+                good.add(k)  # it reached quiescence too
             return None
         if not w.errors:
             return Counterexample(trace, left, liveness=True)
@@ -229,10 +246,20 @@ def explore(
         before = res.states
         for k, blob in frontier:
             w = _loads(blob)
+            fresh = True  # w is the restored state, no action applied yet
             actions = w.actions()
-            for i, action in enumerate(actions):
-                if i:
+            known = firsts.pop(k, None)
+            for action in actions:
+                if known is not None and action == known[0] and known[1] in parents:
+                    # the continuation applied this move already: a known state
+                    res.transitions += 1
+                    if progress is not None and not res.transitions & 8191:
+                        progress(res)
+                    continue
+                if not fresh:
+                    w.release()
                     w = _loads(blob)
+                fresh = False
                 w.apply(action)
                 res.transitions += 1
                 if progress is not None and not res.transitions & 8191:
@@ -250,7 +277,7 @@ def explore(
                     nxt.append((k2, _dumps(w)))
                 if liveness and k2 not in good:
                     # w is consumed: it is restored afresh for the next action
-                    cex = continue_from(trace_to(k2), w)
+                    cex = continue_from(trace_to(k2), w, k2, level < scope.depth)
                     if cex is not None:
                         res.depth = level
                         return finish(cex)
@@ -258,6 +285,7 @@ def explore(
                     limited = True
                 if time_limit is not None and time.perf_counter() - t0 > time_limit:
                     limited = True
+            w.release()
             if limited:
                 break
         res.levels.append(res.states - before)

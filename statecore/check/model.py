@@ -71,6 +71,7 @@ behaviour.
 
 from __future__ import annotations
 
+import operator
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -438,6 +439,13 @@ class World:
         self.reset_answer = ResetAnswer()  # what the last reset said, until delivered
         self.shut = False
         """The engine shut the connector down (``shutdown``/``shuterr``): nothing follows."""
+
+    def release(self) -> None:
+        """Break the reference cycles of this state (the scheduler's records and effects
+        point back at the scheduler), so that it is freed as soon as it is dropped rather than
+        by the cyclic garbage collector. The world is unusable afterwards: the explorer calls
+        this on each restored state it is done with."""
+        vars(self.sched).clear()
 
     def _shared_tier(self, scope: Scope) -> LabelPool:
         """The tiering manager, the RedisTier and its server double (scope ``redis``)."""
@@ -1303,13 +1311,16 @@ class World:
         s = self.sched
         now = self.clock.now
         stalled = s.stalled_jobs
-        ids: set[int] = {*s.jobs, *stalled, *s._batch.flush, s.stale_threshold, s.next_job_id}
+        live = s.jobs
+        batch = s._batch
+        ids: set[int] = {*live, *stalled, *batch.flush, s.stale_threshold, s.next_job_id}
         for w, be in zip(self.workers, self.backends, strict=True):
             ids.update(w._deferred)
             ids.update(be.submitted)
         for d in self.delivered:
             ids.add(d[1])
-        for r in self.reqs:
+        reqs_ = self.reqs
+        for r in reqs_:
             if r.load is not None:
                 ids.add(r.load_job)
         ren = {j: n for n, j in enumerate(sorted(ids))}
@@ -1317,28 +1328,44 @@ class World:
         reqs = tuple(
             [
                 (
-                    rec.req_id,
-                    rec.state,
-                    tuple(sorted([ren[j] for j in rec.jobs])),
+                    rid,
+                    state,
+                    tuple(sorted([ren[j] for j in jobs])) if jobs else (),
                     tuple(
                         [
-                            (tuple(gs.keys), tuple(gs.block_ids), gs.cursor, gs.skip)
-                            for gs in rec.groups
+                            (tuple(keys), tuple(block_ids), cursor, skip)
+                            for keys, block_ids, cursor, skip in map(_group_fields, groups)
                         ]
                     ),
-                    rec.max_load_tokens,
-                    rec.max_offload_tokens,
-                    rec.num_local_computed,
-                    rec.num_scheduled,
-                    rec.n_hashes,
-                    rec.deferred_since is None,  # only whether it is set is ever read
-                    rec.signalled,
-                    rec.registered,
-                    rec.store_floor,
-                    rec.store_cap,
-                    rec.policy is chunk,
+                    max_load,
+                    max_offload,
+                    num_local,
+                    num_scheduled,
+                    n_hashes,
+                    deferred_since is None,  # only whether it is set is ever read
+                    signalled,
+                    registered,
+                    store_floor,
+                    store_cap,
+                    policy is chunk,
                 )
-                for rec in s.requests.values()
+                for (
+                    rid,
+                    state,
+                    jobs,
+                    groups,
+                    max_load,
+                    max_offload,
+                    num_local,
+                    num_scheduled,
+                    n_hashes,
+                    deferred_since,
+                    signalled,
+                    registered,
+                    store_floor,
+                    store_cap,
+                    policy,
+                ) in map(_record_fields, s.requests.values())
             ]
         )
         # timestamps: the clock only moves by jumps longer than the stall timeout, so all a
@@ -1348,25 +1375,16 @@ class World:
                 (
                     ren[j.job_id],
                     j.req.req_id,
-                    j.is_store,
-                    j.keys,
-                    j.blocks,
-                    j.pending,
-                    j.failed,
-                    j.seen,
+                    *_job_fields(j),
                     now > j.created_at,
                     now > j.stalled_at if j.job_id in stalled else False,
-                    j.fenced,
-                    j.deferred_fence,
-                    j.deferred_registered,
-                    j.flushed,
-                    j.state,
+                    *_job_flags(j),
                 )
-                for j in (*s.jobs.values(), *stalled.values())
+                for j in (*live.values(), *stalled.values())
             ]
         )
-        batch = s._batch
         fence = s.fence_index
+        loading = s.loading_keys
         sched_key = (
             reqs,
             jobs,
@@ -1376,8 +1394,8 @@ class World:
             tuple(sorted([(b, tuple(sorted([ren[j] for j in js]))) for b, js in fence.items()]))
             if fence
             else (),
-            tuple(sorted((s.loading_keys or {}).items())),
-            tuple(sorted([ren[j] for j in batch.flush])),
+            tuple(sorted(loading.items())) if loading else (),
+            tuple(sorted([ren[j] for j in batch.flush])) if batch.flush else (),
             tuple(sorted(batch.allocated)),
             tuple(s._awaiting_signal),
             tuple(sorted(s._finished_loads)),
@@ -1390,6 +1408,7 @@ class World:
         )
         m = self.manager
         ends = m._schedule_ends
+        quarantine = m._quarantine
         mgr_key = (
             tuple(m._entries.items()),
             tuple(m.policy.evictable_blocks),  # type: ignore[attr-defined]
@@ -1397,20 +1416,27 @@ class World:
             m._high_water,
             tuple(sorted(self.observed.known)),
             tuple(sorted(self.observed.registered)),
-            tuple([(slot, rel - ends) for slot, rel in m._quarantine.items()]),
+            tuple([(slot, rel - ends) for slot, rel in quarantine.items()]) if quarantine else (),
         )
         workers_key = tuple(
             [
                 (
-                    tuple([(ren[j], _transfer_key(job)) for j, job in w._deferred.items()]),
-                    tuple([(ren[j], v) for j, v in w._inflight.items()]),
-                    tuple([(ren[j], e[0], e[1], e[2]) for j, e in be.submitted.items()]),
-                    tuple(self.gpu[rank]),
-                    tuple(self.cpu[rank]),
+                    tuple([(ren[j], _transfer_key(job)) for j, job in w._deferred.items()])
+                    if w._deferred
+                    else (),
+                    tuple([(ren[j], v) for j, v in w._inflight.items()]) if w._inflight else (),
+                    tuple([(ren[j], e[0], e[1], e[2]) for j, e in be.submitted.items()])
+                    if be.submitted
+                    else (),
+                    tuple(gpu),
+                    tuple(cpu),
                 )
-                for rank, (w, be) in enumerate(zip(self.workers, self.backends, strict=True))
+                for w, be, gpu, cpu in zip(
+                    self.workers, self.backends, self.gpu, self.cpu, strict=True
+                )
             ]
         )
+        resets = self.resets
         engine_key = (
             tuple(
                 [
@@ -1425,10 +1451,10 @@ class World:
                         r.aborted,
                         ren[r.load_job] if r.load is not None else -1,
                         r.load_failed,
-                        r.epoch == self.resets,
+                        r.epoch == resets,
                         r.covered,
                     )
-                    for r in self.reqs
+                    for r in reqs_
                 ]
             ),
             tuple(self.waiting),
@@ -1438,9 +1464,9 @@ class World:
             tuple(sorted(self.preempted_next)),
             tuple(sorted(self.finished_since)),
             tuple([(a, ren[j], ok) for a, j, ok in self.delivered]),
-            tuple([(i, k, e == self.resets) for i, k, e in self.completeness]),
+            tuple([(i, k, e == resets) for i, k, e in self.completeness]),
             self.faults,
-            self.resets,
+            resets,
             self.shut,
         )
         if self.tiering is None:
@@ -1571,6 +1597,34 @@ def _outcome(fut: Future[Any]) -> Any:
         return type(exc).__name__
     result = fut.result()
     return tuple(result) if isinstance(result, list) else result
+
+
+_record_fields = operator.attrgetter(
+    "req_id",
+    "state",
+    "jobs",
+    "groups",
+    "max_load_tokens",
+    "max_offload_tokens",
+    "num_local_computed",
+    "num_scheduled",
+    "n_hashes",
+    "deferred_since",
+    "signalled",
+    "registered",
+    "store_floor",
+    "store_cap",
+    "policy",
+)
+"""The fields of a scheduler request record that :meth:`World.key` reads, in one C call."""
+
+_group_fields = operator.attrgetter("keys", "block_ids", "cursor", "skip")
+
+_job_fields = operator.attrgetter("is_store", "keys", "blocks", "pending", "failed", "seen")
+
+_job_flags = operator.attrgetter(
+    "fenced", "deferred_fence", "deferred_registered", "flushed", "state"
+)
 
 
 def _transfer_key(job: TransferJob) -> tuple[Any, ...]:

@@ -1076,9 +1076,11 @@ class CPUOffloadingManager(OffloadingManager):
             "cpu_cache_usage_perc": usage,
             "write_usage": write,
             "read_usage": read,
-            "allocation_sizes": list(map(float, self._alloc_sizes.elements())),
+            "allocation_sizes": [],
         }
-        self._alloc_sizes = Counter()
+        if self._alloc_sizes:
+            stats["allocation_sizes"] = list(map(float, self._alloc_sizes.elements()))
+            self._alloc_sizes = Counter()
         if self._tracker is not None:
             stats["stores_skipped"] = self._stores_skipped
             self._stores_skipped = 0

@@ -7,6 +7,7 @@ they pickle (they cross process boundaries in a multiprocess engine).
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from statecore.keys import OffloadKey
 
 __all__ = [
+    "COUNTER_NAMES",
     "EMPTY_MAPPING",
     "NO_OUTPUT",
     "ConnectorOutputResult",
@@ -72,7 +74,17 @@ class SchedulerCounters:
 
     def as_dict(self) -> dict[str, int | float]:
         """The counters as a plain dict."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return dict(zip(COUNTER_NAMES, _counter_values(self), strict=True))
+
+    def values(self) -> tuple[int | float, ...]:
+        """The counters in :data:`COUNTER_NAMES` order (one C-level read)."""
+        return _counter_values(self)
+
+
+COUNTER_NAMES: tuple[str, ...] = tuple(f.name for f in fields(SchedulerCounters))
+"""The names of :class:`SchedulerCounters`, in field order."""
+
+_counter_values = operator.attrgetter(*COUNTER_NAMES)
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,6 +117,7 @@ from statecore.manager import (
 )
 from statecore.scheduler import planning
 from statecore.scheduler.answers import (
+    COUNTER_NAMES,
     EMPTY_MAPPING,
     NO_OUTPUT,
     ConnectorOutputResult,
@@ -164,6 +165,22 @@ def _param(params: Mapping[str, Any] | None, name: str) -> tuple[int | None, boo
     if type(value) is int and value >= 0:
         return value, False
     return None, True
+
+
+def _upstream_names(delta: dict[str, Any]) -> dict[str, Any]:
+    """The transfer counters of a stats delta under upstream's metric names."""
+    delta["kv_offload_load_bytes"] = delta.pop("load_bytes")
+    delta["kv_offload_load_time"] = delta.pop("load_seconds")
+    delta["kv_offload_store_bytes"] = delta.pop("store_bytes")
+    delta["kv_offload_store_time"] = delta.pop("store_seconds")
+    delta["kv_offload_allocation_failure"] = delta["allocation_failures"]
+    return delta
+
+
+_NO_COUNTS = _upstream_names(
+    {k: v - v for k, v in zip(COUNTER_NAMES, SchedulerCounters().values(), strict=True)}
+)
+"""The counters' part of :meth:`OffloadingScheduler.get_stats` when nothing was counted."""
 
 
 class OffloadingScheduler(SchedulerState):
@@ -1047,15 +1064,15 @@ class OffloadingScheduler(SchedulerState):
         Transfer metrics use upstream's names (``kv_offload_load_bytes``, ...); statecore's
         own counters keep their :class:`SchedulerCounters` names.
         """
-        now = self.counters.as_dict()
-        before = self._stats_mark.as_dict()
-        delta: dict[str, Any] = {k: now[k] - before[k] for k in now}
-        self._stats_mark = SchedulerCounters(**now)  # type: ignore[arg-type]
-        delta["kv_offload_load_bytes"] = delta.pop("load_bytes")
-        delta["kv_offload_load_time"] = delta.pop("load_seconds")
-        delta["kv_offload_store_bytes"] = delta.pop("store_bytes")
-        delta["kv_offload_store_time"] = delta.pop("store_seconds")
-        delta["kv_offload_allocation_failure"] = delta["allocation_failures"]
+        now = self.counters.values()
+        before = self._stats_mark.values()
+        if now == before:  # nothing counted since the last call (an engine asks every step)
+            delta: dict[str, Any] = dict(_NO_COUNTS)
+        else:
+            delta = _upstream_names(
+                {k: a - b for k, a, b in zip(COUNTER_NAMES, now, before, strict=True)}
+            )
+            self._stats_mark = SchedulerCounters(*now)  # type: ignore[arg-type]
         delta["live_jobs"] = len(self._table.live)
         delta["stalled_ledger"] = len(self._table.stalled)
         delta["tracked_requests"] = len(self._reqs)
