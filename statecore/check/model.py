@@ -71,6 +71,7 @@ behaviour.
 
 from __future__ import annotations
 
+import logging
 import operator
 import zlib
 from collections.abc import Callable
@@ -121,6 +122,12 @@ Action = tuple[Any, ...]
 
 _Pass = vllm_step.StepPass["EngineRequest", tuple[tuple[int, ...], ...]]
 """What one engine step has scheduled so far."""
+
+INJECTED_FAULTS_LOG = logging.getLogger("statecore.check.injected_faults")
+"""Where the shared tier's fault log writes in the model checker: the server's outages are
+moves of the exploration, met again in state after state, so this logger passes errors only
+(lower its level to see every fault the tier logs)."""
+INJECTED_FAULTS_LOG.setLevel(logging.ERROR)
 
 GARBAGE = b"garbage"
 """The label a failed copy leaves behind."""
@@ -465,6 +472,9 @@ class World:
             client=self.server,
             name="redis",
         )
+        # the faults are the checker's own moves: their warnings would repeat in every state
+        self.tier.fault_log.logger = INJECTED_FAULTS_LOG
+        self.tier.fault_log.clock = self.clock
         self.tiering = TieringOffloadingManager(self.manager, [self.tier])
         self.top = self.tiering
         return pool

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import sys
 from pathlib import Path
 
@@ -285,3 +286,23 @@ def test_shared_tier_world() -> None:
     assert left is None and down.server is not None and down.server.down
     with pytest.raises(ValueError, match="exactly one worker"):
         World(dataclasses.replace(scope, workers=2))
+
+
+def test_the_shared_tiers_injected_outages_do_not_flood_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server's outages are moves of the exploration, met again in state after state: the
+    tier's fault log writes them under ``statecore.check.injected_faults``, which passes errors
+    only, instead of a warning per state (thousands in a run of ``statecore check --all``)."""
+    caplog.set_level(logging.DEBUG, logger="statecore.managers.redistier")
+    scope = dataclasses.replace(SCOPES["shared"], depth=5)
+    res = explore(scope)
+    assert res.counterexample is None
+    assert res.transitions > 0
+    world = World(scope)
+    world.apply(("arrive", 0))
+    world.apply(("down",))
+    for _ in range(2):  # a lookup batch against a server that refuses, then its result
+        world.apply(("step",))
+    assert world.tier is not None and world.tier.fault_log.down
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
