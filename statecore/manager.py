@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from statecore._pickling import pickled_by_fields
 from statecore.keys import OffloadKey
 
 __all__ = [
@@ -140,6 +141,7 @@ class LoadStoreSpec:
     __slots__ = ()
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class CPULoadStoreSpec(LoadStoreSpec):
     """Slot ids in the shared CPU pool, one per chunk, co-indexed with the job's keys."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from statecore._argerrors import fail, finite
+from statecore._pickling import pickled_by_fields
 from statecore.keys import OffloadKey
 from statecore.manager import LoadStoreSpec
 
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class GPULoadStoreSpec(LoadStoreSpec):
     """GPU blocks of one transfer, flat and ordered by group.
@@ -46,6 +48,7 @@ class GPULoadStoreSpec(LoadStoreSpec):
     block_indices: tuple[int, ...]
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class TransferJob:
     """One transfer between GPU blocks and offloaded chunks.
@@ -59,6 +62,7 @@ class TransferJob:
     dst: LoadStoreSpec
 
 
+@pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class ConnectorMetadata:
     """The scheduler's instructions for one engine step.
@@ -85,6 +89,7 @@ class ConnectorMetadata:
     manager_reset: bool = False
 
 
+@pickled_by_fields
 @dataclass(slots=True)
 class DirectionStats:
     """Bytes, seconds and per-job sizes moved in one direction."""
@@ -106,6 +111,7 @@ class DirectionStats:
         )
 
 
+@pickled_by_fields
 @dataclass(slots=True)
 class TransferStats:
     """Per-direction transfer statistics of a step."""
@@ -122,6 +128,7 @@ class TransferStats:
         return TransferStats(self.load.merged(other.load), self.store.merged(other.store))
 
 
+@pickled_by_fields
 @dataclass(slots=True)
 class WorkerMetadata:
     """Per-step report of one worker, or of several merged by :meth:`aggregate`.

@@ -6,7 +6,9 @@ In one run it measures, on records with ``__slots__`` and an owner whose hooks d
   self-transitions (the commonest hot-path event: a partial worker report, a job ending while
   others remain) and on a full cycle with actions;
 * a python-statemachine instance per event (``instance.send``) on the same transitions;
-* the construction cost and retained size (``tracemalloc``) of one machine instance.
+* the construction cost and retained size (``tracemalloc``) of one machine instance;
+* a pickle round trip of one step's connector metadata with 64 store jobs and of a worker's
+  report (what vLLM's multiprocess executor sends to every worker and back, each step).
 
 Each figure is the best of several repeats. ``raw`` includes the Python ``for`` loop that
 drives the events; ``net`` subtracts the cost of the same loop with an empty body. The target
@@ -222,6 +224,43 @@ def _record_bytes() -> tuple[int, int]:
     return (mid - before) // 1000, (after - mid) // 1000
 
 
+def _wire_round_trips(repeats: int, jobs: int = 64) -> tuple[float, float]:
+    """Microseconds per pickle round trip (highest protocol) of a step's metadata with
+    ``jobs`` store jobs of 4 blocks and their keys, and of a worker report of ``jobs`` jobs."""
+    import pickle
+
+    from statecore.keys import make_offload_key
+    from statecore.manager import CPULoadStoreSpec
+    from statecore.wire import ConnectorMetadata, GPULoadStoreSpec, TransferJob, WorkerMetadata
+
+    stores = {
+        i: TransferJob(
+            f"req-{i}",
+            GPULoadStoreSpec(tuple(range(4 * i, 4 * i + 4)), (4,), (0,)),
+            CPULoadStoreSpec(tuple(range(4 * i, 4 * i + 4))),
+        )
+        for i in range(jobs)
+    }
+    keys = {
+        i: tuple(make_offload_key(i.to_bytes(4, "big") * 8, 0) for _ in range(4))
+        for i in range(jobs)
+    }
+    meta = ConnectorMetadata(store_jobs=stores, store_keys=keys)
+    report = WorkerMetadata(rank=0)
+    for i in range(jobs):
+        report.mark_completed(i)
+    out = []
+    for obj in (meta, report):
+        n = 200
+
+        def trip(n: int, obj: object = obj) -> None:
+            for _ in range(n):
+                pickle.loads(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
+
+        out.append(measure(trip, n, repeats) / n * 1e6)
+    return out[0], out[1]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``statecore bench dispatch``."""
     from statecore.cli import command_parser, int_range
@@ -248,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     job_us, job_b, req_us, req_b = _construction(200, reps)
     job_rec_b, req_rec_b = _record_bytes()
+    meta_us, report_us = _wire_round_trips(reps)
 
     print(f"statecore bench dispatch (python {sys.version.split()[0]}, best of {reps})")
     print(f"empty loop overhead: {loop_n:.3f} us per iteration")
@@ -268,6 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  JobLifecycle      {job_us:8.1f} us  {job_b / 1024:6.1f} KiB retained")
     print(f"  RequestLifecycle  {req_us:8.1f} us  {req_b / 1024:6.1f} KiB retained")
     print(f"table records: job {job_rec_b} B, request {req_rec_b} B (incl. its empty job set)")
+    print(
+        f"pickle round trip: a step's metadata with 64 store jobs {meta_us:.1f} us, "
+        f"a worker report of 64 jobs {report_us:.1f} us"
+    )
     verdict = "within" if worst <= TARGET_US else "ABOVE"
     print()
     print(f"worst table event: {worst:.3f} us net, {verdict} the {TARGET_US:.0f} us target")
