@@ -46,7 +46,7 @@ from statecore.managers.cpu import CPUOffloadingManager
 from statecore.scheduler import OffloadingScheduler
 from statecore.sim.blocks import BlockPool
 from statecore.sim.hashing import extend_block_hashes
-from statecore.sim.step import has_requests
+from statecore.sim.step import admission_blocks, has_requests, waiting_order
 from statecore.views import Request, ScheduledColumns, ScheduledRequest, SchedulerOutput
 from statecore.wire import TransferJob, WorkerMetadata
 from statecore.worker import OffloadingWorker, TransferResult
@@ -594,6 +594,11 @@ class _Req:
     blocks after them only: its own per-step cost follows what was computed, not N)."""
 
 
+def _holds_blocks(r: _Req) -> bool:
+    """Whether a waiting request holds blocks (its load ended): tried first."""
+    return bool(r.blocks)
+
+
 def _standalone_scheduler(sc: Scenario) -> tuple[OffloadingScheduler, CPUOffloadingManager]:
     cfg = SchedulerConfig(
         groups=(GroupConfig(BLOCK),),
@@ -697,10 +702,12 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
                 i += 1
             if sc.active:  # round-robin: the next step starts after the last one served
                 running = running[i:] + running[:i]
-            # waiting requests
+            # waiting requests (statecore.sim.step): only when the running ones preempted
+            # nothing, those holding blocks first; FCFS, as vLLM: the first request that does
+            # not fit stops admission; an admission needs room for the whole sequence
             still: list[_Req] = []
-            blocked = False  # FCFS, as vLLM: the first request that does not fit stops admission
-            for r in waiting:
+            blocked = bool(preempted)
+            for r in waiting_order(waiting, _holds_blocks) if not blocked else waiting:
                 v = r.view
                 full = len(running) >= sc.concurrency or len(scheduled) >= cap
                 if blocked or r.loading or budget <= 0 or full:
@@ -709,6 +716,11 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
                 if r.blocks:  # its load ended: schedule the rest
                     n = min(v.num_tokens - v.num_computed_tokens, budget)
                     need = -(-(v.num_computed_tokens + n) // BLOCK) - len(r.blocks)
+                    whole = -(-v.num_tokens // BLOCK) - len(r.blocks)
+                    if admission_blocks(need, whole) > pool.num_free:
+                        still.append(r)
+                        blocked = True
+                        continue
                     got = pool.allocate(need) if need > 0 else []
                     if got is None:
                         still.append(r)
@@ -730,8 +742,9 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
                 total = local + ext
                 n = 0 if is_async else min(v.num_tokens - total, budget)
                 need = -(-(total + n) // BLOCK) - len(hit)
+                whole = -(-v.num_tokens // BLOCK) - len(hit)
                 free_hits = sum(1 for b in hit if pool.ref[b] == 0)  # touching takes them
-                if need + free_hits > pool.num_free:
+                if admission_blocks(need, whole) + free_hits > pool.num_free:
                     still.append(r)
                     blocked = True
                     continue
