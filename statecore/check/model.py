@@ -1042,15 +1042,12 @@ class World:
         )
         scheduled = pass_.scheduled
         reqs = self.reqs
+        listed, as_new = vllm_step.listed(pass_)
         output = SchedulerOutput(
             scheduled=tuple(
-                ScheduledRequest(r.req.request_id, nb, n, False)
-                for r, n, nb, _ in vllm_step.listed(pass_)
+                ScheduledRequest(r.req.request_id, nb, n, False) for r, n, nb, _ in listed
             ),
-            new_req_ids=frozenset(
-                [r.req.request_id for r in pass_.new]
-                + [r.req.request_id for r, _, _, resumed in scheduled if resumed]
-            ),
+            new_req_ids=frozenset(r.req.request_id for r in as_new),
             finished_req_ids=frozenset(reqs[i].req.request_id for i in self.finished_since),
             preempted_req_ids=frozenset(
                 [r.req.request_id for r in pass_.preempted]

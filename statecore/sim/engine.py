@@ -960,7 +960,6 @@ class SimEngine:
             self.observed.refused.clear()
         pass_ = self._schedule(k)
         scheduled = pass_.scheduled
-        new_ids = {r.turn.req_id for r in pass_.new}
         preempted = {r.turn.req_id for r in pass_.preempted}
         if scheduled or self.running or not self.waiting:
             self._stuck_since = None
@@ -968,8 +967,8 @@ class SimEngine:
             self._note_progress(k)
         foreign = self._schedule_foreign(admit)
         # as vLLM 0.33's SchedulerOutput lists them: new, then resumed (as new), then running
-        listed = vllm_step.listed(pass_)
-        new_ids = new_ids | {r.turn.req_id for r, _, _, resumed in scheduled if resumed}
+        listed, as_new = vllm_step.listed(pass_)
+        new_ids = {r.turn.req_id for r in as_new}
         output = SchedulerOutput(
             scheduled=tuple(
                 ScheduledRequest(r.turn.req_id, tuple(tuple(b) for b in blocks), n, resumed)

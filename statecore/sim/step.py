@@ -186,16 +186,18 @@ def admission_blocks(step: int, whole: int, in_flight: int = 0) -> int:
     return max(step + in_flight, whole)
 
 
-def listed(pass_: StepPass[R, B]) -> list[tuple[R, int, B, bool]]:
+def listed(pass_: StepPass[R, B]) -> tuple[list[tuple[R, int, B, bool]], set[R]]:
     """The step's scheduled requests as vLLM 0.33's ``SchedulerOutput`` lists them (step
     1c): new requests, then resumed ones (as new ones too: their whole block lists, no
-    resumed flag), then the running ones, each in scheduling order."""
+    resumed flag), then the running ones, each in scheduling order; and the requests it
+    lists as new (the new and the resumed ones)."""
     new = pass_.new
 
     def rank(e: tuple[R, int, B, bool]) -> int:
         return 0 if e[0] in new else 1 if e[3] else 2
 
-    return [(r, n, blocks, False) for r, n, blocks, _ in sorted(pass_.scheduled, key=rank)]
+    entries = [(r, n, blocks, False) for r, n, blocks, _ in sorted(pass_.scheduled, key=rank)]
+    return entries, new | {r for r, _, _, resumed in pass_.scheduled if resumed}
 
 
 def waiting_order(waiting: Sequence[R], holds_blocks: Callable[[R], bool]) -> list[R]:

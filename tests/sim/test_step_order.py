@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from statecore.sim.step import StepPass, has_requests, schedule, schedule_running
+from statecore.sim.step import StepPass, has_requests, listed, schedule, schedule_running
 
 
 @dataclass(eq=False)
@@ -121,3 +121,17 @@ def test_has_requests_asks_the_connector_only_when_nothing_else_is_left() -> Non
     assert has_requests(False, True, push_work) and not asked
     assert has_requests(False, False, push_work) and asked == [True]
     assert not has_requests(False, False, lambda: False)
+
+
+def test_the_output_lists_new_then_resumed_then_running_and_resumed_as_new() -> None:
+    run, res, new = Req("run", 4, 5), Req("res", 0, 5), Req("new", 0, 5)
+    pass_: StepPass[Req, int] = StepPass(budget=100)
+    pass_.scheduled = [(run, 1, 0, False), (res, 5, 5, True), (new, 5, 5, False)]
+    pass_.new = {new}
+    entries, as_new = listed(pass_)
+    assert [(r.name, resumed) for r, _, _, resumed in entries] == [
+        ("new", False),
+        ("res", False),
+        ("run", False),
+    ]
+    assert as_new == {new, res}

@@ -68,19 +68,6 @@ def test_the_engine_model_makes_vllms_connector_calls(groups: str, seed: int) ->
     assert upstream.calls == ours.calls
 
 
-@pytest.mark.parametrize("groups", sorted(SHAPES))
-def test_the_workload_preempts_loads_stores_and_aborts(groups: str) -> None:
-    counts: dict[str, int] = {}
-    for seed in SEEDS:
-        for k, v in summary(vllm_trace(groups, seed)).items():
-            counts[k] = counts.get(k, 0) + v
-    assert counts.get("preempted", 0) > 0, counts
-    assert counts.get("load_jobs", 0) > 0, counts
-    assert counts.get("store_jobs", 0) > 0, counts
-    aborted = sum(1 for seed in SEEDS for a in load(groups, seed) if a.abort_at is not None)
-    assert aborted > 0
-
-
 CHECKER_SHAPES = {
     groups: dataclasses.replace(
         shape,
@@ -121,14 +108,23 @@ def test_the_model_checkers_engine_makes_vllms_connector_calls(groups: str, seed
     assert upstream.calls == ours.calls
 
 
+TRACES = {
+    "simulator": (vllm_trace, load),
+    "checker": (vllm_trace_without_prefix_cache, checker_load),
+}
+"""Per engine model compared: vLLM's traces and the workloads they ran."""
+
+
+@pytest.mark.parametrize("model", sorted(TRACES))
 @pytest.mark.parametrize("groups", sorted(SHAPES))
-def test_the_checkers_workload_preempts_loads_stores_and_aborts(groups: str) -> None:
+def test_the_workload_preempts_loads_stores_and_aborts(groups: str, model: str) -> None:
+    trace, workload_of = TRACES[model]
     counts: dict[str, int] = {}
     for seed in SEEDS:
-        for k, v in summary(vllm_trace_without_prefix_cache(groups, seed)).items():
+        for k, v in summary(trace(groups, seed)).items():
             counts[k] = counts.get(k, 0) + v
     assert counts.get("preempted", 0) > 0, counts
     assert counts.get("load_jobs", 0) > 0, counts
     assert counts.get("store_jobs", 0) > 0, counts
-    aborted = sum(1 for seed in SEEDS for a in checker_load(groups, seed) if a.abort_at is not None)
+    aborted = sum(1 for seed in SEEDS for a in workload_of(groups, seed) if a.abort_at is not None)
     assert aborted > 0
