@@ -189,6 +189,10 @@ class Workload:
             )
         return rid, prompt[: sc.max_prompt_len], rng.randint(*sc.output_len)
 
+    def sample(self, req_id: str) -> int:
+        """The token request ``req_id`` generates next."""
+        return self.rng.randrange(3, 50000)
+
     def finished(self, text: list[int]) -> None:
         """A request finished with ``text`` (prompt + output): a follow-up base."""
         self.done.append(text)
@@ -614,9 +618,25 @@ StepProbe = Callable[[int, "HookTimer", "RunResult", int], bool]
 returning True ends the run at once (no drain)."""
 
 
-def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
-    """The scenario on this module's engine loop over statecore's stack."""
+def run_standalone(
+    sc: Scenario,
+    probe: StepProbe | None = None,
+    *,
+    workload: Workload | None = None,
+    observe: Callable[[OffloadingScheduler], None] | None = None,
+) -> RunResult:
+    """The scenario on this module's engine loop over statecore's stack.
+
+    Args:
+        sc: the scenario.
+        probe: called after every step (:data:`StepProbe`).
+        workload: the request stream (default: ``Workload(sc)``).
+        observe: called with the scheduler before the run (before the timer wraps its
+            hooks), e.g. to record the calls the loop makes.
+    """
     sched, _ = _standalone_scheduler(sc)
+    if observe is not None:
+        observe(sched)
     clock = [0]
     backends = [
         StepDelayBackend(clock, sc.load_delay, sc.store_delay) for _ in range(sc.num_workers)
@@ -624,11 +644,14 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
     workers = [OffloadingWorker(b, rank=i) for i, b in enumerate(backends)]
     res = RunResult("standalone", "statecore", sc, {})
     timer = HookTimer(sched, lambda n, a, r: None, sc.clock, sc.gc_stats)
-    pool = BlockPool(sc.num_gpu_blocks())
-    wl = Workload(sc)
+    pool = BlockPool(sc.num_gpu_blocks(), uncached_first=True)  # vLLM 0.33's free order
+    wl = workload or Workload(sc)
     waiting: list[_Req] = []
     running: list[_Req] = []
     live: dict[str, _Req] = {}
+    inflight: dict[str, _Req] = {}
+    """vLLM's prefills in flight: requests loading, or admitted with prompt tokens not yet
+    scheduled; an asynchronous load's admission keeps free the blocks they still need."""
     finished_ids: set[str] = set()
     c = res.counters
 
@@ -645,6 +668,23 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
         pool.release(r.blocks)
         r.blocks = []
         r.cached = 0
+
+    def cache(r: _Req, tokens: int) -> None:
+        # as vLLM's allocation: the full blocks the scheduled tokens fill enter the prefix
+        # cache when they are allocated (a request admitted later in the same step hits
+        # them). A block registered earlier stays registered while the request holds it, so
+        # only the ones after the first unregistered one are (re)tried: the same effect as
+        # trying every full block each step
+        blocks, hashes = r.blocks, r.view.block_hashes
+        upto = min(len(hashes), len(blocks), tokens // BLOCK)
+        first = upto
+        for b in range(r.cached, upto):
+            blk = blocks[b]
+            pool.cache(blk, hashes[b])
+            if first == upto and pool.hash_of[blk] is None:
+                first = b
+        if upto > r.cached:
+            r.cached = first
 
     with GCRecorder(timer) if sc.gc_stats else contextlib.nullcontext() as recorder:
         t0 = time.perf_counter()
@@ -686,6 +726,7 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
                         r.new_blocks += got
                         break
                     victim = running.pop()
+                    inflight.pop(victim.view.request_id, None)
                     free(victim)
                     victim.view.num_computed_tokens = 0
                     victim.resumed = True
@@ -697,6 +738,7 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
                         break
                 if v.request_id in preempted:  # it was the victim (O(1): soak sizes)
                     continue
+                cache(r, v.num_computed_tokens + n)
                 scheduled.append((r, n))
                 budget -= n
                 i += 1
@@ -728,6 +770,12 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
                         continue
                     r.blocks += got
                     r.new_blocks = list(r.blocks)
+                    # vLLM's admission tells the connector of every request it admits, a
+                    # loaded one with no external tokens left
+                    sched.update_state_after_alloc(v, (r.blocks,), 0)
+                    cache(r, v.num_computed_tokens + n)
+                    if v.num_computed_tokens + n < v.num_tokens:
+                        inflight[v.request_id] = r
                     scheduled.append((r, n))
                     new_ids.add(v.request_id)
                     running.append(r)
@@ -744,7 +792,13 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
                 need = -(-(total + n) // BLOCK) - len(hit)
                 whole = -(-v.num_tokens // BLOCK) - len(hit)
                 free_hits = sum(1 for b in hit if pool.ref[b] == 0)  # touching takes them
-                if admission_blocks(need, whole) + free_hits > pool.num_free:
+                reserve = 0
+                if is_async:
+                    reserve = sum(
+                        max(0, -(-q.view.num_tokens // BLOCK) - len(q.blocks))
+                        for q in inflight.values()
+                    )
+                if admission_blocks(need, whole, reserve) + free_hits > pool.num_free:
                     still.append(r)
                     blocked = True
                     continue
@@ -758,16 +812,27 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
                 if is_async:
                     r.loading = True
                     v.num_computed_tokens = total
+                    inflight[v.request_id] = r
                     still.append(r)
                     continue
                 v.num_computed_tokens = total
+                if total + n < v.num_tokens:
+                    inflight[v.request_id] = r
+                cache(r, total + n)
                 scheduled.append((r, n))
                 new_ids.add(v.request_id)
                 running.append(r)
                 budget -= n
             waiting = still
+            if inflight:  # a prefill scheduled to its end is no longer in flight
+                for r, n in scheduled:
+                    if r.view.num_computed_tokens + n >= r.view.num_tokens:
+                        inflight.pop(r.view.request_id, None)
             if sc.bulk:  # running requests in columnar form, as the vLLM adapter hands them
-                listed = [(r, n) for r, n in scheduled if r.view.request_id in new_ids]
+                listed = sorted(  # new, then resumed (statecore.sim.step.listed)
+                    ((r, n) for r, n in scheduled if r.view.request_id in new_ids),
+                    key=lambda e: e[0].resumed,
+                )
                 rest = [(r, n) for r, n in scheduled if r.view.request_id not in new_ids]
                 columns = ScheduledColumns(
                     [r.view.request_id for r, _ in rest],
@@ -775,8 +840,14 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
                     [n for _, n in rest],
                     frozenset(r.view.request_id for r, _ in rest if r.resumed),
                 )
-            else:
-                listed, columns = scheduled, None
+            else:  # as vLLM 0.33 lists them (statecore.sim.step.listed): new, resumed, running
+                listed = sorted(
+                    scheduled,
+                    key=lambda e: (
+                        2 if e[0].view.request_id not in new_ids else 1 if e[0].resumed else 0
+                    ),
+                )
+                columns = None
             out = SchedulerOutput(
                 scheduled=tuple(
                     ScheduledRequest(
@@ -810,21 +881,8 @@ def run_standalone(sc: Scenario, probe: StepProbe | None = None) -> RunResult:
             for r, n in scheduled:
                 v = r.view
                 v.num_computed_tokens += n
-                # register the full computed blocks; a block registered earlier stays registered
-                # while the request holds it, so only the ones after the first unregistered one
-                # are (re)tried: the same effect as trying every full block each step
-                blocks, hashes = r.blocks, v.block_hashes
-                upto = min(len(hashes), len(blocks), v.num_computed_tokens // BLOCK)
-                first = upto
-                for b in range(r.cached, upto):
-                    blk = blocks[b]
-                    pool.cache(blk, hashes[b])
-                    if first == upto and pool.hash_of[blk] is None:
-                        first = b
-                if upto > r.cached:
-                    r.cached = first
                 if v.num_computed_tokens >= v.num_tokens:
-                    r.tokens.append(wl.rng.randrange(3, 50000))
+                    r.tokens.append(wl.sample(v.request_id))
                     v.num_tokens += 1
                     extend_block_hashes(v.block_hashes, r.tokens, BLOCK)
                     if v.num_tokens - v.num_prompt_tokens >= r.max_out:

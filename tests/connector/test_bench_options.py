@@ -11,7 +11,8 @@ def test_reset_with_a_load_in_flight_and_a_small_cache_drain_cleanly() -> None:
     sc = Scenario(
         concurrency=8,
         steps=80,
-        num_prefixes=4,
+        num_prefixes=16,  # more prefixes than the GPU prefix cache holds: loads
+        output_len=(4, 16),
         gpu_cache_factor=0.8,
         reset_at=20,
         reset_with_loads=True,

@@ -53,6 +53,9 @@ class Shape:
     counted_tokens: bool = False  # generated tokens 100, 101, ... (the checker's) not random
     stall_timeout_s: float = 20.0  # the scheduler's (the simulator's default; the checker's: 10)
     stall_check_interval_s: float = 2.0
+    offload_prompt_only: bool = False  # the benchmark's connector: True
+    load_delay: int = 0  # engine steps from a load's submission to its report
+    store_delay: int = 0  # the same for a store
 
 
 def workload(
@@ -356,6 +359,57 @@ def run_checker_model(shape: Shape, arrivals: Sequence[Arrival], max_steps: int 
     return trace
 
 
+# -- the benchmark's engine loop --------------------------------------------------------------
+
+
+def bench_shape(sc: Any) -> Shape:
+    """The vLLM engine a benchmark scenario (:class:`~statecore.bench.scheduler.Scenario`)
+    describes: one full-attention group, its block counts, budgets and report delays, the
+    benchmark's connector configuration (prompt tokens offloaded only)."""
+    return Shape(
+        groups="full",
+        num_gpu_blocks=sc.num_gpu_blocks(),  # the null block included, as the loop's pool
+        num_cpu_chunks=sc.num_cpu_chunks(),
+        max_batched_tokens=sc.max_num_batched_tokens,
+        max_running=sc.concurrency,
+        stall_timeout_s=300.0,  # statecore's defaults: the benchmark's connector has them
+        stall_check_interval_s=10.0,
+        offload_prompt_only=True,
+        load_delay=sc.load_delay,
+        store_delay=sc.store_delay,
+    )
+
+
+def run_bench_model(sc: Any) -> tuple[Trace, list[Arrival], dict[str, list[int]]]:
+    """The benchmark scenario ``sc`` through the benchmark's own engine loop
+    (:func:`~statecore.bench.scheduler.run_standalone`): its trace, and what it generated
+    (each request's arrival step, prompt and length; its generated tokens), for vLLM's side
+    to replay (:func:`run_vllm_engine` with ``sampled``)."""
+    from statecore.bench.scheduler import Workload, run_standalone
+
+    trace = Trace()
+    arrivals: list[Arrival] = []
+    tokens: dict[str, list[int]] = defaultdict(list)
+
+    class Recorded(Workload):
+        def new(self) -> tuple[str, list[int], int]:
+            rid, prompt, out = super().new()
+            arrivals.append(Arrival(trace.step, rid, tuple(prompt), out))
+            return rid, prompt, out
+
+        def sample(self, req_id: str) -> int:
+            token = super().sample(req_id)
+            tokens[req_id].append(token)
+            return token
+
+    def next_step(step: int, *_: Any) -> bool:
+        trace.step = step
+        return False
+
+    run_standalone(sc, next_step, workload=Recorded(sc), observe=lambda sched: record(sched, trace))
+    return trace, arrivals, dict(tokens)
+
+
 # -- vLLM's engine ---------------------------------------------------------------------------
 
 
@@ -365,8 +419,15 @@ def _m(name: str) -> Any:
     return importlib.import_module(name)
 
 
-def run_vllm_engine(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 400) -> Trace:
-    """The workload through vLLM's real ``Scheduler`` with statecore's connector."""
+def run_vllm_engine(
+    shape: Shape,
+    arrivals: Sequence[Arrival],
+    max_steps: int = 400,
+    sampled: dict[str, list[int]] | None = None,
+) -> Trace:
+    """The workload through vLLM's real ``Scheduler`` with statecore's connector; each
+    request's ``i``-th generated token is ``sampled[req_id][i]`` when given (the tokens
+    another engine generated), else as ``shape.counted_tokens`` says."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -399,7 +460,7 @@ def run_vllm_engine(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 
     )
     extra = {
         "blocks_per_chunk": shape.blocks_per_chunk,
-        "offload_prompt_only": False,  # as the simulator's stack: generated blocks too
+        "offload_prompt_only": shape.offload_prompt_only,
         "num_cpu_chunks": shape.num_cpu_chunks,
         "stall_timeout_s": shape.stall_timeout_s,
         "stall_check_interval_s": shape.stall_check_interval_s,
@@ -456,7 +517,7 @@ def run_vllm_engine(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 
     conn.scheduler.clock = lambda: now[0]
     clock = [0]
     worker = type(conn)(vc, base.KVConnectorRole.WORKER, kcc)
-    worker.attach_backend(StepDelayBackend(clock, 0, 0), rank=0)
+    worker.attach_backend(StepDelayBackend(clock, shape.load_delay, shape.store_delay), rank=0)
     aggregator = _m("vllm.distributed.kv_transfer.kv_connector.utils").KVOutputAggregator(
         expected_finished_count=1
     )
@@ -464,6 +525,7 @@ def run_vllm_engine(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 
     kvu.init_none_hash(hash_fn)
     hasher = kvu.get_request_block_hasher(BLOCK, hash_fn)
     token_rng = random.Random(1)
+    given = sampled
     by_step: dict[int, list[Arrival]] = defaultdict(list)
     aborts: dict[int, list[str]] = defaultdict(list)
     for a in arrivals:
@@ -495,16 +557,18 @@ def run_vllm_engine(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 
         now[0] = (k + 1) * STEP_SECONDS
         so = engine.schedule()
         ids = list(so.num_scheduled_tokens)
-        sampled = []
+        drawn: list[list[int]] = []
         for rid in ids:
             r = engine.requests[rid]
             done = r.num_computed_tokens >= r.num_tokens
             if not done:
-                sampled.append([])
+                drawn.append([])
+            elif given is not None:
+                drawn.append([given[rid][r.num_output_tokens]])
             elif shape.counted_tokens:
-                sampled.append([100 + r.num_output_tokens])
+                drawn.append([100 + r.num_output_tokens])
             else:
-                sampled.append([token_rng.randrange(3, 50000)])
+                drawn.append([token_rng.randrange(3, 50000)])
         meta = so.kv_connector_metadata
         worker.handle_preemptions(meta)
         worker.bind_connector_metadata(meta)
@@ -522,7 +586,7 @@ def run_vllm_engine(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 
         out = outputs_mod.ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled,
+            sampled_token_ids=drawn,
             kv_connector_output=kvo,
         )
         engine.update_from_output(so, aggregator.aggregate([out], output_rank=0))
@@ -558,8 +622,10 @@ __all__: Iterable[str] = [
     "Arrival",
     "Shape",
     "Trace",
+    "bench_shape",
     "first_divergence",
     "record",
+    "run_bench_model",
     "run_engine_model",
     "run_vllm_engine",
     "steps_alike",

@@ -5,7 +5,9 @@ block ids, token counts), for a full-attention and a hybrid (sliding window + fu
 configuration. Both engine models are compared: the simulator's (which the fuzzer drives too)
 and the model checker's (run as the checker runs it, but along one seeded trace: every copy
 delivered in its step; vLLM then runs without its GPU prefix cache, which the checker's engine
-does not model).
+does not model). So is the scheduler benchmark's own engine loop (``statecore bench scheduler
+--engine standalone``): vLLM replays the requests it generated, when it generated them, with
+the tokens it sampled, and must make the same calls.
 
 Run with ``scripts/vllm-integration.sh`` (vLLM 0.33 on CPU torch); the traces are built by
 :mod:`engine_trace` beside this file.
@@ -27,13 +29,17 @@ from engine_trace import (
     Arrival,
     Shape,
     Trace,
+    bench_shape,
     first_divergence,
+    run_bench_model,
     run_checker_model,
     run_engine_model,
     run_vllm_engine,
     summary,
     workload,
 )
+
+from statecore.bench.scheduler import Scenario
 
 SHAPES = {
     "full": Shape(groups="full", num_gpu_blocks=24),
@@ -128,3 +134,53 @@ def test_the_workload_preempts_loads_stores_and_aborts(groups: str, model: str) 
     assert counts.get("store_jobs", 0) > 0, counts
     aborted = sum(1 for seed in SEEDS for a in workload_of(groups, seed) if a.abort_at is not None)
     assert aborted > 0
+
+
+BENCH_SCENARIOS = {
+    # the benchmark's default shape (N=64), shortened
+    "default": Scenario(steps=150, warmup_steps=0),
+    # small and tight: preemption, loads of evicted prefixes, prefills in flight
+    **{
+        f"tight-{seed}": Scenario(
+            concurrency=16,
+            steps=60,
+            num_prefixes=4,
+            prefix_len=64,
+            suffix_len=(16, 96),
+            output_len=(16, 96),
+            max_prompt_len=512,
+            gpu_cache_factor=0.35,
+            max_num_batched_tokens=256,
+            warmup_steps=0,
+            seed=seed,
+        )
+        for seed in SEEDS
+    },
+}
+"""Scenarios of ``statecore bench scheduler --engine standalone`` compared with vLLM."""
+
+
+@functools.cache
+def bench_traces(name: str) -> tuple[Trace, Trace]:
+    """The benchmark loop's trace of a scenario and vLLM's replay of it."""
+    sc = BENCH_SCENARIOS[name]
+    ours, arrivals, tokens = run_bench_model(sc)
+    upstream = run_vllm_engine(bench_shape(sc), arrivals, max_steps=10 * sc.steps, sampled=tokens)
+    return upstream, ours
+
+
+@pytest.mark.parametrize("name", sorted(BENCH_SCENARIOS))
+def test_the_benchmarks_engine_loop_makes_vllms_connector_calls(name: str) -> None:
+    upstream, ours = bench_traces(name)
+    assert first_divergence(upstream, ours) is None
+    assert upstream.calls == ours.calls
+
+
+def test_the_benchmark_scenarios_preempt_load_and_store() -> None:
+    counts: dict[str, int] = {}
+    for name in BENCH_SCENARIOS:
+        for k, v in summary(bench_traces(name)[0]).items():
+            counts[k] = counts.get(k, 0) + v
+    assert counts.get("preempted", 0) > 0, counts
+    assert counts.get("load_jobs", 0) > 0, counts
+    assert counts.get("store_jobs", 0) > 0, counts
