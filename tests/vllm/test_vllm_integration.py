@@ -20,6 +20,8 @@ pytest.importorskip(
     "vllm.config", reason="vLLM 0.33 is not installed (build it: scripts/vllm-integration.sh)"
 )
 
+from kv_event_oracle import BLOCK_SIZE, payload_findings
+
 from statecore import ConfigError
 from statecore.bench.scheduler import RunResult, Scenario, run_vllm
 
@@ -206,6 +208,9 @@ def test_event_streams_match_upstream() -> None:
     # parent hashes chain chunks, also across batches (a parent announced in an earlier step)
     first_step = {e[2][0]: e[0] for e in stored}
     assert any(e[3] is not None and first_step.get(e[3], e[0]) < e[0] for e in stored)
+    # every payload describes its chunk (its token ids hash to its block hashes), in both
+    for res in (upstream, ours):
+        assert payload_findings(res.events, block_size=BLOCK_SIZE) == [], res.connector
 
 
 def test_removal_events_name_announced_chunks() -> None:
