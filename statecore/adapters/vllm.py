@@ -238,11 +238,14 @@ class EventPayloads:
     chunk's removal event; without it (or for sliding-window groups) stores carry vLLM's
     placeholder payload (the key's hash, no tokens, block size 0).
 
-    A removal event drops a chunk's payload unless a store of the chunk is still to be
-    announced: the manager announces only the removal of a copy it announced as stored, so
-    a removal converted after a new store job (or a write-pending lookup hit) recorded the
-    payload names the copy before it (a reset's or an eviction's in the step the chunk is
-    stored again), and the new copy's store event still needs the payload.
+    A removal drops the payload at the end of its batch, so that a store of the chunk later
+    in the batch still carries it (a tiering manager's CPU removal of a chunk it moves into
+    its file tier comes first), unless the chunk is stored again on the removal's medium
+    later in the batch, or a store of it is still to be announced: the manager announces
+    only the removal of a copy it announced as stored, so a removal converted after a new
+    store job (or a write-pending lookup hit) recorded the payload names the copy before it
+    (a reset's or an eviction's in the step the chunk is stored again), and the new copy's
+    store event still needs the payload.
 
     Args:
         enabled: record payloads (KV events on and ``self_describing_kv_events``).
@@ -335,16 +338,16 @@ class EventPayloads:
         """statecore's manager events as vLLM's: one ``BlockStored`` per stored chunk, one
         ``BlockRemoved`` per removal event and group (payload hashes fanned out)."""
         out: list[KVCacheEvent] = []
+        gone: dict[OffloadKey, set[Medium]] = {}  # removed in this batch, not stored back
         for ev in events:
             medium = ev.medium.value
             if ev.removed:
                 by_group: dict[int, list[Any]] = {}
                 for key in ev.keys:
                     g = key_group(key)
-                    if key in self._unannounced:  # the copy before the one being stored
-                        p = self._payloads.get(key)
-                    else:
-                        p = self._payloads.pop(key, None)
+                    p = self._payloads.get(key)
+                    if key not in self._unannounced:  # else the copy before a new store
+                        gone.setdefault(key, set()).add(ev.medium)
                     hashes = by_group.setdefault(g, [])
                     if p is None:
                         hashes.append(_external_hash(key_hash(key)))
@@ -357,6 +360,8 @@ class EventPayloads:
                 g = key_group(key)
                 p = self._payloads.get(key)
                 self._unannounced.discard(key)
+                if key in gone:
+                    gone[key].discard(ev.medium)
                 kind, window = self._kind[g] if self.enabled else (None, None)
                 if p is None:
                     out.append(
@@ -388,6 +393,9 @@ class EventPayloads:
                         kv_cache_spec_sliding_window=window,
                     )
                 )
+        for key, media in gone.items():
+            if media:
+                self._payloads.pop(key, None)
         for key in self._stale:
             self._payloads.pop(key, None)
         self._stale.clear()

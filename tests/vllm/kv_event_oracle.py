@@ -12,8 +12,8 @@ block hashing (``hash_block_tokens`` over the ``prefix_caching_hash_algo``, publ
   hashes, block by block, starting from its parent (the first block of a sequence when the
   parent is None); the parent is a block hash announced before (or in the same step: vLLM
   orders a step's events by a set of keys);
-* a full-attention group's stored event carries the placeholder payload (the key's hash, no
-  tokens, block size 0) only on the media the caller allows it on;
+* no full-attention group's stored event carries the placeholder payload (the key's hash, no
+  tokens, block size 0): the adapter describes every chunk of those groups;
 * a removal names hashes announced on its medium, and when it names a chunk's key (the last
   hash of an announced chunk) it names every hash that chunk was announced with.
 
@@ -23,8 +23,9 @@ functions read vLLM's hashing, so this module imports vLLM: import it after the 
 
 :data:`PAYLOAD_SCENARIOS` are the engine runs made for the oracle (beside the KV-event runs of
 ``test_vllm_integration.py``, which call it too): chunks of two blocks (a payload of several
-block hashes), a reset while requests run (their chunks are stored again), a CPU tier over a
-file tier (promotions: chunks a lookup finds that no request of the engine stored since).
+block hashes), a reset while requests run (their chunks are stored again), preemption, a CPU
+tier over a file tier (cascades of evicted chunks; promotions: chunks a lookup finds that no
+request of the engine stored since).
 """
 
 from __future__ import annotations
@@ -64,7 +65,6 @@ def payload_findings(
     *,
     block_size: int,
     full_groups: frozenset[int] = frozenset({0}),
-    placeholder_media: frozenset[str] = frozenset(),
     hasher: Hasher | None = None,
 ) -> list[str]:
     """What is wrong with the payloads of an event stream (empty: nothing).
@@ -73,8 +73,6 @@ def payload_findings(
         events: the stream, as ``RunResult.events`` holds it.
         block_size: tokens per block of the full-attention groups (the payload's block size).
         full_groups: the full-attention groups (others carry placeholders by design).
-        placeholder_media: media on which a full-attention chunk may be announced with the
-            placeholder payload (every other one must carry the chunk's payload).
         hasher: the block hashing (default: :func:`vllm_block_hasher`).
     """
     hash_block = hasher or vllm_block_hasher()
@@ -91,11 +89,10 @@ def payload_findings(
             if group not in full_groups:
                 continue
             if bs == 0 and not tokens:
-                if medium not in placeholder_media:
-                    findings.append(
-                        f"step {step}: {medium} chunk {hashes[-1]} of full-attention group "
-                        f"{group} announced with the placeholder payload"
-                    )
+                findings.append(
+                    f"step {step}: {medium} chunk {hashes[-1]} of full-attention group "
+                    f"{group} announced with the placeholder payload"
+                )
                 continue
             if bs != block_size:
                 findings.append(
@@ -179,43 +176,40 @@ _EVENTS = Scenario(
     kv_events=True,
     extra=(("blocks_per_chunk", 2),),
 )
-PAYLOAD_SCENARIOS: dict[str, tuple[Scenario, frozenset[str]]] = {
+PAYLOAD_SCENARIOS: dict[str, Scenario] = {
     # a reset at step 100: its removal events, and the running requests' chunks stored again
-    "events_reset": (dataclasses.replace(_EVENTS, reset_at=100), frozenset()),
+    "events_reset": dataclasses.replace(_EVENTS, reset_at=100),
     # a small GPU cache: preempted requests store their recomputed chunks again
-    "events_preemption": (
-        dataclasses.replace(
-            _EVENTS,
-            concurrency=32,
-            num_prefixes=16,
-            prefix_len=256,
-            suffix_len=(32, 256),
-            output_len=(64, 192),
-            max_prompt_len=512,
-            gpu_cache_factor=0.35,
-        ),
-        frozenset(),
+    "events_preemption": dataclasses.replace(
+        _EVENTS,
+        concurrency=32,
+        num_prefixes=16,
+        prefix_len=256,
+        suffix_len=(32, 256),
+        output_len=(64, 192),
+        max_prompt_len=512,
+        gpu_cache_factor=0.35,
     ),
-    # a file tier below a CPU tier of half the GPU cache, and a reset: promotions of chunks
-    # evicted from the CPU tier, or stored there before the reset. The file tier's own store
-    # events come after the CPU tier's eviction dropped the payload: placeholders there
-    "events_tiering": (
-        dataclasses.replace(
-            _EVENTS, tiering=True, cpu_cache_factor=0.5, followup_prob=0.0, reset_at=100
-        ),
-        frozenset({"STORAGE"}),
+    # a file tier below a CPU tier of half the GPU cache (chunks of one block), and a reset:
+    # the CPU tier's evictions cascade to the file tier (a CPU removal, then the file tier's
+    # store, in one batch), promotions of chunks evicted, or stored before the reset
+    "events_tiering": dataclasses.replace(
+        _EVENTS,
+        tiering=True,
+        cpu_cache_factor=0.5,
+        followup_prob=0.0,
+        reset_at=100,
+        extra=(("blocks_per_chunk", 1),),
     ),
 }
-"""Engine runs for the payload oracle, by name: the scenario, and the media on which a
-full-attention chunk may be announced with the placeholder payload."""
+"""Engine runs for the payload oracle, by name."""
 
 
 def scenario_findings(name: str) -> list[str]:
     """Run statecore's connector on :data:`PAYLOAD_SCENARIOS` ``name``; the oracle's findings."""
-    sc, placeholder_media = PAYLOAD_SCENARIOS[name]
-    res = run_vllm(sc, "statecore")
+    res = run_vllm(PAYLOAD_SCENARIOS[name], "statecore")
     if res.errors:
         return [f"{name}: requests failed: {res.errors[:3]}"]
     if not res.events:
         return [f"{name}: no KV events"]
-    return payload_findings(res.events, block_size=BLOCK_SIZE, placeholder_media=placeholder_media)
+    return payload_findings(res.events, block_size=BLOCK_SIZE)

@@ -44,7 +44,7 @@ def test_the_oracle_reads_each_kind_of_wrong_payload() -> None:
 
     from statecore.bench.scheduler import run_vllm
 
-    events = run_vllm(PAYLOAD_SCENARIOS["events_reset"][0], "statecore").events
+    events = run_vllm(PAYLOAD_SCENARIOS["events_reset"], "statecore").events
     assert payload_findings(events, block_size=BLOCK_SIZE) == []
     i = next(i for i, e in enumerate(events) if e[1] == "stored" and e[3] is not None)
     j = next(i for i, e in enumerate(events) if e[1] == "removed" and len(e[2]) > 1)

@@ -572,3 +572,28 @@ def test_stores_a_reset_flushed_leave_nothing_behind() -> None:
     payloads.reset()
     assert payloads.to_kv_events([]) == []
     assert containers(payloads, "payloads") == fresh
+
+
+def test_a_chunk_moved_into_a_secondary_tier_is_announced_there_with_its_payload() -> None:
+    """A tiering manager moves a chunk the CPU tier evicts into its file tier: the CPU removal
+    and the file tier's store come in one batch, removal first. The removal dropped the
+    payload, so the file tier's copy was announced with the placeholder (about 500 of 1,731
+    file-tier stores in one tiering run). The payload now goes at the end of the batch: it
+    lives with the CPU tier's copy (and stores still to come), as before."""
+    from statecore.manager import Medium, OffloadingEvent
+
+    payloads, request, key = _payloads_of_one_chunk()
+    payloads.record_store(request, [key])
+    payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, False)])
+    _, stored = payloads.to_kv_events(
+        [OffloadingEvent((key,), Medium.CPU, True), OffloadingEvent((key,), Medium.STORAGE, False)]
+    )
+    assert (stored.token_ids, stored.medium) == ([4, 5, 6, 7], "STORAGE")
+    [stored] = payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, False)])
+    assert stored.block_size == 0  # gone with the CPU copy (a promotion's lookup records it)
+    payloads.record_lookup(request, [key])  # found ready: promoted since
+    payloads.to_kv_events(  # evicted, and promoted again, in one batch
+        [OffloadingEvent((key,), Medium.CPU, True), OffloadingEvent((key,), Medium.CPU, False)]
+    )
+    [stored] = payloads.to_kv_events([OffloadingEvent((key,), Medium.STORAGE, False)])
+    assert stored.token_ids == [4, 5, 6, 7]  # a CPU copy is left: the payload stays
