@@ -889,6 +889,13 @@ def _to_kv_events_popping_new_stores(self: Any, events: Any) -> Any:
     return _real_to_kv_events(self, events)
 
 
+def _to_kv_events_one_at_a_time(self: Any, events: Any) -> Any:
+    out = []
+    for ev in events:  # each event a batch of its own: a removal drops the payload at once
+        out += _real_to_kv_events(self, [ev])
+    return out
+
+
 def _reset_dropping_payloads(self: Any) -> None:
     self._payloads.clear()  # before the reset's removal events are made from them
     self._stale.clear()
@@ -927,6 +934,15 @@ if _EventPayloads is not None:
                 "store job was built, dropped its payload (found by the payload oracle: 653 "
                 "chunks in one reset run)",
                 (_EventPayloads, "to_kv_events", _to_kv_events_popping_new_stores),
+            ),
+            _mutant(
+                "payload_dropped_at_removal",
+                "a removal event drops the chunk's payload at once, not at the end of its batch",
+                "a chunk the CPU tier moves into a secondary tier (the CPU removal first in the "
+                "batch, then the file tier's store) was announced there with the placeholder "
+                "payload (found by the payload oracle: about 500 of 1,731 file-tier stores in "
+                "one tiering run)",
+                (_EventPayloads, "to_kv_events", _to_kv_events_one_at_a_time),
             ),
             _mutant(
                 "payload_dropped_at_reset",

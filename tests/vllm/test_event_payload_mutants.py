@@ -76,6 +76,7 @@ def test_the_catalogue_has_the_payload_mutants() -> None:
         "payload_lookup_not_recorded",
         "payload_tokens_of_next_chunk",
         "payload_removed_under_a_new_store",
+        "payload_dropped_at_removal",
         "payload_dropped_at_reset",
     }
 
