@@ -913,8 +913,8 @@ if _EventPayloads is not None:
                 "gets a payload only if this engine's request stored it",
                 "a chunk promoted from a secondary tier (stored before a reset, or by another "
                 "engine sharing the tier) was announced with vLLM's placeholder payload in "
-                "self-describing KV events (found against vLLM's connector, which records "
-                "lookup hits)",
+                "self-describing KV events (found by vLLM's own connector tests; vLLM's "
+                "connector records lookup hits)",
                 (_EventPayloads, "record_lookup", lambda self, request, keys, pending=(): None),
             ),
             _mutant(
