@@ -10,8 +10,8 @@ block hashing (``hash_block_tokens`` over the ``prefix_caching_hash_algo``, publ
 * a stored event of a full-attention group that carries a payload lists one block hash per
   ``block_size`` token ids, ``block_size`` is the group's, and its token ids re-hash to those
   hashes, block by block, starting from its parent (the first block of a sequence when the
-  parent is None); the parent is a block hash announced before (or in the same step: vLLM
-  orders a step's events by a set of keys);
+  parent is None); the parent is a block hash of a chunk the stream describes (parents are
+  resolved over the whole stream: vLLM orders a step's events by a set of keys);
 * no full-attention group's stored event carries the placeholder payload (the key's hash, no
   tokens, block size 0): the adapter describes every chunk of those groups;
 * a removal names hashes announced on its medium, and when it names a chunk's key (the last
@@ -22,10 +22,10 @@ functions read vLLM's hashing, so this module imports vLLM: import it after the 
 ``pytest.importorskip`` of vLLM.
 
 :data:`PAYLOAD_SCENARIOS` are the engine runs made for the oracle (beside the KV-event runs of
-``test_vllm_integration.py``, which call it too): chunks of two blocks (a payload of several
-block hashes), a reset while requests run (their chunks are stored again), preemption, a CPU
-tier over a file tier (cascades of evicted chunks; promotions: chunks a lookup finds that no
-request of the engine stored since).
+``test_vllm_integration.py``, which call it too): a reset while requests run (their chunks
+are stored again) and frequent preemption, both with chunks of two blocks (a payload of
+several block hashes), and a CPU tier over a file tier (cascades of evicted chunks;
+promotions: chunks a lookup finds that no request of the engine stored since).
 """
 
 from __future__ import annotations
