@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import importlib
 import mmap
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, cast
@@ -238,6 +238,15 @@ class EventPayloads:
     chunk's removal event; without it (or for sliding-window groups) stores carry vLLM's
     placeholder payload (the key's hash, no tokens, block size 0).
 
+    A removal drops the payload at the end of its batch, so that a store of the chunk later
+    in the batch still carries it (a tiering manager's CPU removal of a chunk it moves into
+    its file tier comes first), unless the chunk is stored again on the removal's medium
+    later in the batch, or a store of it is still to be announced: the manager announces
+    only the removal of a copy it announced as stored, so a removal converted after a new
+    store job (or a write-pending lookup hit) recorded the payload names the copy before it
+    (a reset's or an eviction's in the step the chunk is stored again), and the new copy's
+    store event still needs the payload.
+
     Args:
         enabled: record payloads (KV events on and ``self_describing_kv_events``).
         tokens_per_chunk: tokens per offloaded chunk, per KV-cache group.
@@ -264,6 +273,8 @@ class EventPayloads:
         self._kind = list(spec_kind)
         self._payloads: dict[OffloadKey, _ChunkPayload] = {}
         self._stale: set[OffloadKey] = set()
+        # recorded for a store (or a write-pending hit) whose stored event is still to come
+        self._unannounced: set[OffloadKey] = set()
 
     def record_store(self, request: Any, keys: Sequence[OffloadKey]) -> None:
         """Snapshot the payload of each stored chunk of ``request`` (a vLLM ``Request``)."""
@@ -287,6 +298,7 @@ class EventPayloads:
                 continue
             first = chunk * hpc
             self._stale.discard(key)
+            self._unannounced.add(key)
             lora = getattr(request, "lora_request", None)
             tokens = request.all_token_ids
             self._payloads[key] = _ChunkPayload(
@@ -298,34 +310,44 @@ class EventPayloads:
                 None if lora is None else lora.name,
             )
 
-    def record_lookup(self, request: Any, keys: Sequence[OffloadKey]) -> None:
+    def record_lookup(
+        self, request: Any, keys: Sequence[OffloadKey], pending: Collection[OffloadKey] = ()
+    ) -> None:
         """Snapshot the payload of each chunk of ``request`` that a lookup found offloaded
         (ready or write-pending) and that has no payload yet, as vLLM's connector does: a
         chunk stored by another request before a reset, by a promotion from a secondary tier
         or by another engine sharing the tier then gets its payload in the events of its
-        promotion and removal, instead of the placeholder."""
+        promotion and removal, instead of the placeholder. ``pending``: the keys among
+        ``keys`` found write-pending (their store event is still to come)."""
         if not self.enabled:
             return
         fresh = [k for k in keys if k not in self._payloads or k in self._stale]
         if fresh:
             self.record_store(request, fresh)
+            self._unannounced.difference_update(k for k in fresh if k not in pending)
+        self._unannounced.update(k for k in pending if k in self._payloads)
 
     def reset(self) -> None:
         """A cache reset: every recorded payload is stale. They are dropped after the next
-        :meth:`to_kv_events`, so the reset's removal events still carry them."""
+        :meth:`to_kv_events`, so the reset's removal events still carry them; stores
+        recorded before it are never announced (the reset flushes them)."""
         self._stale = set(self._payloads)
+        self._unannounced.clear()
 
     def to_kv_events(self, events: Iterable[OffloadingEvent]) -> list[KVCacheEvent]:
         """statecore's manager events as vLLM's: one ``BlockStored`` per stored chunk, one
         ``BlockRemoved`` per removal event and group (payload hashes fanned out)."""
         out: list[KVCacheEvent] = []
+        gone: dict[OffloadKey, set[Medium]] = {}  # removed in this batch, not stored back
         for ev in events:
             medium = ev.medium.value
             if ev.removed:
                 by_group: dict[int, list[Any]] = {}
                 for key in ev.keys:
                     g = key_group(key)
-                    p = self._payloads.pop(key, None)
+                    p = self._payloads.get(key)
+                    if key not in self._unannounced:  # else the copy before a new store
+                        gone.setdefault(key, set()).add(ev.medium)
                     hashes = by_group.setdefault(g, [])
                     if p is None:
                         hashes.append(_external_hash(key_hash(key)))
@@ -337,6 +359,9 @@ class EventPayloads:
             for key in ev.keys:
                 g = key_group(key)
                 p = self._payloads.get(key)
+                self._unannounced.discard(key)
+                if key in gone:
+                    gone[key].discard(ev.medium)
                 kind, window = self._kind[g] if self.enabled else (None, None)
                 if p is None:
                     out.append(
@@ -368,6 +393,9 @@ class EventPayloads:
                         kv_cache_spec_sliding_window=window,
                     )
                 )
+        for key, media in gone.items():
+            if media:
+                self._payloads.pop(key, None)
         for key in self._stale:
             self._payloads.pop(key, None)
         self._stale.clear()
@@ -835,7 +863,8 @@ class StatecoreOffloadingConnector(KVConnectorBase_V1, SupportsHMA):
             for k, r in zip(keys, results, strict=False)
             if r is LookupResult.HIT or r is LookupResult.HIT_PENDING
         ]
-        self.events.record_lookup(request, hits)
+        pending = {k for k, r in zip(keys, results, strict=False) if r is LookupResult.HIT_PENDING}
+        self.events.record_lookup(request, hits, pending)
 
     def _sched(self) -> OffloadingScheduler:
         if self.scheduler is None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from statecore.wire import ConnectorMetadata
 
 __all__ = [
     "ENGINE_OUTPUT_MUTANTS",
+    "EVENT_PAYLOAD_MUTANTS",
     "FILE_MUTANTS",
     "METRICS_MUTANTS",
     "MUTANTS",
@@ -847,3 +849,114 @@ METRICS_MUTANTS: dict[str, Mutant] = dict(
 """Mutants of the vLLM adapter's Prometheus metrics (same interface as :data:`MUTANTS`);
 ``tests/mutants/test_metrics_mutants.py`` catches them against a real ``prometheus_client``
 registry."""
+
+
+# -- the vLLM adapter's KV-event payloads (caught by tests/vllm/test_event_payload_mutants.py) ---
+
+
+def _event_payloads_class() -> Any:
+    """The vLLM adapter's ``EventPayloads``, or None where vLLM is not installed (a folder
+    named vllm on the path, a namespace package, is not vLLM)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        from statecore.adapters.vllm import EventPayloads
+    except ImportError:  # another vLLM release than the adapter's
+        return None
+    return EventPayloads
+
+
+_EventPayloads = _event_payloads_class()
+
+
+class _NextChunksTokens:
+    """A request as ``EventPayloads.record_store`` reads it, whose token ids start one chunk
+    late: each chunk's payload gets the next chunk's tokens."""
+
+    def __init__(self, request: Any, shift: int) -> None:
+        self.block_hashes = request.block_hashes
+        self.all_token_ids = request.all_token_ids[shift:]
+        self.lora_request = getattr(request, "lora_request", None)
+
+
+def _record_store_next_chunks_tokens(self: Any, request: Any, keys: Sequence[OffloadKey]) -> None:
+    _real_record_store(self, _NextChunksTokens(request, self._tpc[0]), keys)
+
+
+def _to_kv_events_popping_new_stores(self: Any, events: Any) -> Any:
+    self._unannounced.clear()  # a removal drops the payload a new store of the chunk recorded
+    return _real_to_kv_events(self, events)
+
+
+def _to_kv_events_one_at_a_time(self: Any, events: Any) -> Any:
+    out = []
+    for ev in events:  # each event a batch of its own: a removal drops the payload at once
+        out += _real_to_kv_events(self, [ev])
+    return out
+
+
+def _reset_dropping_payloads(self: Any) -> None:
+    self._payloads.clear()  # before the reset's removal events are made from them
+    self._stale.clear()
+    self._unannounced.clear()
+
+
+if _EventPayloads is not None:
+    _real_record_store = _EventPayloads.record_store
+    _real_to_kv_events = _EventPayloads.to_kv_events
+    EVENT_PAYLOAD_MUTANTS: dict[str, Mutant] = dict(
+        [
+            _mutant(
+                "payload_lookup_not_recorded",
+                "EventPayloads.record_lookup records nothing: a chunk a lookup finds offloaded "
+                "gets a payload only if this engine's request stored it",
+                "a chunk promoted from a secondary tier (stored before a reset, or by another "
+                "engine sharing the tier) was announced with vLLM's placeholder payload in "
+                "self-describing KV events (found by vLLM's own connector tests; vLLM's "
+                "connector records lookup hits)",
+                (_EventPayloads, "record_lookup", lambda self, request, keys, pending=(): None),
+            ),
+            _mutant(
+                "payload_tokens_of_next_chunk",
+                "a stored chunk's payload carries the token ids of the chunk after it (off by "
+                "one chunk)",
+                "a KV event whose token ids do not hash to the block hashes it announces",
+                (_EventPayloads, "record_store", _record_store_next_chunks_tokens),
+            ),
+            _mutant(
+                "payload_removed_under_a_new_store",
+                "a removal event drops the chunk's payload even when a store of the chunk, "
+                "recorded since, is still to be announced",
+                "the chunks a reset drops and running requests store again at once (or a "
+                "chunk evicted and stored again in one step) were announced with the "
+                "placeholder payload: the removal of the old copy, converted after the new "
+                "store job was built, dropped its payload (found by the payload oracle: 653 "
+                "chunks in one reset run)",
+                (_EventPayloads, "to_kv_events", _to_kv_events_popping_new_stores),
+            ),
+            _mutant(
+                "payload_dropped_at_removal",
+                "a removal event drops the chunk's payload at once, not at the end of its batch",
+                "a chunk the CPU tier moves into a secondary tier (the CPU removal first in the "
+                "batch, then the file tier's store) was announced there with the placeholder "
+                "payload (found by the payload oracle: about 500 of 1,731 file-tier stores in "
+                "one tiering run)",
+                (_EventPayloads, "to_kv_events", _to_kv_events_one_at_a_time),
+            ),
+            _mutant(
+                "payload_dropped_at_reset",
+                "a cache reset drops every payload at once, before the reset's removal events "
+                "are made from them",
+                "a reset's removal of a chunk of several blocks names only its key's hash: "
+                "the other block hashes it was announced with are never removed",
+                (_EventPayloads, "reset", _reset_dropping_payloads),
+            ),
+        ]
+    )
+else:
+    EVENT_PAYLOAD_MUTANTS = {}
+"""Mutants of the vLLM adapter's self-describing KV-event payloads (same interface as
+:data:`MUTANTS`; empty where vLLM is not installed, since they patch the adapter's
+``EventPayloads``); the payload oracle of ``tests/vllm/kv_event_oracle.py`` catches them in
+vLLM engine runs (``tests/vllm/test_event_payload_mutants.py``)."""

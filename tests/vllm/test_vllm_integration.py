@@ -20,6 +20,8 @@ pytest.importorskip(
     "vllm.config", reason="vLLM 0.33 is not installed (build it: scripts/vllm-integration.sh)"
 )
 
+from kv_event_oracle import BLOCK_SIZE, payload_findings
+
 from statecore import ConfigError
 from statecore.bench.scheduler import RunResult, Scenario, run_vllm
 
@@ -159,6 +161,7 @@ def test_a_failed_manager_reset_reaches_vllm_and_is_retried(
     # the KV-event payloads went stale with the reset that took, not the one that failed
     assert payload_resets == [2]
     assert ours.errors == [] and ours.events
+    assert payload_findings(ours.events, block_size=BLOCK_SIZE) == []
     assert all(v == 0 for v in ours.leftovers.values()), ours.leftovers
 
 
@@ -206,6 +209,9 @@ def test_event_streams_match_upstream() -> None:
     # parent hashes chain chunks, also across batches (a parent announced in an earlier step)
     first_step = {e[2][0]: e[0] for e in stored}
     assert any(e[3] is not None and first_step.get(e[3], e[0]) < e[0] for e in stored)
+    # every payload describes its chunk (its token ids hash to its block hashes), in both
+    for res in (upstream, ours):
+        assert payload_findings(res.events, block_size=BLOCK_SIZE) == [], res.connector
 
 
 def test_removal_events_name_announced_chunks() -> None:
@@ -220,6 +226,9 @@ def test_removal_events_name_announced_chunks() -> None:
                 assert set(hashes) <= announced, connector
                 removed += len(hashes)
         assert removed > 0, connector
+    # a chunk evicted and stored again in one step keeps its payload for the new store's
+    # event (vLLM's connector announces such chunks with the placeholder payload)
+    assert payload_findings(run("events_evict", "statecore").events, block_size=BLOCK_SIZE) == []
 
 
 def test_prometheus_metrics_from_a_run() -> None:
@@ -468,3 +477,123 @@ def test_a_chunk_a_lookup_hit_gets_the_requests_payload_for_its_promotion_event(
     assert (stored.token_ids, stored.block_size) == ([4, 5, 6, 7], 4)
     [removed] = payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, True)])
     assert len(removed.block_hashes) == 1 and removed.group_idx == 0
+
+
+def _payloads_of_one_chunk() -> tuple[Any, Any, Any]:
+    """An ``EventPayloads`` of one full-attention group (chunks of 4 tokens), a request of two
+    chunks, and the key of its second chunk."""
+    from types import SimpleNamespace
+
+    from statecore.adapters.vllm import EventPayloads
+    from statecore.keys import make_offload_key
+
+    hashes = [bytes([i]) * 16 for i in range(1, 3)]
+    request = SimpleNamespace(block_hashes=hashes, all_token_ids=list(range(8)), lora_request=None)
+    payloads = EventPayloads(True, [4], [4], 4, [True], [("full_attention", None)])
+    return payloads, request, make_offload_key(hashes[1], 0)
+
+
+def test_a_chunk_stored_again_after_a_reset_keeps_its_payload_through_the_resets_removal() -> None:
+    """A reset announces the chunks it drops as removed; a running request stores them again
+    from its first chunk on, and its store jobs are built before the reset's removal event is
+    converted. That removal named the old copy and dropped the payload just recorded for the
+    new one, so the new copy was announced with the placeholder (the payload oracle found 653
+    such chunks in one reset run)."""
+    from statecore.manager import Medium, OffloadingEvent
+
+    payloads, request, key = _payloads_of_one_chunk()
+    payloads.record_store(request, [key])
+    payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, False)])
+    payloads.reset()
+    payloads.record_store(request, [key])  # the request's store job, built after the reset
+    [removed] = payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, True)])
+    assert len(removed.block_hashes) == 1
+    [stored] = payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, False)])
+    assert (stored.token_ids, stored.block_size) == ([4, 5, 6, 7], 4)
+
+
+def test_a_chunk_evicted_and_stored_again_in_one_step_keeps_its_payload() -> None:
+    """An eviction (made while a store job is prepared) and a store job of the same chunk in
+    one step: the removal event, converted after the store job recorded its payload, names
+    the evicted copy and must leave the new copy's payload for its store event (vLLM's
+    connector loses it too: 44 placeholder announcements in the events_evict run)."""
+    from statecore.manager import Medium, OffloadingEvent
+
+    payloads, request, key = _payloads_of_one_chunk()
+    payloads.record_store(request, [key])
+    payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, False)])
+    payloads.record_store(request, [key])  # stored again; the eviction's event is queued
+    [removed] = payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, True)])
+    assert len(removed.block_hashes) == 1
+    [stored] = payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, False)])
+    assert (stored.token_ids, stored.block_size) == ([4, 5, 6, 7], 4)
+    [removed] = payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, True)])
+    [stored] = payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, False)])
+    assert stored.block_size == 0  # announced since, then removed: the payload is gone
+
+
+def test_a_lookup_hits_payload_outlives_a_removal_only_while_its_store_is_to_come() -> None:
+    """A chunk found ready is the copy the next removal names: its payload goes with it. A
+    chunk found write-pending (a promotion in flight) has a store event to come, so a removal
+    converted before it names an earlier copy (dropped by a reset, or evicted in that step)
+    and leaves the payload for the store event."""
+    from statecore.manager import Medium, OffloadingEvent
+
+    payloads, request, key = _payloads_of_one_chunk()
+    payloads.record_lookup(request, [key])  # found ready
+    payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, True)])
+    [stored] = payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, False)])
+    assert stored.block_size == 0  # its payload went with the removed copy
+    payloads.reset()
+    payloads.record_lookup(request, [key], pending={key})  # a promotion after the reset
+    payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, True)])  # the reset's removal
+    [stored] = payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, False)])
+    assert (stored.token_ids, stored.block_size) == ([4, 5, 6, 7], 4)
+    payloads.record_lookup(request, [key], pending={key})  # evicted, promoted again at once
+    payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, True)])
+    [stored] = payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, False)])
+    assert (stored.token_ids, stored.block_size) == ([4, 5, 6, 7], 4)
+
+
+def test_stores_a_reset_flushed_leave_nothing_behind() -> None:
+    """Store jobs in flight at a reset are flushed and never announced: once the reset's
+    events are converted, the payloads hold as much as fresh ones (every container reached,
+    by size)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from retained import containers
+
+    from statecore.keys import make_offload_key
+
+    payloads, request, _ = _payloads_of_one_chunk()
+    fresh = containers(_payloads_of_one_chunk()[0], "payloads")
+    keys = [make_offload_key(h, 0) for h in request.block_hashes]
+    payloads.record_store(request, keys)  # both chunks' store job, in flight at the reset
+    assert containers(payloads, "payloads") != fresh
+    payloads.reset()
+    assert payloads.to_kv_events([]) == []
+    assert containers(payloads, "payloads") == fresh
+
+
+def test_a_chunk_moved_into_a_secondary_tier_is_announced_there_with_its_payload() -> None:
+    """A tiering manager moves a chunk the CPU tier evicts into its file tier: the CPU removal
+    and the file tier's store come in one batch, removal first. The removal dropped the
+    payload, so the file tier's copy was announced with the placeholder (about 500 of 1,731
+    file-tier stores in one tiering run). The payload now goes at the end of the batch: it
+    lives with the CPU tier's copy (and stores still to come), as before."""
+    from statecore.manager import Medium, OffloadingEvent
+
+    payloads, request, key = _payloads_of_one_chunk()
+    payloads.record_store(request, [key])
+    payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, False)])
+    _, stored = payloads.to_kv_events(
+        [OffloadingEvent((key,), Medium.CPU, True), OffloadingEvent((key,), Medium.STORAGE, False)]
+    )
+    assert (stored.token_ids, stored.medium) == ([4, 5, 6, 7], "STORAGE")
+    [stored] = payloads.to_kv_events([OffloadingEvent((key,), Medium.CPU, False)])
+    assert stored.block_size == 0  # gone with the CPU copy (a promotion's lookup records it)
+    payloads.record_lookup(request, [key])  # found ready: promoted since
+    payloads.to_kv_events(  # evicted, and promoted again, in one batch
+        [OffloadingEvent((key,), Medium.CPU, True), OffloadingEvent((key,), Medium.CPU, False)]
+    )
+    [stored] = payloads.to_kv_events([OffloadingEvent((key,), Medium.STORAGE, False)])
+    assert stored.token_ids == [4, 5, 6, 7]  # a CPU copy is left: the payload stays
