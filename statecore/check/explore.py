@@ -66,6 +66,10 @@ class Result:
         exhausted: the state space closed before the depth bound (no new state at some level).
         counterexample: the first violation found, or None.
         liveness_checks: states whose continuation was run to quiescence (not memoised).
+        engine_jams: continuations that ended in a jam of the engine's own making
+            (:meth:`~statecore.check.model.World.engine_jam`), with nothing of the stack left
+            in flight: counted, not violations.
+        engine_jam: one of them, described.
     """
 
     scope: Scope
@@ -78,6 +82,8 @@ class Result:
     exhausted: bool = False
     counterexample: Counterexample | None = None
     liveness_checks: int = 0
+    engine_jams: int = 0
+    engine_jam: str | None = None
     levels: list[int] = field(default_factory=list)
 
     @property
@@ -97,11 +103,16 @@ class Result:
             if self.counterexample is not None
             else ("ok (state space closed)" if self.exhausted else "ok" if self.complete else "cut")
         )
+        jams = (
+            f"; {self.engine_jams} continuations end in an engine jam of vLLM's own making"
+            if self.engine_jams
+            else ""
+        )
         return (
             f"scope {self.scope.name}: {verdict}; {self.states} distinct states, "
             f"{self.transitions} transitions, depth {self.depth}, {self.seconds:.2f} s "
             f"({self.cpu_seconds:.2f} s CPU), {self.rate:.0f} states/s "
-            f"({self.cpu_rate:.0f} per CPU second)"
+            f"({self.cpu_rate:.0f} per CPU second){jams}"
         )
 
 
@@ -124,19 +135,31 @@ def _drain_bound(scope: Scope) -> int:
 
 
 def continuation(
-    w: World, good: set[int] | None = None, first: list[tuple[Action, int]] | None = None
+    w: World,
+    good: set[int] | None = None,
+    first: list[tuple[Action, int]] | None = None,
+    jams: list[str] | None = None,
 ) -> tuple[str | None, list[Action]]:
     """Run the fault-free continuation from ``w`` (mutated); return (what is left, moves).
 
     ``None`` means quiescence was reached (or a state known to reach it, when ``good`` is
-    given: the states passed are then added to it). With ``first``, the first move and the
-    key hash of the state it reached are appended to it (when it raised nothing).
+    given: the states passed are then added to it), or a jam of the engine's own making
+    with nothing of the stack left in flight (described in ``jams``, when given). With
+    ``first``, the first move and the key hash of the state it reached are appended to it
+    (when it raised nothing).
     """
     path: list[int] = []
     moves: list[Action] = []
     for _ in range(_drain_bound(w.scope)):
         left = w.quiescent()
         if left is None:
+            if good is not None:
+                good.update(path)
+            return None, moves
+        jam = w.engine_jam() if moves and moves[-1] == ("step",) else None
+        if jam is not None:
+            if jams is not None:
+                jams.append(jam)
             if good is not None:
                 good.update(path)
             return None, moves
@@ -212,13 +235,19 @@ def explore(
     # restore and apply it again when that state is already known
     firsts: dict[int, tuple[Action, int]] = {}
     first: list[tuple[Action, int]] = []
+    jams: list[str] = []
 
     def continue_from(
         trace: list[Action], w: World, k: int | None = None, expand: bool = False
     ) -> Counterexample | None:
         nonlocal candidate
         res.liveness_checks += 1
-        left, moves = continuation(w, good, first if expand else None)
+        left, moves = continuation(w, good, first if expand else None, jams)
+        if jams:
+            res.engine_jams += len(jams)
+            if res.engine_jam is None:
+                res.engine_jam = f"{jams[0]} (after {', '.join(map(str, trace + moves))})"
+            jams.clear()
         if first:
             if k is not None:
                 firsts[k] = first[0]

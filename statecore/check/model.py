@@ -333,8 +333,10 @@ class EngineRequest:
         "covered",
         "epoch",
         "foreign",
+        "holding",
         "idx",
         "load",
+        "load_done",
         "load_failed",
         "load_job",
         "outputs",
@@ -358,6 +360,8 @@ class EngineRequest:
         self.load: tuple[int, int] | None = None
         self.load_job = -1  # the scheduler's id of the load this request waits on
         self.load_failed = False  # a rank reported it failed, or it stalled
+        self.load_done = False  # the engine learnt that its load ended: promoted in step 1b
+        self.holding = False  # in vLLM's kv_holding_waiting queue (statecore.sim.step)
         self.outputs = 0
         self.resumed = False
         self.scheduled_once = False
@@ -438,6 +442,17 @@ class World:
         # INV-STORE-COMPLETE: finished requests whose final store the next step builds
         self.completeness: list[tuple[int, tuple[OffloadKey, ...], int]] = []
         self.preempted_next: set[int] = set()
+        self.inflight: set[int] = set()
+        """vLLM's prefills in flight: requests admitted with a load or with prompt tokens not
+        yet scheduled, until their prefill is wholly scheduled (or they are preempted or
+        done); an asynchronous load's admission keeps free the blocks they still need."""
+        self.self_reserved: int | None = None
+        """The request the last step refused only for its own in-flight reservation
+        (:meth:`engine_jam`); not part of the state: each step sets it anew."""
+        self.failed_ends: list[tuple[int, int]] = []
+        """Loads the scheduler ended with invalid blocks, (request, computed tokens left), not
+        yet learnt by the engine: it learns them at the end of the next step
+        (:mod:`statecore.sim.step`)."""
         self.finished_since: set[int] = set()
         self.delivered: list[tuple[int, int, bool]] = []
         self.faults = 0
@@ -838,10 +853,13 @@ class World:
             self._loads_ended(res.finished_loads, res.invalid_block_ids)
 
     def _loads_ended(self, finished: frozenset[str], invalid: frozenset[int]) -> None:
+        """The scheduler says these loads ended (``invalid``: the blocks they left invalid).
+        A valid one is learnt now; one with invalid blocks at the end of the next step
+        (:attr:`failed_ends`), as vLLM's engine learns it from the workers."""
         tpb = self.tpb
         for rid in sorted(finished):
             r = self.reqs[int(rid[1:])]
-            if r.status != LOADING or r.load is None:
+            if r.status != LOADING or r.load is None or r.load_done:
                 self.errors.append(f"finished_loads names {rid}, which is not waiting on a load")
                 continue
             start, n = r.load
@@ -853,20 +871,38 @@ class World:
                         valid_end = min(valid_end, i * tpb)
                         break
             valid_end = max(valid_end, start)
-            if valid_end < start + n and not r.load_failed:
+            self._verify(r, valid_end, "load ended")
+            if valid_end == start + n:
+                self._learn_load_end(r, valid_end)
+                continue
+            if not r.load_failed:
                 self.errors.append(
                     f"INV-FAIL-STATE: the load of {rid} ended with invalid blocks although no "
                     "worker reported it failed and it did not stall (the engine fails the "
                     "request under vLLM's default kv_load_failure_policy)"
                 )
-            self._verify(r, valid_end, "load ended")
-            computed = min(valid_end, r.req.num_tokens - 1)
-            r.req.num_computed_tokens = computed
-            r.load = None
-            r.load_failed = False
-            r.status = WAITING
-            if r.aborted:
-                self._retire(r)
+            # vLLM maps invalid block ids back to requests with one KV-cache group only: with
+            # several, the request starts over from token 0
+            self.failed_ends.append((r.idx, valid_end if self.n_groups == 1 else 0))
+
+    def _learn_load_end(self, r: EngineRequest, computed: int) -> None:
+        """The engine learns that ``r``'s load ended with ``computed`` tokens valid; an
+        aborted request is freed, another waits for its promotion (:meth:`_promote`)."""
+        r.req.num_computed_tokens = computed
+        r.load_done = True
+        if r.aborted:
+            self._retire(r)
+
+    def _promote(self, r: EngineRequest) -> None:
+        """Step 1b reaches ``r`` after its load ended: with nothing valid its blocks are freed
+        (it starts over with a lookup); a whole prompt loaded computes its last token again."""
+        if r.req.num_computed_tokens == 0:
+            self._free_blocks(r)
+        r.req.num_computed_tokens = min(r.req.num_computed_tokens, r.req.num_tokens - 1)
+        r.load = None
+        r.load_done = False
+        r.load_failed = False
+        r.status = WAITING
 
     # -- engine moves ---------------------------------------------------------------------------
 
@@ -880,6 +916,7 @@ class World:
 
     def finish(self, r: EngineRequest) -> None:
         """A decoding request stops (stop string) between steps."""
+        self._drop_skipped(r)  # vLLM frees them before it tells the connector
         if not r.foreign:
             _guarded(self, "request_finished", self.sched.request_finished, r.req)
             self._note_finished(r)
@@ -932,10 +969,11 @@ class World:
         """A request is aborted; while it loads it keeps its blocks until the load ended."""
         r.aborted = True
         r.req.is_aborted = True
+        self._drop_skipped(r)  # vLLM frees them before it tells the connector
         if not r.foreign:
             _guarded(self, "request_finished", self.sched.request_finished, r.req)
         self.finished_since.add(r.idx)
-        if r.status != LOADING:
+        if r.status != LOADING or r.load_done:  # a load not yet ended keeps the blocks
             self._retire(r)
 
     def preempt(self, r: EngineRequest) -> None:
@@ -954,11 +992,13 @@ class World:
         if r.idx in self.waiting:
             self.waiting.remove(r.idx)
         self._free_blocks(r)
+        self.inflight.discard(r.idx)
         r.status = DONE
 
     def _preempt(self, r: EngineRequest) -> None:
         self.running.remove(r.idx)
         self._free_blocks(r)
+        self.inflight.discard(r.idx)
         r.req.num_computed_tokens = 0
         r.status = WAITING
         r.resumed = True
@@ -1033,6 +1073,9 @@ class World:
         requests, then (when none was preempted) the waiting ones."""
         sched = self.sched
         self.observed.refused.clear()
+        # the failed loads this step's metadata echoes: the engine learns them at its end
+        echoed, self.failed_ends = self.failed_ends, []
+        self.self_reserved = None
         pass_: _Pass = vllm_step.StepPass(self.scope.max_batched_tokens)
         running = [self.reqs[i] for i in self.running]
         vllm_step.schedule(
@@ -1042,6 +1085,10 @@ class World:
         )
         scheduled = pass_.scheduled
         reqs = self.reqs
+        if self.inflight:  # a prefill scheduled to its end is no longer in flight
+            for r, n, _, _ in scheduled:
+                if r.req.num_computed_tokens + n >= r.req.num_tokens:
+                    self.inflight.discard(r.idx)
         listed, as_new = vllm_step.listed(pass_)
         output = SchedulerOutput(
             scheduled=tuple(
@@ -1080,18 +1127,40 @@ class World:
             if r.status == RUNNING:
                 self._after_compute(r, n)
         self.feed(None)
+        for idx, computed in echoed:
+            r = self.reqs[idx]
+            if r.status == LOADING and not r.load_done:
+                self._learn_load_end(r, computed)
 
     def _step_waiting(self, pass_: _Pass) -> None:
-        """Admit waiting requests into the step (step 1b of :mod:`statecore.sim.step`)."""
+        """Step 1b of :mod:`statecore.sim.step`: admit waiting requests into the step; those
+        it skips go to the front of their queue."""
+        skipped: list[int] = []
+        self._admit_waiting(pass_, skipped)
+        if skipped:
+            reqs = self.reqs
+            for idx in skipped:
+                r = reqs[idx]
+                r.holding = r.req.num_computed_tokens > 0 or r.status == LOADING
+            self.waiting = vllm_step.requeue_skipped(self.waiting, skipped)
+
+    def _admit_waiting(self, pass_: _Pass, skipped: list[int]) -> None:
+        """Step 1b's pass over the waiting requests (those it skips into ``skipped``)."""
         sched = self.sched
         reqs = self.reqs
-        for idx in vllm_step.waiting_order(self.waiting, lambda i: any(reqs[i].blocks)):
+        for idx in vllm_step.waiting_order(self.waiting, lambda i: reqs[i].holding):
             r = reqs[idx]
             budget = pass_.budget
             if budget <= 0:
                 break
-            if r.status == LOADING or idx in self.preempted_next:
+            if idx in self.preempted_next:
+                skipped.append(idx)
                 continue
+            if r.status == LOADING:
+                if not r.load_done:
+                    skipped.append(idx)
+                    continue
+                self._promote(r)
             if r.foreign:
                 computed = r.req.num_computed_tokens if any(r.blocks) else 0
             elif r.load is None and not any(r.blocks):
@@ -1099,6 +1168,7 @@ class World:
                     self, "get_num_new_matched_tokens", sched.get_num_new_matched_tokens, r.req, 0
                 )
                 if res is None or res[0] is None:
+                    skipped.append(idx)
                     continue
                 ext, is_async = res
                 if ext > 0 and is_async:
@@ -1109,6 +1179,8 @@ class World:
                         self._inflight_reserved(),
                     )
                     if blocks > len(self.free):
+                        if idx in self.inflight:
+                            self._note_self_reserve(r, need, ext, blocks)
                         break
                     self._allocate(r, need, ext)
                     created = _guarded(
@@ -1120,11 +1192,14 @@ class World:
                         ext,
                     )
                     r.status = LOADING
+                    r.req.num_computed_tokens = ext  # vLLM counts them from the admission
+                    self.inflight.add(idx)
                     r.load = (0, ext)
                     r.covered = max(r.covered, ext)
                     # the load job the scheduler says it created (-1: none, and an error
                     # recorded when the call raised)
                     r.load_job = created.job_id if created is not None else -1
+                    skipped.append(idx)
                     continue
                 computed = 0
             else:
@@ -1166,6 +1241,9 @@ class World:
             self.waiting.remove(idx)
             self.running.append(idx)
             r.status = RUNNING
+            r.holding = False
+            if computed + n < r.req.num_tokens:
+                self.inflight.add(idx)
             if not r.scheduled_once:
                 pass_.new.add(r)
             pass_.scheduled.append(
@@ -1175,17 +1253,55 @@ class World:
             r.resumed = False
             pass_.budget -= n
 
+    def _note_self_reserve(
+        self, r: EngineRequest, need: list[list[int]], ext: int, blocks: int
+    ) -> None:
+        """An asynchronous load's admission of ``r`` was refused, ``r`` being a prefill in
+        flight itself (its last load ended with nothing valid): whether it would have fitted
+        without its own reservation (:meth:`engine_jam`)."""
+        own = sum(
+            vllm_step.remaining_blocks(-(-r.req.num_tokens // self.tpb), len(r.blocks[g]), 0)
+            for g in range(self.n_groups)
+        )
+        without = vllm_step.admission_blocks(
+            sum(map(len, need)),
+            sum(map(len, self._need(r, r.req.num_tokens, ext))),
+            self._inflight_reserved() - own,
+        )
+        if without <= len(self.free) < blocks:
+            self.self_reserved = r.idx
+
+    def engine_jam(self) -> str | None:
+        """What jams the engine for good, when it is vLLM 0.33's own admission rule and not
+        the connector: nothing runs or loads, everything the workers were told of is sent,
+        nothing of the stack is in flight, and the last step refused an asynchronous load
+        only because vLLM's in-flight reserve counts the request against itself (a request
+        whose load ended with nothing valid stays a prefill in flight; in a pool smaller
+        than twice its sequence it is never admitted again). None otherwise."""
+        idx = self.self_reserved
+        if idx is None or self.running or self.finished_since or self.preempted_next:
+            return None
+        if any(r.status == LOADING for r in self.reqs) or self._in_flight() is not None:
+            return None
+        r = self.reqs[idx]
+        return (
+            f"request {r.req.request_id} waits for good: vLLM's in-flight reserve counts it "
+            f"against its own admission ({len(self.free)} GPU blocks free)"
+        )
+
     def _inflight_reserved(self) -> int:
-        """Blocks the prefills in flight still need for their whole sequence (what vLLM
-        keeps free when it admits a load): requests loading, and running ones whose prefill
-        is not yet wholly scheduled."""
+        """Blocks the prefills in flight (:attr:`inflight`) still need for their whole
+        sequence (:func:`statecore.sim.step.remaining_blocks`): what vLLM keeps free when it
+        admits a load."""
+        reqs, tpb, w = self.reqs, self.tpb, self.window
         out = 0
-        for r in self.reqs:
-            st = r.status
-            if st == LOADING or (
-                st == RUNNING and r.req.num_computed_tokens < r.req.num_tokens - 1
-            ):
-                out += sum(map(len, self._need(r, r.req.num_tokens, r.req.num_computed_tokens)))
+        for r in map(reqs.__getitem__, self.inflight):
+            required = -(-r.req.num_tokens // tpb)
+            skipped = max(0, r.req.num_computed_tokens - w + 1) // tpb if w is not None else 0
+            for g in range(self.n_groups):
+                out += vllm_step.remaining_blocks(
+                    required, len(r.blocks[g]), skipped if g == 1 else 0
+                )
         return out
 
     # -- the running requests, as statecore.sim.step.schedule_running asks -------------------
@@ -1244,6 +1360,7 @@ class World:
         req.num_tokens += 1
         extend_block_hashes(req.block_hashes, r.tokens, self.tpb)
         if r.outputs >= self.scope.max_output:
+            self._drop_skipped(r)  # vLLM frees them before it tells the connector
             if not r.foreign:
                 _guarded(self, "request_finished", self.sched.request_finished, req)
                 self._note_finished(r)
@@ -1291,6 +1408,15 @@ class World:
         s = self.sched
         if s.requests:
             return f"scheduler still tracks {sorted(s.requests)}"
+        t = self.tiering
+        if t is not None and t.tracked_requests():
+            return f"the tiering manager still tracks {sorted(t.tracked_requests())}"
+        return self._in_flight()
+
+    def _in_flight(self) -> str | None:
+        """What of the stack is still in flight (jobs, pins, copies, pending push work), for
+        :meth:`quiescent` and :meth:`engine_jam`; None when nothing."""
+        s = self.sched
         if s.jobs or s.stalled_jobs:
             return f"jobs left: live {sorted(s.jobs)}, stalled {sorted(s.stalled_jobs)}"
         if s.has_pending_push_work():
@@ -1304,11 +1430,8 @@ class World:
             if w.deferred or w.in_flight or be.submitted:
                 return f"rank {rank} still has jobs {sorted(set(w.deferred) | set(be.submitted))}"
         t = self.tiering
-        if t is not None:
-            if t.tracked_requests():
-                return f"the tiering manager still tracks {sorted(t.tracked_requests())}"
-            if t.in_flight_jobs():
-                return f"the tiering manager has {t.in_flight_jobs()} tier jobs in flight"
+        if t is not None and t.in_flight_jobs():
+            return f"the tiering manager has {t.in_flight_jobs()} tier jobs in flight"
         return None
 
     # -- canonical form -------------------------------------------------------------------------
@@ -1458,12 +1581,16 @@ class World:
                         r.aborted,
                         ren[r.load_job] if r.load is not None else -1,
                         r.load_failed,
+                        r.load_done,
+                        r.holding,
                         r.epoch == resets,
                         r.covered,
                     )
                     for r in reqs_
                 ]
             ),
+            tuple(self.failed_ends),
+            tuple(sorted(self.inflight)),
             tuple(self.waiting),
             tuple(self.running),
             tuple(self.free),

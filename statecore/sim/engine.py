@@ -19,8 +19,8 @@ models (its ``Scheduler.schedule()``, the workers, then its ``update_from_output
    fault channel and are aggregated;
 5. the step's outputs: each scheduled request's tokens; a request that reached its output
    length finishes: ``request_finished``, then its blocks are freed at once;
-6. the aggregated report to ``update_connector_output``; loads that ended put their requests
-   back in the waiting queue.
+6. the aggregated report to ``update_connector_output``; the engine learns of the loads that
+   ended (see below).
 
 Aborts come between steps: ``request_finished``, then the request's blocks are freed at once
 (an aborted request that waits on a load keeps its blocks until the load ended).
@@ -30,14 +30,18 @@ a connector sees: an admission needs room for the request's whole sequence (its
 ``scheduler_reserve_full_isl``), and an asynchronous load also leaves free what the prefills
 in flight still need; the blocks a step's tokens fill are cached when they are allocated; a
 freed block without a hash is handed out next, a cached one last; a sliding-window group
-skips ``computed - window + 1`` tokens (:attr:`SimConfig.vllm_window`); a load with invalid
-blocks in a layout of several KV-cache groups restarts its request from token 0; new and
-resumed requests are listed first, resumed ones as new.
-``tests/vllm/test_engine_differential.py`` runs the same workloads through vLLM's real
-``Scheduler`` and asserts the same connector calls step by step. Not modelled
-(hybrid runs longer than that test's depart from vLLM there): the sliding-window admission
-cap (``max_admission_blocks_per_request``) and the order in which a request's null holes are
-refilled after a load.
+skips ``computed - window + 1`` tokens (:attr:`SimConfig.vllm_window`), and a finished
+request's blocks out of the window are freed before the rest; new and resumed requests are
+listed first, resumed ones as new. Waiting requests sit in vLLM's two queues
+(:func:`statecore.sim.step.waiting_order`). A load that ended with invalid blocks (failed or
+stalled) is learnt a step after the connector ends it (vLLM learns it from the workers, to
+whom the next step's metadata echoes it): its request falls back to the first invalid block,
+or restarts from token 0 in a layout of several KV-cache groups; a request whose load ended
+is promoted when the waiting phase reaches it (its loaded blocks cached, or all its blocks
+freed when nothing was valid). ``tests/vllm/test_engine_differential.py`` runs the same
+workloads, with and without failing loads, through vLLM's real ``Scheduler`` and asserts the
+same connector calls step by step. Not modelled: the sliding-window admission cap
+(``max_admission_blocks_per_request``, larger than the differential test's sequences).
 
 After every step: ``scheduler.check_invariants()``, the data oracle over every valid GPU block,
 the allocator's own consistency, and INV-LIVE (no request deferred or waiting on a load for
@@ -294,6 +298,11 @@ class SimRequest:
     abort_at: int | None = None
     load: tuple[int, int] | None = None
     load_since: int = 0
+    kv_holding: bool = False
+    """In vLLM's ``kv_holding_waiting`` queue (:func:`statecore.sim.step.waiting_order`)."""
+    load_done: bool = False
+    """The engine learned that the load ended (vLLM's finished receiving): the request is
+    promoted when the waiting phase next reaches it (:meth:`SimEngine._promote`)."""
     deferred_since: int | None = None
     deferred_last: int = -1
     deferred_steps: int = 0
@@ -866,6 +875,9 @@ class SimEngine:
         self._completeness: list[tuple[str, list[OffloadKey], int]] = []
         self._n_foreign = 0
         self._vllm_window = cfg.vllm_window
+        self._failed_ends: list[tuple[SimRequest, frozenset[int]]] = []
+        """Loads the connector ended with invalid blocks, not yet applied: vLLM's engine
+        applies them at the end of the next step (:meth:`_loads_ended`)."""
         self._inflight: dict[str, SimRequest] = {}
         """vLLM's in-flight prefills: requests loading, or admitted with prompt tokens not yet
         scheduled."""
@@ -958,6 +970,9 @@ class SimEngine:
 
         if self.observed is not None:
             self.observed.refused.clear()
+        # the failed loads this step's metadata echoes to the workers: vLLM's engine learns
+        # of them from this step's output
+        echoed, self._failed_ends = self._failed_ends, []
         pass_ = self._schedule(k)
         scheduled = pass_.scheduled
         preempted = {r.turn.req_id for r in pass_.preempted}
@@ -1011,6 +1026,8 @@ class SimEngine:
         # vLLM's update_from_output: the finished requests, then the workers' report
         self._after_compute(k, scheduled)
         self.feed(self.channel.deliver(k))
+        for r, invalid in echoed:
+            self._end_load(k, r, invalid)
         self._take_events()
         if self.check_each_step:
             self._check(k)
@@ -1292,12 +1309,15 @@ class SimEngine:
         r.req.is_aborted = True
         self.stats.requests_aborted += 1
         self._finished(r)
-        if r.status is Status.LOADING:
+        if r.status is Status.LOADING:  # vLLM: still waiting for remote KV
             self.stats.aborted_during_load += 1
-            return  # blocks held until the load ended
+            if not r.load_done:
+                return  # blocks held until the load ended
         self._retire(r, completed=False)
 
     def _finished(self, r: SimRequest) -> None:
+        # vLLM frees the blocks out of the window before it tells the connector
+        self._slide(r)
         self._guard("request_finished", self.conn.request_finished, r.req)
         self.finished_since_last.add(r.turn.req_id)
         self._note_finished(r)
@@ -1451,7 +1471,7 @@ class SimEngine:
     def _waiting_order(self) -> list[SimRequest]:
         """The order step 1b tries the waiting requests in
         (:func:`statecore.sim.step.waiting_order`)."""
-        return vllm_step.waiting_order(self.waiting, lambda r: r.has_blocks())
+        return vllm_step.waiting_order(self.waiting, lambda r: r.kv_holding)
 
     def _schedule(self, k: int) -> _SchedulePass:
         """Step 1 of the module docstring (:func:`statecore.sim.step.schedule`): the running
@@ -1469,21 +1489,43 @@ class SimEngine:
 
     def _inflight_reserved(self) -> int:
         """Blocks the prefills in flight (admitted or loading, not yet fully scheduled) still
-        need to hold their whole sequence: vLLM keeps them free when it admits a load."""
+        need to hold their whole sequence (:func:`statecore.sim.step.remaining_blocks`):
+        vLLM keeps them free when it admits a load."""
+        remaining = vllm_step.remaining_blocks
         return sum(
-            sum(self._need(r, r.req.num_tokens, r.req.num_computed_tokens))
+            remaining(
+                self._n_blocks(g, r.req.num_tokens),
+                len(r.blocks[g]),
+                self._out_of_window(g, r.req.num_computed_tokens),
+            )
             for r in self._inflight.values()
+            for g in range(self.n_groups)
         )
 
     def _schedule_waiting(self, k: int, pass_: _SchedulePass) -> None:
         """Admit waiting requests (lookups, allocation, asynchronous loads) into ``pass_``."""
+        skipped: list[SimRequest] = []
+        self._admit_waiting(k, pass_, skipped)
+        if skipped:  # vLLM prepends them to their queues (statecore.sim.step.requeue_skipped)
+            for r in skipped:
+                r.kv_holding = r.req.num_computed_tokens > 0 or r.status is Status.LOADING
+            self.waiting = vllm_step.requeue_skipped(self.waiting, skipped)
+
+    def _admit_waiting(self, k: int, pass_: _SchedulePass, skipped: list[SimRequest]) -> None:
+        """Step 1b's pass over the waiting requests (those it skips into ``skipped``)."""
         cfg = self.cfg
         scheduled = pass_.scheduled
         for r in self._waiting_order():
             if pass_.budget <= 0 or len(self.running) >= cfg.max_running:
                 break
-            if r.status is Status.LOADING or r.turn.req_id in self._preempted_next:
-                continue  # waits for its load / was preempted between steps: not this step
+            if r.turn.req_id in self._preempted_next:
+                skipped.append(r)  # preempted between steps: not in this step
+                continue
+            if r.status is Status.LOADING:
+                if not r.load_done:
+                    skipped.append(r)  # waits for its load
+                    continue
+                self._promote(r)
             local: list[list[int]] = [[] for _ in range(self.n_groups)]
             fresh_lookup = not r.has_blocks()
             if fresh_lookup:
@@ -1496,6 +1538,7 @@ class SimEngine:
                     n_local,
                 )
                 if res is None:
+                    skipped.append(r)
                     continue
                 ext, is_async = res
                 if ext is None:
@@ -1504,6 +1547,7 @@ class SimEngine:
                         r.deferred_since = k
                     r.deferred_last = k
                     r.deferred_steps += 1
+                    skipped.append(r)
                     continue
                 r.deferred_since = None
                 r.deferred_steps = 0
@@ -1515,13 +1559,16 @@ class SimEngine:
                         for g in self.sliding:
                             for i in range(min(self._out_of_window(g, total), len(local[g]))):
                                 local[g][i] = 0
+                    # what the prefills in flight still need, with the blocks they hold (this
+                    # request, in flight again after a failed load, holds none yet)
+                    reserved = self._inflight_reserved()
                     r.blocks = [list(x) for x in local]
                     need = sum(self._need(r, total, total))
                     room = self._room(local)
                     # vLLM: the whole sequence must fit, and the loaded prefix beside what
                     # the prefills in flight still need
                     full = sum(self._need(r, r.req.num_tokens, total))
-                    need = vllm_step.admission_blocks(need, full, self._inflight_reserved())
+                    need = vllm_step.admission_blocks(need, full, reserved)
                     if room - need < cfg.watermark_blocks:
                         r.blocks = [[] for _ in range(self.n_groups)]
                         break
@@ -1535,6 +1582,9 @@ class SimEngine:
                         ext,
                     )
                     r.status = Status.LOADING
+                    # vLLM counts the loaded tokens as computed from the admission on (the
+                    # blocks the prefills in flight still need are counted from there)
+                    req.num_computed_tokens = total
                     self._inflight[r.turn.req_id] = r
                     r.load = (n_local, ext)
                     r.covered = max(r.covered, total)
@@ -1543,6 +1593,7 @@ class SimEngine:
                         r.abort_at = k + 1
                     self.stats.loads_started += 1
                     self._count_hits(r, n_local, ext)
+                    skipped.append(r)
                     continue
                 computed = n_local
                 r.blocks = [list(x) for x in local]
@@ -1574,6 +1625,7 @@ class SimEngine:
             self.waiting.remove(r)
             self.running.append(r)
             r.status = Status.RUNNING
+            r.kv_holding = False
             if not r.scheduled_once:
                 pass_.new.add(r)
             scheduled.append((r, n, [list(x) for x in r.blocks], r.resumed and r.scheduled_once))
@@ -1730,6 +1782,13 @@ class SimEngine:
                 self._retire(r, completed=True)
 
     def _loads_ended(self, k: int, finished: frozenset[str], invalid: frozenset[int]) -> None:
+        """The connector says these loads ended (``invalid``: the blocks they left invalid).
+
+        A load that ended valid is applied now. One that left invalid blocks (it failed or
+        stalled) is applied at the end of the next step (see :mod:`statecore.sim.step`):
+        vLLM's engine learns of it only from the workers' output of the step whose metadata
+        echoes it.
+        """
         claimed: set[int] = set()
         for rid in sorted(finished):
             r = self.by_id.get(rid)
@@ -1739,7 +1798,6 @@ class SimEngine:
                 )
                 continue
             start, n = r.load
-            valid_end = start + n
             job_id = self._load_job_of.pop(rid, None)
             had_invalid = False
             for g in range(self.n_groups):
@@ -1747,54 +1805,89 @@ class SimEngine:
                 first, last = start // tpb, self._n_blocks(g, start + n)
                 for i in range(first, last):
                     if row[i] and row[i] in invalid:
-                        valid_end = min(valid_end, i * tpb)
                         claimed.update(row[i:last])
                         had_invalid = True
                         break
             if had_invalid:
                 self._unexplained_invalid(k, rid, job_id)
-            # vLLM 0.33 maps invalid block ids back to requests with one KV-cache group only;
-            # with several groups the connector reports the load in ``failed_recving`` and
-            # the request starts over from token 0, its blocks freed. (Truncating to the
-            # local prefix instead would be wrong with a sliding-window group: the local hit
-            # blocks out of the window of the whole hit were left null at admission, so the
-            # window of that prefix has no KV.)
-            restart = valid_end < start + n and self.n_groups > 1
-            if restart:
-                valid_end = start
-            valid_end = max(valid_end, start)
-            for g in range(self.n_groups):
-                tpb, row, tag = self.g_tpb[g], r.blocks[g], bytes([g])
-                for i in range(start // tpb, valid_end // tpb):
-                    b = row[i]
-                    if not b or i * tpb < start:
-                        continue
-                    h = self.block_hash(r, g, i)
-                    for e in self.kv.verify_loaded(k, b, h, g):
-                        self.stats.data_errors.append(f"{e} (request {rid})")
-                    self.pool.cache(b, h + tag)
-            self.stats.loads_finished += 1
-            self.stats.tokens_loaded += valid_end - start
-            lost = start + n - valid_end + (start if restart else 0)
-            self.stats.tokens_recomputed += lost
-            self._cum_hit -= lost
-            computed = 0 if restart else valid_end
-            if computed >= r.req.num_tokens:
-                computed = r.req.num_tokens - 1
-            r.req.num_computed_tokens = computed
-            r.load = None
-            r.status = Status.WAITING
-            if computed == 0 and not r.aborted:
-                # nothing valid: vLLM frees the blocks (a retry may hit the local cache), and
-                # the request starts over with a fresh lookup
-                self._release_all(r)
-            if r.aborted:
-                self._retire(r, completed=False)
+                self._failed_ends.append((r, invalid))
+                continue
+            self._end_load(k, r, invalid)
         stray = invalid - claimed
         if stray:
             self.stats.harness_anomalies.append(
                 f"step {k}: invalid_block_ids {sorted(stray)[:8]} belong to no ended load"
             )
+
+    def _end_load(self, k: int, r: SimRequest, invalid: frozenset[int]) -> None:
+        """The engine learns that ``r``'s load ended, the blocks in ``invalid`` lost (vLLM's
+        ``update_from_output``): the computed tokens fall back to the first invalid block,
+        or to 0 with several KV-cache groups, and an aborted request is freed. The rest waits
+        for the request's promotion (:meth:`_promote`).
+
+        vLLM 0.33 maps invalid block ids back to requests with one KV-cache group only; with
+        several groups the connector reports the load in ``failed_recving`` and the request
+        starts over from token 0. (Truncating to the local prefix instead would be wrong with
+        a sliding-window group: the local hit blocks out of the window of the whole hit were
+        left null at admission, so the window of that prefix has no KV.)
+        """
+        if r.load is None or r.load_done:
+            return
+        rid = r.turn.req_id
+        start, n = r.load
+        valid_end = start + n
+        for g in range(self.n_groups):
+            tpb, row = self.g_tpb[g], r.blocks[g]
+            for i in range(start // tpb, self._n_blocks(g, start + n)):
+                if row[i] and row[i] in invalid:
+                    valid_end = min(valid_end, i * tpb)
+                    break
+        restart = valid_end < start + n and self.n_groups > 1
+        if restart:
+            valid_end = start
+        valid_end = max(valid_end, start)
+        for g in range(self.n_groups):
+            tpb, row = self.g_tpb[g], r.blocks[g]
+            for i in range(start // tpb, valid_end // tpb):
+                b = row[i]
+                if not b or i * tpb < start:
+                    continue
+                for e in self.kv.verify_loaded(k, b, self.block_hash(r, g, i), g):
+                    self.stats.data_errors.append(f"{e} (request {rid})")
+        self.stats.loads_finished += 1
+        self.stats.tokens_loaded += valid_end - start
+        lost = start + n - valid_end + (start if restart else 0)
+        self.stats.tokens_recomputed += lost
+        self._cum_hit -= lost
+        r.req.num_computed_tokens = 0 if restart else valid_end
+        r.load_done = True
+        if r.aborted:
+            self._retire(r, completed=False)
+
+    def _promote(self, r: SimRequest) -> None:
+        """The waiting phase reaches ``r`` after its load ended (vLLM's
+        ``_update_waiting_for_remote_kv``): the loaded blocks enter the prefix cache, or, with
+        nothing valid, every block is freed (a retry may hit the local cache, and the request
+        starts over with a fresh lookup); a request whose prompt was loaded whole computes
+        its last token again."""
+        if r.load is None:
+            return
+        start = r.load[0]
+        computed = r.req.num_computed_tokens
+        if computed:
+            for g in range(self.n_groups):
+                tpb, row, tag = self.g_tpb[g], r.blocks[g], bytes([g])
+                for i in range(start // tpb, computed // tpb):
+                    b = row[i]
+                    if b and i * tpb >= start:
+                        self.pool.cache(b, self.block_hash(r, g, i) + tag)
+        else:
+            self._release_all(r)
+        if computed >= r.req.num_tokens:
+            r.req.num_computed_tokens = r.req.num_tokens - 1
+        r.load = None
+        r.load_done = False
+        r.status = Status.WAITING
 
     def _unexplained_invalid(self, k: int, rid: str, job_id: int | None) -> None:
         """A load ended with invalid blocks: only a failure or a stall may explain it.

@@ -6,10 +6,12 @@ simulator's :class:`~statecore.sim.engine.SimEngine` (which the stateful fuzzer,
 :class:`~statecore.check.model.World`. Each keeps its own representation of requests and
 blocks (the simulator real bytes and a prefix cache, the checker labels and a state designed
 to be hashed), and both take from this module the order, the running requests' preemption
-rule, the waiting requests' order, the admission rule, the output's listing order and
-``has_requests``. ``tests/vllm/test_engine_differential.py`` runs seeded workloads through
-each engine model and through vLLM's real ``Scheduler`` and asserts the same connector calls
-step by step.
+rule, the waiting queues, the admission rule and its in-flight reserve, the output's listing
+order and ``has_requests``. The scheduler benchmark's own loop
+(``statecore bench scheduler --engine standalone``) takes the rules it needs (one KV-cache
+group, no failing loads). ``tests/vllm/test_engine_differential.py`` runs seeded workloads,
+with and without failing loads, through each of the three and through vLLM's real
+``Scheduler`` and asserts the same connector calls step by step.
 
 Between steps the engine takes arrivals (``on_new_request``) and aborts (``request_finished``;
 the request's blocks are freed at once, unless it waits on a load), and its loop asks
@@ -24,17 +26,24 @@ One step (vLLM 0.33's ``EngineCore.step``):
       tokens, the last running request not yet scheduled in this step is preempted (its
       blocks freed, the request back at the head of the waiting queue), the request itself
       last; a request that preempted itself ends this phase;
-   b. only when (a) preempted nothing, the waiting requests: the engine's own admission
-      (prefix-cache hit, ``get_num_new_matched_tokens``, ``update_state_after_alloc``, an
-      asynchronous load parks the request until its load ended);
+   b. only when (a) preempted nothing, the waiting requests (:func:`waiting_order`,
+      :func:`requeue_skipped`): the engine's own admission (prefix-cache hit,
+      ``get_num_new_matched_tokens``, ``update_state_after_alloc``, an asynchronous load
+      parks the request until its load ended); a request whose load ended is promoted when
+      this phase reaches it (the loaded blocks enter the prefix cache or, with nothing
+      valid, every block is freed, and it is tried in the same pass);
    c. the ``SchedulerOutput`` (new requests, then resumed ones, listed as new, then running
       ones) to the connector's ``build_connector_meta``;
 
 2. the workers: ``start_step`` (flush, loads), compute, ``end_step``, their reports;
 3. ``Scheduler.update_from_output``: the step's outputs first (a request that reached its
    length finishes: ``request_finished``, its blocks freed), then the aggregated report to
-   ``update_connector_output`` (loads that ended put their requests back in the waiting
-   queue).
+   ``update_connector_output``. A load the connector ends valid is learnt now; one it ends
+   with invalid blocks (failed, or stalled) is learnt only from the workers' output of the
+   next step, whose metadata echoes it to them (vLLM takes invalid blocks from the workers
+   alone): its computed tokens fall back to the first invalid block (to 0 with several
+   KV-cache groups, whose block ids vLLM cannot map back), and it is promoted in step 1b
+   after that.
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ __all__ = [
     "admission_blocks",
     "has_requests",
     "listed",
+    "remaining_blocks",
+    "requeue_skipped",
     "schedule",
     "schedule_running",
     "waiting_order",
@@ -186,6 +197,15 @@ def admission_blocks(step: int, whole: int, in_flight: int = 0) -> int:
     return max(step + in_flight, whole)
 
 
+def remaining_blocks(required: int, held: int, out_of_window: int) -> int:
+    """Blocks of one KV-cache group a prefill in flight still needs for its whole sequence
+    (vLLM 0.33's ``get_num_blocks_to_allocate``, the reserve of :func:`admission_blocks`):
+    ``required`` blocks cover the sequence; the request already holds ``held`` positions
+    (null blocks in place of freed ones count) and needs none for the ``out_of_window``
+    leading ones."""
+    return max(0, required - max(out_of_window, held))
+
+
 def listed(pass_: StepPass[R, B]) -> tuple[list[tuple[R, int, B, bool]], set[R]]:
     """The step's scheduled requests as vLLM 0.33's ``SchedulerOutput`` lists them (step
     1c): new requests, then resumed ones (as new ones too: their whole block lists, no
@@ -200,13 +220,31 @@ def listed(pass_: StepPass[R, B]) -> tuple[list[tuple[R, int, B, bool]], set[R]]
     return entries, new | {r for r, _, _, resumed in pass_.scheduled if resumed}
 
 
-def waiting_order(waiting: Sequence[R], holds_blocks: Callable[[R], bool]) -> list[R]:
-    """The order step 1b tries the waiting requests in: those holding KV blocks (a load
-    ended, failed or not; they only need their remaining blocks) first, then the others,
-    each in queue order, as vLLM 0.33 drains its ``kv_holding_waiting`` queue before
-    ``waiting``. (In queue order alone, a first request too large for the free blocks keeps
-    them waiting behind it, with nothing running to free any: a jam.)"""
-    holding = [r for r in waiting if holds_blocks(r)]
+def waiting_order(waiting: Sequence[R], kv_holding: Callable[[R], bool]) -> list[R]:
+    """The order step 1b tries the waiting requests in: those in vLLM 0.33's
+    ``kv_holding_waiting`` queue first (``kv_holding``), then the others, each in queue
+    order. (In queue order alone, a first request too large for the free blocks keeps them
+    waiting behind it, with nothing running to free any: a jam.)
+
+    The engine models keep vLLM's two queues as one list, each queue the subsequence of its
+    members. A request's queue is decided when it enters one: an arrival or a preempted
+    request enters ``waiting``; a request step 1b skips (it waits for its load, its lookup
+    was deferred, or its asynchronous load was just admitted) re-enters at the front
+    (:func:`requeue_skipped`), in ``kv_holding_waiting`` when it then has computed tokens or
+    waits for its load. A request the phase stops at stays where it is, in its queue, even
+    when its blocks were freed meanwhile (a failed load's promotion)."""
+    holding = [r for r in waiting if kv_holding(r)]
     if not holding:
         return list(waiting)
-    return holding + [r for r in waiting if not holds_blocks(r)]
+    return holding + [r for r in waiting if not kv_holding(r)]
+
+
+def requeue_skipped(waiting: Sequence[R], skipped: Sequence[R]) -> list[R]:
+    """The waiting list after step 1b: the requests it skipped (a subset of ``waiting``), in
+    the order it skipped them, go to the front, as vLLM 0.33 prepends a pass's skipped
+    requests to their queues; the engine model then sets each one's queue
+    (:func:`waiting_order`)."""
+    if not skipped:
+        return list(waiting)
+    moved = set(skipped)
+    return list(skipped) + [r for r in waiting if r not in moved]

@@ -43,13 +43,13 @@ def _config(seed: int, requests: int = 300, steps: int = 2000) -> SimConfig:
     )
 
 
-def test_waiting_requests_that_hold_blocks_are_tried_first() -> None:
+def test_waiting_requests_in_the_kv_holding_queue_are_tried_first() -> None:
     cfg = _config(0)
     stack = SimStack(cfg)
     try:
         engine = SimEngine(cfg, stack.scheduler, stack.ranks, stack.kv, stack.clock)
         holds = {"a": False, "b": True, "c": False, "d": True}
-        reqs = [SimpleNamespace(name=n, has_blocks=lambda h=h: h) for n, h in holds.items()]
+        reqs = [SimpleNamespace(name=n, kv_holding=h) for n, h in holds.items()]
         engine.waiting = reqs  # type: ignore[assignment]
         a, b, c, d = reqs
         assert engine._waiting_order() == [b, d, a, c]

@@ -38,7 +38,8 @@ def _first_load_after_a_local_hit(engine: SimEngine) -> SimRequest | None:
     for _ in range(600):
         engine.step()
         for r in engine.by_id.values():
-            if r.status is Status.LOADING and r.load is not None and r.load[0] > 0:
+            loading = r.status is Status.LOADING and not r.load_done
+            if loading and r.load is not None and r.load[0] > 0:
                 return r
     return None
 
@@ -61,7 +62,13 @@ def test_a_failed_load_of_a_hybrid_layout_restarts_its_request_from_token_zero()
         bad = r.blocks[0][(start + n - 1) // tpb]  # the last loaded full-attention block
         assert bad and start > 0
         engine._loads_ended(engine.step_no, frozenset({r.turn.req_id}), frozenset({bad}))
-        assert r.req.num_computed_tokens == 0  # not the local prefix `start`
+        # vLLM's engine learns a failed load from the next step's output, whose metadata
+        # echoes it to the workers
+        assert r.status is Status.LOADING and not r.load_done
+        engine.step()
+        assert r.load_done and r.req.num_computed_tokens == 0  # not the local prefix `start`
+        assert r.has_blocks()  # until the waiting phase reaches it
+        engine._promote(r)
         assert not r.has_blocks() and r.status is Status.WAITING
     finally:
         stack.close()

@@ -23,7 +23,10 @@ def _small(seed: int = 0, **kw: object) -> SimConfig:
 
 
 def test_small_default_run_is_clean_and_observes_every_fault() -> None:
-    rep = simulate(_small())
+    # preemption is rare at the defaults (vLLM admits a request only with room for its whole
+    # sequence): seed 3 preempts twice, seed 0 no more since the engine takes vLLM's rules
+    # for failed loads
+    rep = simulate(_small(seed=3))
     assert rep.ok, rep.format_text()
     assert not rep.invariant_violations and not rep.data_errors
     assert not rep.hung_requests and not rep.leaked_state

@@ -56,6 +56,7 @@ class Shape:
     offload_prompt_only: bool = False  # the benchmark's connector: True
     load_delay: int = 0  # engine steps from a load's submission to its report
     store_delay: int = 0  # the same for a store
+    load_fail_every: int = 0  # the n-th, 2n-th, ... load job the worker runs fails (0: none)
 
 
 def workload(
@@ -228,6 +229,41 @@ def first_divergence(a: Trace, b: Trace) -> str | None:
 # -- the engine model ------------------------------------------------------------------------
 
 
+class FailEveryLoad:
+    """A transfer backend wrapper: the ``n``-th, ``2n``-th, ... load job submitted fails (not
+    run, reported failed at the next poll), as the benchmark's backend fails loads on vLLM's
+    side (``StepDelayBackend(fail_every=n)``)."""
+
+    def __init__(self, inner: Any, n: int) -> None:
+        self.inner = inner
+        self.n = n
+        self.loads = 0
+        self.failed: list[Any] = []
+
+    def submit(self, job_id: int, job: Any, is_store: bool) -> None:
+        if not is_store:
+            self.loads += 1
+            if self.loads % self.n == 0:
+                from statecore.worker import TransferResult
+
+                self.failed.append(TransferResult(job_id, False, 0, 0.0, False))
+                return
+        self.inner.submit(job_id, job, is_store)
+
+    def poll(self) -> list[Any]:
+        out, self.failed = self.failed, []
+        return out + list(self.inner.poll())
+
+    def wait(self, job_ids: Any) -> None:
+        self.inner.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 def run_engine_model(shape: Shape, arrivals: Sequence[Arrival], max_steps: int = 400) -> Trace:
     """The workload through :class:`~statecore.sim.engine.SimEngine`."""
     from statecore.sim.engine import SimConfig
@@ -258,6 +294,9 @@ def run_engine_model(shape: Shape, arrivals: Sequence[Arrival], max_steps: int =
         workload=WorkloadConfig(abort_during_load_prob=0.0),
     )
     stack, eng = build_stack(cfg)
+    if shape.load_fail_every:
+        worker = stack.ranks[0].worker
+        worker._backend = FailEveryLoad(worker._backend, shape.load_fail_every)
     trace = Trace()
     record(stack.scheduler, trace)
     by_step: dict[int, list[Arrival]] = defaultdict(list)
@@ -333,6 +372,7 @@ def run_checker_model(shape: Shape, arrivals: Sequence[Arrival], max_steps: int 
     record(world.sched, trace)
     index = {a.req_id: i for i, a in enumerate(arrivals)}
     last = max(a.step for a in arrivals)
+    loads = 0
     for k in range(max_steps):
         trace.step = k
         world.clock.now = k * STEP_SECONDS  # as vLLM's side: arrivals, aborts, then the step
@@ -352,6 +392,12 @@ def run_checker_model(shape: Shape, arrivals: Sequence[Arrival], max_steps: int 
             ready = [a for a in world.actions() if a[0] == "ok"]
             if not ready:
                 break
+            _, rank, job_id = ready[0]
+            if shape.load_fail_every and not world.backends[rank].submitted[job_id][0]:
+                loads += 1
+                if loads % shape.load_fail_every == 0:
+                    world.apply(("fail", rank, job_id))
+                    continue
             world.apply(ready[0])
         if world.errors:
             raise AssertionError(f"the checker's engine went wrong: {world.errors[:3]}")
@@ -470,6 +516,8 @@ def run_vllm_engine(
         kv_connector_module_path="statecore.adapters.vllm",
         kv_role="kv_both",
         kv_connector_extra_config=extra,
+        # the engine models' policy: a failed load's request recomputes what the load lost
+        kv_load_failure_policy="recompute",
         engine_id=f"differential-{os.getpid()}-{id(arrivals)}",
     )
     model = _model_dir()
@@ -517,7 +565,10 @@ def run_vllm_engine(
     conn.scheduler.clock = lambda: now[0]
     clock = [0]
     worker = type(conn)(vc, base.KVConnectorRole.WORKER, kcc)
-    worker.attach_backend(StepDelayBackend(clock, shape.load_delay, shape.store_delay), rank=0)
+    worker.attach_backend(
+        StepDelayBackend(clock, shape.load_delay, shape.store_delay, shape.load_fail_every),
+        rank=0,
+    )
     aggregator = _m("vllm.distributed.kv_transfer.kv_connector.utils").KVOutputAggregator(
         expected_finished_count=1
     )
@@ -605,6 +656,8 @@ def summary(trace: Trace) -> dict[str, int]:
                 out["store_jobs"] += len(c[6])
             if c[0] == "lookup" and c[3][0]:
                 out["hits"] += 1
+            if c[0] == "output" and c[3]:
+                out["invalid"] += 1
     return dict(out)
 
 

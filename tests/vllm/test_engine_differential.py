@@ -45,12 +45,13 @@ SHAPES = {
     "full": Shape(groups="full", num_gpu_blocks=24),
     "hybrid": Shape(groups="hybrid", num_gpu_blocks=40),
 }
-REQUESTS = {"full": (24, 40), "hybrid": (12, 20)}
-"""Per configuration: requests, and the steps they arrive over. The hybrid runs are shorter:
-over longer ones the engine model still departs from vLLM (see the module docstring of
-:mod:`statecore.sim.engine`: the sliding-window admission cap and the order in which a
-request's null holes are refilled are not modelled)."""
+REQUESTS = {"full": (24, 40), "hybrid": (24, 40)}
+"""Per configuration: requests, and the steps they arrive over."""
 SEEDS = (1, 2, 3)
+FAILURES = {"no-failures": 0, "every-2nd-load-fails": 2}
+"""Load failures: none, or the worker fails every second load job it runs (vLLM's side with
+``kv_load_failure_policy="recompute"``, the engine models' policy): the request recomputes
+what the load lost, after the engine learns of it a step later than the connector."""
 OUTPUT_LEN = (16, 64)
 """Long enough outputs that decoding outgrows the device cache: preemption."""
 
@@ -60,16 +61,23 @@ def load(groups: str, seed: int) -> list[Arrival]:
     return workload(seed, n=n, steps=steps, output_len=OUTPUT_LEN)
 
 
+def shape(shapes: dict[str, Shape], groups: str, failures: str) -> Shape:
+    return dataclasses.replace(shapes[groups], load_fail_every=FAILURES[failures])
+
+
 @functools.cache
-def vllm_trace(groups: str, seed: int) -> Trace:
-    return run_vllm_engine(SHAPES[groups], load(groups, seed))
+def vllm_trace(groups: str, seed: int, failures: str = "no-failures") -> Trace:
+    return run_vllm_engine(shape(SHAPES, groups, failures), load(groups, seed))
 
 
+@pytest.mark.parametrize("failures", sorted(FAILURES))
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("groups", sorted(SHAPES))
-def test_the_engine_model_makes_vllms_connector_calls(groups: str, seed: int) -> None:
-    upstream = vllm_trace(groups, seed)
-    ours = run_engine_model(SHAPES[groups], load(groups, seed))
+def test_the_engine_model_makes_vllms_connector_calls(
+    groups: str, seed: int, failures: str
+) -> None:
+    upstream = vllm_trace(groups, seed, failures)
+    ours = run_engine_model(shape(SHAPES, groups, failures), load(groups, seed))
     assert first_divergence(upstream, ours) is None
     assert upstream.calls == ours.calls
 
@@ -99,17 +107,20 @@ def checker_load(groups: str, seed: int) -> list[Arrival]:
 
 
 @functools.cache
-def vllm_trace_without_prefix_cache(groups: str, seed: int) -> Trace:
-    trace = run_vllm_engine(CHECKER_SHAPES[groups], checker_load(groups, seed))
+def vllm_trace_without_prefix_cache(groups: str, seed: int, failures: str = "no-failures") -> Trace:
+    trace = run_vllm_engine(shape(CHECKER_SHAPES, groups, failures), checker_load(groups, seed))
     trace.merge_outputs()
     return trace
 
 
+@pytest.mark.parametrize("failures", sorted(FAILURES))
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("groups", sorted(SHAPES))
-def test_the_model_checkers_engine_makes_vllms_connector_calls(groups: str, seed: int) -> None:
-    upstream = vllm_trace_without_prefix_cache(groups, seed)
-    ours = run_checker_model(CHECKER_SHAPES[groups], checker_load(groups, seed))
+def test_the_model_checkers_engine_makes_vllms_connector_calls(
+    groups: str, seed: int, failures: str
+) -> None:
+    upstream = vllm_trace_without_prefix_cache(groups, seed, failures)
+    ours = run_checker_model(shape(CHECKER_SHAPES, groups, failures), checker_load(groups, seed))
     assert first_divergence(upstream, ours) is None
     assert upstream.calls == ours.calls
 
@@ -132,6 +143,11 @@ def test_the_workload_preempts_loads_stores_and_aborts(groups: str, model: str) 
     assert counts.get("preempted", 0) > 0, counts
     assert counts.get("load_jobs", 0) > 0, counts
     assert counts.get("store_jobs", 0) > 0, counts
+    # with failures: loads that ended with invalid blocks, whose requests recompute them
+    failed = sum(
+        summary(trace(groups, seed, "every-2nd-load-fails")).get("invalid", 0) for seed in SEEDS
+    )
+    assert failed > 0
     aborted = sum(1 for seed in SEEDS for a in workload_of(groups, seed) if a.abort_at is not None)
     assert aborted > 0
 
