@@ -6,7 +6,9 @@ contexts, lookup results, load/store specs, store outputs, events, schedule-end 
 statistics) and forwards every call once, unchanged. It adds no rule and hides no error: what
 the vLLM manager raises reaches the caller as is. vLLM's two conventions that statecore's
 contract lacks are passed through for the conformance kit's ``vllm`` profile: ``lock`` (the
-context manager every caller holds) and ``on_reset_flushed``.
+context manager every caller holds) and ``on_reset_flushed``. It is statecore's one conversion
+of a vLLM manager: :class:`~statecore.adapters.vllm_spec.VllmSpecManager`, an out-of-tree
+spec's manager behind statecore's scheduler, is this class with that scheduler's rules on top.
 
 :func:`adapt` wraps what a factory returned: a vLLM ``OffloadingManager`` directly, a vLLM
 ``SecondaryTierManager`` class (or factory) under a ``TieringOffloadingManager`` whose primary
@@ -24,7 +26,7 @@ from __future__ import annotations
 import mmap
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 try:
@@ -43,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         f"importing it failed: {exc}"
     ) from exc
 
+from statecore.errors import ManagerError
 from statecore.keys import OffloadKey
 from statecore.manager import (
     CPULoadStoreSpec,
@@ -72,6 +75,7 @@ __all__ = [
 ]
 
 _CTX = "vllm-req-context"  # ReqContext.scratch slot holding the request's vLLM ReqContext
+_NO_LOCK: AbstractContextManager[None] = nullcontext()
 
 
 class VllmLoadStoreSpec(LoadStoreSpec):
@@ -86,20 +90,14 @@ class VllmLoadStoreSpec(LoadStoreSpec):
         return f"VllmLoadStoreSpec({self.spec!r})"
 
 
-def _spec(spec: Any) -> LoadStoreSpec:
-    if isinstance(spec, VllmCPULoadStoreSpec):
-        return CPULoadStoreSpec(tuple(int(s) for s in spec.block_ids))
-    return VllmLoadStoreSpec(spec)
-
-
-def _keys(keys: Iterable[OffloadKey]) -> list[Any]:
-    return [vb.OffloadKey(bytes(k)) for k in keys]
+def _keys(keys: Iterable[Any]) -> tuple[OffloadKey, ...]:
+    """vLLM's keys as statecore's: the same bytes (a chunk's block hash and its 4-byte group
+    index), so statecore's keys go to vLLM as they are."""
+    return tuple(OffloadKey(bytes(k)) for k in keys)
 
 
 def _event(ev: Any) -> OffloadingEvent:
-    return OffloadingEvent(
-        tuple(OffloadKey(bytes(k)) for k in ev.keys), Medium(ev.medium.value), bool(ev.removed)
-    )
+    return OffloadingEvent(_keys(ev.keys), Medium[ev.medium.name], bool(ev.removed))
 
 
 def _stats(stats: Any) -> dict[str, float | int | list[float]]:
@@ -115,11 +113,46 @@ def _stats(stats: Any) -> dict[str, float | int | list[float]]:
 
 
 class VllmManagerAdapter(OffloadingManager):
-    """A vLLM 0.33 ``OffloadingManager`` behind statecore's manager contract (types only)."""
+    """A vLLM 0.33 ``OffloadingManager`` behind statecore's manager contract (types only).
+
+    statecore's one conversion of a vLLM manager: every call is forwarded once and what it
+    raises reaches the caller as is. :class:`~statecore.adapters.vllm_spec.VllmSpecManager`
+    (an out-of-tree spec's manager behind statecore's scheduler) is this class with the rules
+    that scheduler needs on top; its docstring lists each difference.
+
+    * statecore's :class:`~statecore.manager.ReqContext` -> one vLLM ``ReqContext`` per
+      request, kept in its ``scratch`` for the request's lifetime, with the request's
+      ``kv_transfer_params`` and sharing its key positions (:attr:`wants_key_positions`:
+      vLLM's scheduler records them, and a manager may rank a request's chunks by them);
+    * keys are the same bytes both sides; lookup results, policies, schedule-end contexts and
+      events by name; store outputs field by field;
+    * vLLM's ``CPULoadStoreSpec`` (chunk ids) -> statecore's
+      :class:`~statecore.manager.CPULoadStoreSpec` (slots), any other spec
+      :class:`VllmLoadStoreSpec`;
+    * vLLM's statistics -> statecore's flat metrics dict (:meth:`get_stats`).
+
+    vLLM's two conventions that statecore's contract lacks are passed through: :attr:`lock`
+    (the caller holds it around every call but :meth:`shutdown`, as the conformance kit's
+    ``vllm`` profile does) and :meth:`on_reset_flushed`.
+
+    Args:
+        manager: the vLLM manager.
+    """
+
+    schedule_end_last = True
+    """vLLM 0.33's contract: ``on_schedule_end`` is a step's last manager call (what statecore's
+    scheduler honours; the conformance kit calls the manager directly)."""
+
+    wants_key_positions = True
 
     def __init__(self, manager: Any) -> None:
         self.vllm = manager
         """The wrapped vLLM manager."""
+
+    @property
+    def manager(self) -> Any:
+        """The wrapped vLLM manager (:attr:`vllm`)."""
+        return self.vllm
 
     @property
     def lock(self) -> AbstractContextManager[Any]:
@@ -127,72 +160,135 @@ class VllmManagerAdapter(OffloadingManager):
         lock: AbstractContextManager[Any] = self.vllm.lock
         return lock
 
+    def _held(self) -> AbstractContextManager[Any]:
+        """What each forwarded call holds: nothing (the caller holds :attr:`lock`)."""
+        return _NO_LOCK
+
+    def _load_store_spec(self, spec: Any, call: str, n_keys: int) -> LoadStoreSpec:
+        """vLLM's spec of ``n_keys`` keys (from ``call``) as statecore's. A
+        :class:`~statecore.errors.ManagerError` it raises refuses the spec: the call is undone
+        (its pins released, its room given back) before the error reaches the caller."""
+        if isinstance(spec, VllmCPULoadStoreSpec):
+            return CPULoadStoreSpec(tuple(int(s) for s in spec.block_ids))
+        return VllmLoadStoreSpec(spec)
+
     def _ctx(self, ctx: ReqContext) -> Any:
+        """The request's vLLM ``ReqContext`` (made at its first call, kept in ``scratch``)."""
         vctx = ctx.scratch.get(_CTX)
         if vctx is None:
-            params = dict(ctx.kv_transfer_params) if ctx.kv_transfer_params else None
-            vctx = ctx.scratch[_CTX] = vb.ReqContext(ctx.req_id, kv_transfer_params=params)
+            params = ctx.kv_transfer_params
+            vctx = vb.ReqContext(ctx.req_id, dict(params) if params is not None else None)
+            if ctx.key_positions is not None:  # (shared: positions recorded later count too)
+                vctx._offload_key_positions = ctx.key_positions
+            ctx.scratch[_CTX] = vctx
         return vctx
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        return LookupResult[self.vllm.lookup(vb.OffloadKey(bytes(key)), self._ctx(ctx)).name]
+        """vLLM's answer, by name."""
+        vctx = self._ctx(ctx)
+        with self._held():
+            got = self.vllm.lookup(key, vctx)
+        return LookupResult[got.name]
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
-        return _spec(self.vllm.prepare_load(_keys(keys), self._ctx(ctx)))
+        """vLLM's load spec, converted (:meth:`_load_store_spec`)."""
+        vkeys, vctx = list(keys), self._ctx(ctx)
+        with self._held():
+            spec = self.vllm.prepare_load(vkeys, vctx)
+        try:
+            return self._load_store_spec(spec, "prepare_load", len(vkeys))
+        except ManagerError:  # refused: the pins the call took are released
+            with self._held():
+                self.vllm.complete_load(vkeys, vctx)
+            raise
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        self.vllm.touch(_keys(keys), self._ctx(ctx))
+        """Forwarded."""
+        vctx = self._ctx(ctx)
+        with self._held():
+            self.vllm.touch(list(keys), vctx)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        self.vllm.complete_load(_keys(keys), self._ctx(ctx))
+        """Forwarded."""
+        vctx = self._ctx(ctx)
+        with self._held():
+            self.vllm.complete_load(list(keys), vctx)
 
     def prepare_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext
     ) -> PrepareStoreOutput | None:
-        out = self.vllm.prepare_store(_keys(keys), self._ctx(ctx))
+        """vLLM's output, its spec converted (:meth:`_load_store_spec`)."""
+        vctx = self._ctx(ctx)
+        with self._held():
+            out = self.vllm.prepare_store(list(keys), vctx)
         if out is None:
             return None
-        return PrepareStoreOutput(
-            tuple(OffloadKey(bytes(k)) for k in out.keys_to_store),
-            _spec(out.store_spec),
-            tuple(OffloadKey(bytes(k)) for k in out.evicted_keys),
-        )
+        to_store = _keys(out.keys_to_store)
+        try:
+            spec = self._load_store_spec(out.store_spec, "prepare_store", len(to_store))
+        except ManagerError:  # refused: the room the call allocated is given back
+            with self._held():
+                self.vllm.complete_store(list(to_store), vctx, False)
+            raise
+        return PrepareStoreOutput(to_store, spec, _keys(out.evicted_keys))
 
     def complete_store(
         self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
     ) -> None:
-        self.vllm.complete_store(_keys(keys), self._ctx(ctx), success)
+        """Forwarded."""
+        vctx = self._ctx(ctx)
+        with self._held():
+            self.vllm.complete_store(list(keys), vctx, success)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        return [_event(ev) for ev in self.vllm.take_events()]
+        """vLLM's events (drained whole inside the call), converted."""
+        with self._held():
+            events = list(self.vllm.take_events())
+        return [_event(ev) for ev in events]
 
     def reset_cache(self) -> None:
-        self.vllm.reset_cache()
+        """Forwarded."""
+        with self._held():
+            self.vllm.reset_cache()
 
     def on_reset_flushed(self) -> None:
         """vLLM: the jobs in flight at the last reset are reported by every worker."""
-        self.vllm.on_reset_flushed()
+        with self._held():
+            self.vllm.on_reset_flushed()
 
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
-        answer = self.vllm.on_new_request(self._ctx(ctx))
-        policy = OffloadPolicy[answer.policy.name] if answer is not None else None
-        return RequestOffloadingContext(policy or OffloadPolicy.CHUNK_LEVEL)
+        """vLLM's answer, its policy by name."""
+        vctx = self._ctx(ctx)
+        with self._held():
+            got = self.vllm.on_new_request(vctx)
+        return RequestOffloadingContext(OffloadPolicy[got.policy.name])
 
     def on_request_finished(self, ctx: ReqContext) -> None:
-        self.vllm.on_request_finished(self._ctx(ctx))
+        """Forwarded."""
+        vctx = self._ctx(ctx)
+        with self._held():
+            self.vllm.on_request_finished(vctx)
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
-        self.vllm.on_schedule_end(
-            vb.ScheduleEndContext(list(ctx.new_req_ids), list(ctx.preempted_req_ids))
-        )
+        """Forwarded as vLLM's ``ScheduleEndContext``."""
+        vctx = vb.ScheduleEndContext(list(ctx.new_req_ids), list(ctx.preempted_req_ids))
+        with self._held():
+            self.vllm.on_schedule_end(vctx)
 
     def has_pending_work(self) -> bool:
-        return bool(self.vllm.has_pending_work())
+        """vLLM's answer."""
+        with self._held():
+            return bool(self.vllm.has_pending_work())
 
     def get_stats(self) -> dict[str, float | int | list[float]]:
-        return _stats(self.vllm.get_stats())
+        """vLLM's statistics since the last call, as statecore's flat metrics dict (a series
+        with labels as ``name{label,...}``)."""
+        with self._held():
+            stats = self.vllm.get_stats()
+        return _stats(stats)
 
     def shutdown(self) -> None:
+        """Forwarded (never under the lock: vLLM's rule)."""
         self.vllm.shutdown()
 
 

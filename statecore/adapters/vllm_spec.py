@@ -4,44 +4,25 @@ vLLM loads an out-of-tree spec from ``spec_name`` and ``spec_module_path`` in
 ``kv_connector_extra_config``; so does statecore's adapter (:func:`load_spec`, through vLLM's
 own ``OffloadingSpecFactory``, on the configuration vLLM's connector would build). The spec's
 manager (``spec.get_manager()``) then runs behind statecore's scheduler through
-:class:`VllmSpecManager`, which converts the types at the boundary and forwards every call
-once, holding the manager's ``lock`` as vLLM's callers do:
+:class:`VllmSpecManager`: statecore's one conversion of a vLLM manager
+(:class:`~statecore.adapters.vllm_manager.VllmManagerAdapter`, which the conformance kit
+uses) with the rules statecore's scheduler needs on top (the class docstring lists them).
 
-* statecore's :class:`~statecore.manager.ReqContext` -> one vLLM ``ReqContext`` per request
-  (kept in ``ctx.scratch``), sharing the request's key positions;
-* lookup results, request offloading policies, schedule-end contexts and events by name;
-* vLLM's ``CPULoadStoreSpec`` (chunk ids of the CPU tier) -> statecore's
-  :class:`~statecore.manager.CPULoadStoreSpec` (slots of statecore's CPU pool, which the
-  worker role builds with the capacity vLLM's CPU spec computes).
+The spec's own workers (``get_handlers`` / ``get_worker``) are not used: statecore's workers
+move the bytes.
 
-statecore's workers move the bytes, so the manager must place chunks in CPU slots: a load or
-store spec of another type is refused with :class:`~statecore.errors.ManagerError` naming it
-(the scheduler answers that lookup as a miss, that offer as no room, and raises the error
-after the step). The spec's own workers (``get_handlers`` / ``get_worker``) are not used.
-
-Every vLLM import lives in this module; ``import statecore`` never needs vLLM.
+vLLM is imported here (in :func:`load_spec`) and by :mod:`statecore.adapters.vllm_manager`;
+``import statecore`` never needs vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from statecore.adapters.vllm_manager import VllmManagerAdapter
 from statecore.errors import ConfigError, ManagerError
-from statecore.keys import OffloadKey
-from statecore.manager import (
-    CPULoadStoreSpec,
-    LoadStoreSpec,
-    LookupResult,
-    Medium,
-    OffloadingEvent,
-    OffloadingManager,
-    OffloadPolicy,
-    PrepareStoreOutput,
-    ReqContext,
-    RequestOffloadingContext,
-    ScheduleEndContext,
-)
+from statecore.manager import CPULoadStoreSpec, LoadStoreSpec, ScheduleEndContext
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,7 +30,10 @@ if TYPE_CHECKING:
 
 __all__ = ["VllmSpecManager", "load_spec", "spec_manager"]
 
-_CTX = "vllm-spec-ctx"
+# The on_schedule_end after a reset, counting from 1, by which the workers have run the reset's
+# flush (statecore's slot-reuse rule, OffloadingManager's docstring): VllmSpecManager sends the
+# vLLM manager on_reset_flushed just before it.
+_RESET_FLUSHED_AFTER = 2
 
 
 def load_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Any:
@@ -76,131 +60,74 @@ def spec_manager(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Vll
     return VllmSpecManager(load_spec(vllm_config, kv_cache_config).get_manager())
 
 
-def _cpu_spec(spec: Any, call: str) -> CPULoadStoreSpec:
-    """vLLM's CPU load/store spec as statecore's (chunk ids -> slots)."""
-    ids = getattr(spec, "block_ids", None)
-    if ids is None or type(spec).__name__ != "CPULoadStoreSpec":
-        raise ManagerError(
-            f"vLLM manager's {call} returned a {type(spec).__name__}: statecore's workers "
-            "transfer to and from CPU slots only (vLLM's CPULoadStoreSpec)"
-        )
-    return CPULoadStoreSpec(tuple(int(i) for i in ids))
+class VllmSpecManager(VllmManagerAdapter):
+    """A vLLM ``OffloadingManager`` behind statecore's scheduler (see the module docstring).
 
+    The conversions are :class:`~statecore.adapters.vllm_manager.VllmManagerAdapter`'s; what
+    statecore's scheduler needs on top, and so what differs from the conformance kit's
+    wrapper, is this class and nothing else:
 
-class VllmSpecManager(OffloadingManager):
-    """A vLLM ``OffloadingManager`` as statecore's (see the module docstring).
+    * **lock**: each call holds the manager's ``lock`` (but :meth:`shutdown`), as vLLM's
+      callers do; statecore's scheduler knows no lock. (The kit's wrapper leaves the lock to
+      its caller: the kit holds it.) Do not hold :attr:`lock` around a call: it need not be
+      reentrant.
+    * **specs**: statecore's workers move the bytes, so the manager must place chunks in CPU
+      slots: a load or store spec other than vLLM's ``CPULoadStoreSpec`` is refused with
+      :class:`~statecore.errors.ManagerError` naming it, the call undone first (the load's
+      pins released, the store's room given back), so the typed error changes nothing. The
+      scheduler takes that lookup as a miss and that offer as no room, counts the error and
+      raises it after the step in checked mode. A store with nothing to write needs no CPU
+      spec. (The kit's wrapper carries another spec as
+      :class:`~statecore.adapters.vllm_manager.VllmLoadStoreSpec`.)
+    * **statistics**: :meth:`get_stats` takes the manager's (vLLM's managers keep them until
+      asked) and reports none: they are vLLM's connector metrics, not statecore's. (The kit's
+      wrapper reports them converted.)
+    * **reset flush**: statecore's scheduler does not wait for the workers' reports of the
+      jobs a reset flushed; it promises they ran by the second ``on_schedule_end`` after the
+      reset. The manager gets ``on_reset_flushed`` just before
+      that one (``on_schedule_end`` stays the step's last call). (The kit calls
+      :meth:`on_reset_flushed` itself.)
 
     Args:
         manager: the vLLM manager (``OffloadingSpec.get_manager()``).
     """
 
-    wants_key_positions = True
-    schedule_end_last = True  # (vLLM 0.33: on_schedule_end is a step's last manager call)
-
     def __init__(self, manager: Any) -> None:
-        from vllm.v1.kv_offload import base as vb
+        super().__init__(manager)
+        self._ends_to_flushed = 0  # schedule ends until the last reset's flush ran (0: none)
 
-        self.manager = manager
-        self._vb = vb
+    def _held(self) -> AbstractContextManager[Any]:
+        """The manager's ``lock``, for one call."""
+        return self.lock
 
-    def _ctx(self, ctx: ReqContext) -> Any:
-        got = ctx.scratch.get(_CTX)
-        if got is None:
-            got = self._vb.ReqContext(
-                ctx.req_id,
-                kv_transfer_params=(
-                    dict(ctx.kv_transfer_params) if ctx.kv_transfer_params is not None else None
-                ),
-            )
-            if ctx.key_positions is not None:  # (shared: positions recorded later count too)
-                got._offload_key_positions = ctx.key_positions
-            ctx.scratch[_CTX] = got
-        return got
-
-    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        """vLLM's answer, by name."""
-        with self.manager.lock:
-            got = self.manager.lookup(key, self._ctx(ctx))
-        return LookupResult[got.name]
-
-    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
-        """vLLM's load spec as CPU slots."""
-        with self.manager.lock:
-            spec = self.manager.prepare_load(list(keys), self._ctx(ctx))
-        return _cpu_spec(spec, "prepare_load")
-
-    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        """Forwarded."""
-        with self.manager.lock:
-            self.manager.touch(list(keys), self._ctx(ctx))
-
-    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        """Forwarded."""
-        with self.manager.lock:
-            self.manager.complete_load(list(keys), self._ctx(ctx))
-
-    def prepare_store(
-        self, keys: Sequence[OffloadKey], ctx: ReqContext
-    ) -> PrepareStoreOutput | None:
-        """vLLM's output, its spec as CPU slots."""
-        with self.manager.lock:
-            out = self.manager.prepare_store(list(keys), self._ctx(ctx))
-        if out is None:
-            return None
-        to_store = tuple(out.keys_to_store)
-        spec = _cpu_spec(out.store_spec, "prepare_store") if to_store else CPULoadStoreSpec(())
-        return PrepareStoreOutput(to_store, spec, tuple(out.evicted_keys))
-
-    def complete_store(
-        self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True
-    ) -> None:
-        """Forwarded."""
-        with self.manager.lock:
-            self.manager.complete_store(list(keys), self._ctx(ctx), success)
-
-    def take_events(self) -> Iterable[OffloadingEvent]:
-        """vLLM's events, converted."""
-        with self.manager.lock:
-            events = list(self.manager.take_events() or ())
-        return [
-            OffloadingEvent(tuple(ev.keys), Medium[ev.medium.name], bool(ev.removed))
-            for ev in events
-        ]
+    def _load_store_spec(self, spec: Any, call: str, n_keys: int) -> LoadStoreSpec:
+        """vLLM's CPU spec as CPU slots; an empty store's spec as no slots; any other refused."""
+        got = super()._load_store_spec(spec, call, n_keys)
+        if isinstance(got, CPULoadStoreSpec):
+            return got
+        if n_keys == 0 and call == "prepare_store":
+            return CPULoadStoreSpec(())
+        raise ManagerError(
+            f"vLLM manager's {call} returned a {type(spec).__name__}: statecore's workers "
+            "transfer to and from CPU slots only (vLLM's CPULoadStoreSpec)"
+        )
 
     def reset_cache(self) -> None:
-        """Forwarded."""
-        with self.manager.lock:
-            self.manager.reset_cache()
-
-    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
-        """vLLM's answer, its policy by name."""
-        with self.manager.lock:
-            got = self.manager.on_new_request(self._ctx(ctx))
-        return RequestOffloadingContext(OffloadPolicy[got.policy.name])
-
-    def on_request_finished(self, ctx: ReqContext) -> None:
-        """Forwarded."""
-        with self.manager.lock:
-            self.manager.on_request_finished(self._ctx(ctx))
+        """Forwarded; the manager's ``on_reset_flushed`` is then due at the second
+        ``on_schedule_end``."""
+        super().reset_cache()
+        self._ends_to_flushed = _RESET_FLUSHED_AFTER
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
-        """Forwarded as vLLM's ``ScheduleEndContext``."""
-        with self.manager.lock:
-            self.manager.on_schedule_end(
-                self._vb.ScheduleEndContext(ctx.new_req_ids, ctx.preempted_req_ids)
-            )
-
-    def has_pending_work(self) -> bool:
-        """vLLM's answer (``False`` where the manager has no such method)."""
-        pending = getattr(self.manager, "has_pending_work", None)
-        return bool(pending()) if callable(pending) else False
+        """Forwarded, preceded by ``on_reset_flushed`` when the last reset's flush has run."""
+        if self._ends_to_flushed:
+            self._ends_to_flushed -= 1
+            if not self._ends_to_flushed:
+                self.on_reset_flushed()
+        super().on_schedule_end(ctx)
 
     def get_stats(self) -> dict[str, float | int | list[float]]:
-        """None: vLLM's statistics objects are its connector's, not statecore's metrics."""
+        """None: the manager's statistics are taken and dropped (vLLM's connector metrics)."""
+        with self._held():
+            self.vllm.get_stats()
         return {}
-
-    def shutdown(self) -> None:
-        """Forwarded."""
-        shutdown = getattr(self.manager, "shutdown", None)
-        if callable(shutdown):
-            shutdown()

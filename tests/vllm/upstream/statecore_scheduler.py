@@ -57,7 +57,6 @@ from statecore.manager import (
     LoadStoreSpec,
     LookupResult,
     OffloadPolicy,
-    PrepareStoreOutput,
     ReqContext,
 )
 from statecore.scheduler import planning
@@ -111,18 +110,8 @@ class PassThroughSpecManager(vllm_spec.VllmSpecManager):
             misses = min(misses, 1)
         return [LookupResult.HIT] * hits + [LookupResult.MISS] * misses
 
-    def prepare_load(self, keys: Any, ctx: ReqContext) -> LoadStoreSpec:
-        with self.manager.lock:
-            return ManagerSpec(self.manager.prepare_load(list(keys), self._ctx(ctx)))
-
-    def prepare_store(self, keys: Any, ctx: ReqContext) -> PrepareStoreOutput | None:
-        with self.manager.lock:
-            out = self.manager.prepare_store(list(keys), self._ctx(ctx))
-        if out is None:
-            return None
-        return PrepareStoreOutput(
-            tuple(out.keys_to_store), ManagerSpec(out.store_spec), tuple(out.evicted_keys)
-        )
+    def _load_store_spec(self, spec: Any, call: str, n_keys: int) -> LoadStoreSpec:
+        return ManagerSpec(spec)
 
 
 def _spec_manager(vllm_config: Any, kv_cache_config: Any) -> vllm_spec.VllmSpecManager:
