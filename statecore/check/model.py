@@ -1273,7 +1273,8 @@ class World:
 
     def engine_jam(self) -> str | None:
         """What jams the engine for good, when it is vLLM 0.33's own admission rule and not
-        the connector: nothing runs or loads, everything the workers were told of is sent,
+        the connector: nothing runs or loads (a request whose load ended may wait behind the
+        jammed one, unpromoted), everything the workers were told of is sent,
         nothing of the stack is in flight, and the last step refused an asynchronous load
         only because vLLM's in-flight reserve counts the request against itself (a request
         whose load ended with nothing valid stays a prefill in flight; in a pool smaller
@@ -1281,7 +1282,9 @@ class World:
         idx = self.self_reserved
         if idx is None or self.running or self.finished_since or self.preempted_next:
             return None
-        if any(r.status == LOADING for r in self.reqs) or self._in_flight() is not None:
+        if any(r.status == LOADING and not r.load_done for r in self.reqs):
+            return None  # a load still in flight (one that ended waits behind the jam)
+        if self._in_flight() is not None:
             return None
         r = self.reqs[idx]
         return (
