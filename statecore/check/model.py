@@ -863,16 +863,17 @@ class World:
                 self.errors.append(f"finished_loads names {rid}, which is not waiting on a load")
                 continue
             start, n = r.load
-            valid_end = start + n
+            first_invalid: int | None = None
             for g in range(self.n_groups):
                 blocks = r.blocks[g]
                 for i in range(start // tpb, -(-(start + n) // tpb)):
                     if blocks[i] in invalid:
-                        valid_end = min(valid_end, i * tpb)
+                        if first_invalid is None or i * tpb < first_invalid:
+                            first_invalid = i * tpb
                         break
-            valid_end = max(valid_end, start)
+            valid_end = start + n if first_invalid is None else max(first_invalid, start)
             self._verify(r, valid_end, "load ended")
-            if valid_end == start + n:
+            if first_invalid is None:
                 self._learn_load_end(r, valid_end)
                 continue
             if not r.load_failed:
@@ -881,9 +882,9 @@ class World:
                     "worker reported it failed and it did not stall (the engine fails the "
                     "request under vLLM's default kv_load_failure_policy)"
                 )
-            # vLLM maps invalid block ids back to requests with one KV-cache group only: with
-            # several, the request starts over from token 0
-            self.failed_ends.append((r.idx, valid_end if self.n_groups == 1 else 0))
+            self.failed_ends.append(
+                (r.idx, vllm_step.load_end(start, n, first_invalid, self.n_groups))
+            )
 
     def _learn_load_end(self, r: EngineRequest, computed: int) -> None:
         """The engine learns that ``r``'s load ended with ``computed`` tokens valid; an

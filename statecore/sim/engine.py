@@ -1821,31 +1821,28 @@ class SimEngine:
 
     def _end_load(self, k: int, r: SimRequest, invalid: frozenset[int]) -> None:
         """The engine learns that ``r``'s load ended, the blocks in ``invalid`` lost (vLLM's
-        ``update_from_output``): the computed tokens fall back to the first invalid block,
-        or to 0 with several KV-cache groups, and an aborted request is freed. The rest waits
-        for the request's promotion (:meth:`_promote`).
-
-        vLLM 0.33 maps invalid block ids back to requests with one KV-cache group only; with
-        several groups the connector reports the load in ``failed_recving`` and the request
-        starts over from token 0. (Truncating to the local prefix instead would be wrong with
-        a sliding-window group: the local hit blocks out of the window of the whole hit were
-        left null at admission, so the window of that prefix has no KV.)
+        ``update_from_output``): the computed tokens it keeps are
+        :func:`statecore.sim.step.load_end`'s, and an aborted request is freed. The rest
+        waits for the request's promotion (:meth:`_promote`). (With several KV-cache groups
+        the request restarts from 0: truncating to the local prefix would be wrong with a
+        sliding-window group, whose local hit blocks out of the window of the whole hit were
+        left null at admission.)
         """
         if r.load is None or r.load_done:
             return
         rid = r.turn.req_id
         start, n = r.load
-        valid_end = start + n
+        first_invalid: int | None = None
         for g in range(self.n_groups):
             tpb, row = self.g_tpb[g], r.blocks[g]
             for i in range(start // tpb, self._n_blocks(g, start + n)):
                 if row[i] and row[i] in invalid:
-                    valid_end = min(valid_end, i * tpb)
+                    if first_invalid is None or i * tpb < first_invalid:
+                        first_invalid = i * tpb
                     break
-        restart = valid_end < start + n and self.n_groups > 1
-        if restart:
-            valid_end = start
-        valid_end = max(valid_end, start)
+        computed = vllm_step.load_end(start, n, first_invalid, self.n_groups)
+        restart = first_invalid is not None and self.n_groups > 1
+        valid_end = start if restart else computed
         for g in range(self.n_groups):
             tpb, row = self.g_tpb[g], r.blocks[g]
             for i in range(start // tpb, valid_end // tpb):
@@ -1859,7 +1856,7 @@ class SimEngine:
         lost = start + n - valid_end + (start if restart else 0)
         self.stats.tokens_recomputed += lost
         self._cum_hit -= lost
-        r.req.num_computed_tokens = 0 if restart else valid_end
+        r.req.num_computed_tokens = computed
         r.load_done = True
         if r.aborted:
             self._retire(r, completed=False)

@@ -58,6 +58,7 @@ __all__ = [
     "admission_blocks",
     "has_requests",
     "listed",
+    "load_end",
     "remaining_blocks",
     "requeue_skipped",
     "schedule",
@@ -195,6 +196,21 @@ def admission_blocks(step: int, whole: int, in_flight: int = 0) -> int:
     tokens fill; an asynchronous load also leaves free what the prefills in flight still
     need (``in_flight``), beside the loaded prefix (its ``step``)."""
     return max(step + in_flight, whole)
+
+
+def load_end(start: int, n: int, first_invalid: int | None, n_groups: int) -> int:
+    """The computed tokens a request keeps when the engine learns that its load of tokens
+    ``start .. start + n`` ended (step 3): all of them when no block was invalid
+    (``first_invalid`` is None, else the first token of the first invalid block, over every
+    KV-cache group); the tokens before that block with one KV-cache group (vLLM's
+    ``_update_requests_with_invalid_blocks``, never less than the local prefix ``start``);
+    none with several, whose block ids vLLM cannot map back to requests (the connector
+    reports the load in ``failed_recving``, and the request restarts from token 0)."""
+    if first_invalid is None:
+        return start + n
+    if n_groups > 1:
+        return 0
+    return max(first_invalid, start)
 
 
 def remaining_blocks(required: int, held: int, out_of_window: int) -> int:
