@@ -57,6 +57,7 @@ class Shape:
     load_delay: int = 0  # engine steps from a load's submission to its report
     store_delay: int = 0  # the same for a store
     load_fail_every: int = 0  # the n-th, 2n-th, ... load job the worker runs fails (0: none)
+    reset_steps: tuple[int, ...] = ()  # the operator resets the caches before these steps
 
 
 def workload(
@@ -209,6 +210,17 @@ def record(sched: Any, trace: Trace) -> None:
 
     wrap("update_connector_output", output)
     wrap("request_finished", lambda a, _: ("finished", a[0].request_id))
+    wrap(
+        "reset",
+        lambda _, out: (
+            "reset",
+            out.status.name,
+            tuple(sorted(out.flushed_jobs)),
+            tuple(sorted(out.discarded_jobs)),
+            tuple(sorted(out.discarded_loads)),
+            tuple(sorted(out.carried_loads)),
+        ),
+    )
 
 
 def first_divergence(a: Trace, b: Trace) -> str | None:
@@ -227,6 +239,45 @@ def first_divergence(a: Trace, b: Trace) -> str | None:
 
 
 # -- the engine model ------------------------------------------------------------------------
+
+
+class DelayLoads:
+    """A transfer backend wrapper: a load's result is reported ``delay`` engine steps after
+    its submission (``step()`` reads the engine's step), or at once when a flush waits for
+    it, as the benchmark's backend does on vLLM's side (``StepDelayBackend``)."""
+
+    def __init__(self, inner: Any, delay: int, step: Callable[[], int]) -> None:
+        self.inner = inner
+        self.delay = delay
+        self.step = step
+        self.due: dict[int, int] = {}  # load job -> step its result may be reported
+        self.held: list[Any] = []
+
+    def submit(self, job_id: int, job: Any, is_store: bool) -> None:
+        if not is_store:
+            self.due[job_id] = self.step() + self.delay
+        self.inner.submit(job_id, job, is_store)
+
+    def poll(self) -> list[Any]:
+        self.held += self.inner.poll()
+        now = self.step()
+        out = [r for r in self.held if self.due.get(r.job_id, now) <= now]
+        self.held = [r for r in self.held if self.due.get(r.job_id, now) > now]
+        for r in out:
+            self.due.pop(r.job_id, None)
+        return out
+
+    def wait(self, job_ids: Any) -> None:
+        for j in job_ids:
+            if j in self.due:
+                self.due[j] = -1
+        self.inner.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 class FailEveryLoad:
@@ -294,9 +345,11 @@ def run_engine_model(shape: Shape, arrivals: Sequence[Arrival], max_steps: int =
         workload=WorkloadConfig(abort_during_load_prob=0.0),
     )
     stack, eng = build_stack(cfg)
-    if shape.load_fail_every:
-        worker = stack.ranks[0].worker
+    worker = stack.ranks[0].worker
+    if shape.load_fail_every:  # (under the delay: a failed load is reported when it is due)
         worker._backend = FailEveryLoad(worker._backend, shape.load_fail_every)
+    if shape.load_delay:
+        worker._backend = DelayLoads(worker._backend, shape.load_delay, lambda: eng.step_no)
     trace = Trace()
     record(stack.scheduler, trace)
     by_step: dict[int, list[Arrival]] = defaultdict(list)
@@ -317,6 +370,8 @@ def run_engine_model(shape: Shape, arrivals: Sequence[Arrival], max_steps: int =
                     eng.abort(r)
             if k > last and not eng.by_id and not eng.finished_since_last:
                 break  # as vLLM's has_requests(): the finished ids are not yet sent
+            if k in shape.reset_steps:
+                eng.reset_cache()
             eng.step(admit=False)
     finally:
         stack.close()
@@ -373,6 +428,7 @@ def run_checker_model(shape: Shape, arrivals: Sequence[Arrival], max_steps: int 
     index = {a.req_id: i for i, a in enumerate(arrivals)}
     last = max(a.step for a in arrivals)
     loads = 0
+    submitted_at: dict[int, int] = {}  # job -> the step it was submitted in
     for k in range(max_steps):
         trace.step = k
         world.clock.now = k * STEP_SECONDS  # as vLLM's side: arrivals, aborts, then the step
@@ -386,10 +442,24 @@ def run_checker_model(shape: Shape, arrivals: Sequence[Arrival], max_steps: int 
                     world.apply(("abort", r.idx))
         if k > last and not world.engine_has_work():
             break
+        if k in shape.reset_steps:
+            world.apply(("reset",))
         world.clock.now = (k + 1) * STEP_SECONDS
         world.apply(("step",))
+        for be in world.backends:
+            for job_id in be.submitted:
+                submitted_at.setdefault(job_id, k)
         while True:
-            ready = [a for a in world.actions() if a[0] == "ok"]
+            ready = [
+                a
+                for a in world.actions()
+                if a[0] == "ok"
+                and (
+                    world.backends[a[1]].submitted[a[2]][0]  # stores: at once
+                    or world.backends[a[1]].submitted[a[2]][2]  # a flush waited for it
+                    or k >= submitted_at[a[2]] + shape.load_delay
+                )
+            ]
             if not ready:
                 break
             _, rank, job_id = ready[0]
@@ -605,6 +675,8 @@ def run_vllm_engine(
                 engine.finish_requests(rid, status.FINISHED_ABORTED)
         if k > last and not engine.has_requests():
             break
+        if k in shape.reset_steps:  # the operator's reset (vLLM's /reset_prefix_cache)
+            engine.reset_prefix_cache(reset_connector=True)
         now[0] = (k + 1) * STEP_SECONDS
         so = engine.schedule()
         ids = list(so.num_scheduled_tokens)

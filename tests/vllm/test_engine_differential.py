@@ -1,5 +1,6 @@
 """statecore's engine models against vLLM 0.33's real ``Scheduler``: the same seeded workload
-(shared prefixes, a device cache small enough to preempt, aborts) through both, each over
+(shared prefixes, a device cache small enough to preempt, aborts; failing loads, slow loads
+and the operator's resets as variants) through both, each over
 statecore's scheduler, must make the same connector calls step by step (hook, request ids,
 block ids, token counts), for a full-attention and a hybrid (sliding window + full)
 configuration. Both engine models are compared: the simulator's (which the fuzzer drives too)
@@ -48,10 +49,21 @@ SHAPES = {
 REQUESTS = {"full": (24, 40), "hybrid": (24, 40)}
 """Per configuration: requests, and the steps they arrive over."""
 SEEDS = (1, 2, 3)
-FAILURES = {"no-failures": 0, "every-2nd-load-fails": 2}
-"""Load failures: none, or the worker fails every second load job it runs (vLLM's side with
-``kv_load_failure_policy="recompute"``, the engine models' policy): the request recomputes
-what the load lost, after the engine learns of it a step later than the connector."""
+FAILURES: dict[str, dict[str, object]] = {
+    "no-failures": {},
+    "every-2nd-load-fails": {"load_fail_every": 2},
+    "resets-slow-loads-failures": {
+        "load_fail_every": 2,
+        "load_delay": 2,
+        "reset_steps": tuple(range(3, 200, 4)),
+    },
+}
+"""The environment beside the workload: nothing; the worker fails every second load job it
+runs (vLLM's side with ``kv_load_failure_policy="recompute"``, the engine models' policy: the
+request recomputes what the load lost, after the engine learns of it a step later than the
+connector); or, beside those failures, loads that take two steps and an operator's
+``reset_prefix_cache(reset_connector=True)`` every fourth step (stores flushed and
+discarded, loads the workers run carried over the reset)."""
 OUTPUT_LEN = (16, 64)
 """Long enough outputs that decoding outgrows the device cache: preemption."""
 
@@ -62,7 +74,7 @@ def load(groups: str, seed: int) -> list[Arrival]:
 
 
 def shape(shapes: dict[str, Shape], groups: str, failures: str) -> Shape:
-    return dataclasses.replace(shapes[groups], load_fail_every=FAILURES[failures])
+    return dataclasses.replace(shapes[groups], **FAILURES[failures])  # type: ignore[arg-type]
 
 
 @functools.cache
@@ -148,6 +160,17 @@ def test_the_workload_preempts_loads_stores_and_aborts(groups: str, model: str) 
         summary(trace(groups, seed, "every-2nd-load-fails")).get("invalid", 0) for seed in SEEDS
     )
     assert failed > 0
+    # with resets: stores flushed and discarded, and (the checker's) loads carried over
+    resets = [
+        c
+        for seed in SEEDS
+        for calls in trace(groups, seed, "resets-slow-loads-failures").calls.values()
+        for c in calls
+        if c[0] == "reset"
+    ]
+    assert resets and sum(len(c[3]) for c in resets) > 0
+    if model == "checker":
+        assert sum(len(c[5]) for c in resets) > 0
     aborted = sum(1 for seed in SEEDS for a in workload_of(groups, seed) if a.abort_at is not None)
     assert aborted > 0
 
