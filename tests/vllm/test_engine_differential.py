@@ -5,7 +5,7 @@ statecore's scheduler, must make the same connector calls step by step (hook, re
 block ids, token counts), for a full-attention and a hybrid (sliding window + full)
 configuration. Both engine models are compared: the simulator's (which the fuzzer drives too)
 and the model checker's (run as the checker runs it, but along one seeded trace: every copy
-delivered in its step; vLLM then runs without its GPU prefix cache, which the checker's engine
+delivered when due; vLLM then runs without its GPU prefix cache, which the checker's engine
 does not model). So is the scheduler benchmark's own engine loop (``statecore bench scheduler
 --engine standalone``): vLLM replays the requests it generated, when it generated them, with
 the tokens it sampled, and must make the same calls.
