@@ -17,6 +17,7 @@ Run with ``scripts/vllm-integration.sh`` (vLLM 0.33 on CPU torch); the traces ar
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 
@@ -82,18 +83,6 @@ def vllm_trace(groups: str, seed: int, failures: str = "no-failures") -> Trace:
     return run_vllm_engine(shape(SHAPES, groups, failures), load(groups, seed))
 
 
-@pytest.mark.parametrize("failures", sorted(FAILURES))
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("groups", sorted(SHAPES))
-def test_the_engine_model_makes_vllms_connector_calls(
-    groups: str, seed: int, failures: str
-) -> None:
-    upstream = vllm_trace(groups, seed, failures)
-    ours = run_engine_model(shape(SHAPES, groups, failures), load(groups, seed))
-    assert first_divergence(upstream, ours) is None
-    assert upstream.calls == ours.calls
-
-
 CHECKER_SHAPES = {
     groups: dataclasses.replace(
         shape,
@@ -125,23 +114,28 @@ def vllm_trace_without_prefix_cache(groups: str, seed: int, failures: str = "no-
     return trace
 
 
+MODELS: dict[str, tuple[dict[str, Shape], Any, Any, Any]] = {
+    "simulator": (SHAPES, load, run_engine_model, vllm_trace),
+    "checker": (CHECKER_SHAPES, checker_load, run_checker_model, vllm_trace_without_prefix_cache),
+}
+"""Per engine model compared: its shapes, its workloads, how it runs one, and vLLM's traces of
+the same."""
+TRACES = {name: (m[3], m[1]) for name, m in MODELS.items()}
+"""Per engine model: vLLM's traces and the workloads they ran."""
+
+
 @pytest.mark.parametrize("failures", sorted(FAILURES))
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("groups", sorted(SHAPES))
-def test_the_model_checkers_engine_makes_vllms_connector_calls(
-    groups: str, seed: int, failures: str
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_the_engine_model_makes_vllms_connector_calls(
+    model: str, groups: str, seed: int, failures: str
 ) -> None:
-    upstream = vllm_trace_without_prefix_cache(groups, seed, failures)
-    ours = run_checker_model(shape(CHECKER_SHAPES, groups, failures), checker_load(groups, seed))
+    shapes, workload_of, run_model, vllm = MODELS[model]
+    upstream = vllm(groups, seed, failures)
+    ours = run_model(shape(shapes, groups, failures), workload_of(groups, seed))
     assert first_divergence(upstream, ours) is None
     assert upstream.calls == ours.calls
-
-
-TRACES = {
-    "simulator": (vllm_trace, load),
-    "checker": (vllm_trace_without_prefix_cache, checker_load),
-}
-"""Per engine model compared: vLLM's traces and the workloads they ran."""
 
 
 @pytest.mark.parametrize("model", sorted(TRACES))
