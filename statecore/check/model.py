@@ -1142,7 +1142,7 @@ class World:
             reqs = self.reqs
             for idx in skipped:
                 r = reqs[idx]
-                r.holding = r.req.num_computed_tokens > 0 or r.status == LOADING
+                r.holding = vllm_step.holds_kv(r.req.num_computed_tokens, r.status == LOADING)
             self.waiting = vllm_step.requeue_skipped(self.waiting, skipped)
 
     def _admit_waiting(self, pass_: _Pass, skipped: list[int]) -> None:

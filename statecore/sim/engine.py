@@ -1508,7 +1508,9 @@ class SimEngine:
         self._admit_waiting(k, pass_, skipped)
         if skipped:  # vLLM prepends them to their queues (statecore.sim.step.requeue_skipped)
             for r in skipped:
-                r.kv_holding = r.req.num_computed_tokens > 0 or r.status is Status.LOADING
+                r.kv_holding = vllm_step.holds_kv(
+                    r.req.num_computed_tokens, r.status is Status.LOADING
+                )
             self.waiting = vllm_step.requeue_skipped(self.waiting, skipped)
 
     def _admit_waiting(self, k: int, pass_: _SchedulePass, skipped: list[SimRequest]) -> None:

@@ -57,6 +57,7 @@ __all__ = [
     "StepPass",
     "admission_blocks",
     "has_requests",
+    "holds_kv",
     "listed",
     "load_end",
     "remaining_blocks",
@@ -246,13 +247,19 @@ def waiting_order(waiting: Sequence[R], kv_holding: Callable[[R], bool]) -> list
     members. A request's queue is decided when it enters one: an arrival or a preempted
     request enters ``waiting``; a request step 1b skips (it waits for its load, its lookup
     was deferred, or its asynchronous load was just admitted) re-enters at the front
-    (:func:`requeue_skipped`), in ``kv_holding_waiting`` when it then has computed tokens or
-    waits for its load. A request the phase stops at stays where it is, in its queue, even
+    (:func:`requeue_skipped`), in ``kv_holding_waiting`` when :func:`holds_kv` says so. A
+    request the phase stops at stays where it is, in its queue, even
     when its blocks were freed meanwhile (a failed load's promotion)."""
     holding = [r for r in waiting if kv_holding(r)]
     if not holding:
         return list(waiting)
     return holding + [r for r in waiting if not kv_holding(r)]
+
+
+def holds_kv(num_computed_tokens: int, waits_for_load: bool) -> bool:
+    """Whether a request step 1b skips re-enters vLLM 0.33's ``kv_holding_waiting`` queue
+    (its ``_holds_kv_blocks``): it has computed tokens, or it waits for its load."""
+    return num_computed_tokens > 0 or waits_for_load
 
 
 def requeue_skipped(waiting: Sequence[R], skipped: Sequence[R]) -> list[R]:
