@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import importlib.util
 import zlib
 from collections.abc import Iterator, Sequence
@@ -60,6 +61,7 @@ __all__ = [
     "MUTANTS",
     "REDIS_MUTANTS",
     "RETAINED_MUTANTS",
+    "VLLM_WRAPPER_MUTANTS",
     "Mutant",
     "patched",
 ]
@@ -854,20 +856,19 @@ registry."""
 # -- the vLLM adapter's KV-event payloads (caught by tests/vllm/test_event_payload_mutants.py) ---
 
 
-def _event_payloads_class() -> Any:
-    """The vLLM adapter's ``EventPayloads``, or None where vLLM is not installed (a folder
-    named vllm on the path, a namespace package, is not vLLM)."""
+def _from_vllm_adapter(module: str, name: str) -> Any:
+    """``name`` of the vLLM adapter module ``module``, or None where vLLM is not installed (a
+    folder named vllm on the path, a namespace package, is not vLLM)."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
         return None
     try:
-        from statecore.adapters.vllm import EventPayloads
+        return getattr(importlib.import_module(f"statecore.adapters.{module}"), name)
     except ImportError:  # another vLLM release than the adapter's
         return None
-    return EventPayloads
 
 
-_EventPayloads = _event_payloads_class()
+_EventPayloads = _from_vllm_adapter("vllm", "EventPayloads")
 
 
 class _NextChunksTokens:
@@ -960,3 +961,64 @@ else:
 :data:`MUTANTS`; empty where vLLM is not installed, since they patch the adapter's
 ``EventPayloads``); the payload oracle of ``tests/vllm/kv_event_oracle.py`` catches them in
 vLLM engine runs (``tests/vllm/test_event_payload_mutants.py``)."""
+
+
+# -- the wrapper of a vLLM manager behind statecore's scheduler ---------------------------------
+
+
+_VllmSpecManager = _from_vllm_adapter("vllm_spec", "VllmSpecManager")
+
+
+def _prepare_load_not_undone(self: Any, keys: Any, ctx: Any) -> Any:
+    with self._held():  # a refused spec raises with the pins the call took still held
+        spec = self.vllm.prepare_load(list(keys), self._ctx(ctx))
+    return self._load_store_spec(spec, "prepare_load", len(keys))
+
+
+def _prepare_store_not_undone(self: Any, keys: Any, ctx: Any) -> Any:
+    from statecore.manager import PrepareStoreOutput
+
+    with self._held():  # a refused spec raises with the room the call allocated still taken
+        out = self.vllm.prepare_store(list(keys), self._ctx(ctx))
+    if out is None:
+        return None
+    to_store = tuple(out.keys_to_store)
+    spec = self._load_store_spec(out.store_spec, "prepare_store", len(to_store))
+    return PrepareStoreOutput(to_store, spec, tuple(out.evicted_keys))
+
+
+if _VllmSpecManager is not None:
+    from statecore.adapters.vllm_manager import VllmManagerAdapter as _VllmManagerAdapter
+
+    _adapter_on_schedule_end = _VllmManagerAdapter.on_schedule_end
+    VLLM_WRAPPER_MUTANTS: dict[str, Mutant] = dict(
+        [
+            _mutant(
+                "spec_refusal_not_undone",
+                "a load or store spec the spec wrapper refuses leaves the vLLM manager's pins "
+                "or allocated room behind",
+                "a typed error that changed the manager's state: keys write-pending and pins "
+                "held for good (found while the two wrappers of a vLLM manager were merged)",
+                (_VllmSpecManager, "prepare_load", _prepare_load_not_undone),
+                (_VllmSpecManager, "prepare_store", _prepare_store_not_undone),
+            ),
+            _mutant(
+                "spec_stats_not_taken",
+                "the spec wrapper never asks the vLLM manager for its statistics",
+                "state a vLLM manager keeps until asked grows for good behind statecore's "
+                "scheduler (its allocation sizes, one per store)",
+                (_VllmSpecManager, "get_stats", lambda self: {}),
+            ),
+            _mutant(
+                "reset_flush_never_sent",
+                "the spec wrapper forwards on_schedule_end without on_reset_flushed after a reset",
+                "a vLLM manager waiting for a call statecore's scheduler never makes: vLLM's "
+                "tiering manager stopped promoting after a reset",
+                (_VllmSpecManager, "on_schedule_end", _adapter_on_schedule_end),
+            ),
+        ]
+    )
+else:
+    VLLM_WRAPPER_MUTANTS = {}
+"""Seeded mutants of :class:`~statecore.adapters.vllm_spec.VllmSpecManager` (empty without
+vLLM): each must fail ``tests/vllm/test_vllm_wrappers.py``'s test of its rule."""
